@@ -1,0 +1,100 @@
+"""Validated engine settings.
+
+All tuning knobs of the engine live in :class:`KVBoostSettings`, one pydantic model. A bad
+value raises ``pydantic.ValidationError`` (a ``ValueError``) whose message names the field
+and what it accepts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RecomputeStrategy = Literal["cacheblend", "selective", "none"]
+
+
+class KVBoostSettings(BaseModel):
+    """Settings of a :class:`~kvboost_rag.engine.KVBoost` engine.
+
+    Attributes:
+        recompute_strategy: How documents served from cache at new positions are repaired:
+            ``"cacheblend"`` recomputes the tokens whose K/V deviate most at ``check_layer``;
+            ``"selective"`` recomputes the first tokens of each document (just after each seam);
+            ``"none"`` does no repair.
+        recompute_ratio: Share of the document tokens served from cache that are recomputed.
+        chunk_size: Tokens per stored chunk. Prefixes are cut on a grid of this size from the
+            prompt's start; each document is cut on a grid starting at its own first token.
+        kv_cache_bits: Store K/V quantized to 8 or 4 bits; ``None`` keeps the model's dtype.
+        kv_group_size: Quantization group size (channels per key group, tokens per value group).
+        max_cache_bytes: Byte budget of the in-memory tier.
+        disk_cache_dir: Folder of the disk tier; ``None`` disables it.
+        max_disk_bytes: Byte budget of the disk tier.
+        redis_url: ``redis://host:port/db`` of a shared Redis tier; ``None`` disables it.
+        redis_ttl_seconds: Expiry of entries written to Redis; ``None`` leaves eviction to the
+            server.
+        device: Torch device the model runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``...);
+            ``None`` keeps the model where it is (``from_pretrained`` then picks CUDA when
+            available).
+        dtype: Weights dtype for ``from_pretrained`` (``"float32"``, ``"bfloat16"``,
+            ``"float16"``); ``None`` picks float32 on CPU and bfloat16 on CUDA.
+        warm_prefix: Text that documents are warmed behind (usually the system prompt), so
+            their first tokens do not become attention sinks. ``None`` uses a short neutral
+            lead-in. Part of the cache namespace.
+        check_layer: Layer whose K/V deviation picks the tokens CacheBlend recomputes. Layers
+            up to and including it are recomputed for every token during selection.
+        keep_document_start: Tokens at the start of each cached document that are always
+            recomputed (they carried the attention sink when the document was warmed).
+        strict: Raise instead of falling back to prefix-only reuse on models where
+            position-independent reuse would be wrong.
+        store_generated_documents: After a generate, store documents that were not cached yet
+            so the next prompt hits without an explicit warm.
+        show_progress: Show progress bars on long work (``warm_documents``).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    recompute_strategy: RecomputeStrategy = "cacheblend"
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    chunk_size: int = Field(128, ge=8, le=8192)
+    kv_cache_bits: Literal[4, 8] | None = None
+    kv_group_size: int = Field(32, ge=8, le=1024)
+    max_cache_bytes: int = Field(2 * 1024**3, gt=0)
+    disk_cache_dir: Path | None = None
+    max_disk_bytes: int = Field(20 * 1024**3, gt=0)
+    redis_url: str | None = None
+    redis_ttl_seconds: int | None = Field(None, gt=0)
+    device: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    warm_prefix: str | None = None
+    check_layer: int = Field(1, ge=0)
+    keep_document_start: int = Field(0, ge=0)
+    strict: bool = False
+    store_generated_documents: bool = True
+    show_progress: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        kind = value.split(":", 1)[0]
+        if kind not in {"cpu", "cuda", "mps", "xpu"}:
+            raise ValueError(f"device must be 'cpu', 'cuda[:N]', 'mps' or 'xpu', got {value!r}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _group_fits_chunk(self) -> KVBoostSettings:
+        if self.kv_cache_bits is not None and self.kv_group_size > self.chunk_size:
+            raise ValueError(
+                f"kv_group_size ({self.kv_group_size}) must not exceed chunk_size ({self.chunk_size})"
+            )
+        return self

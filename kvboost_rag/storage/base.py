@@ -1,0 +1,83 @@
+"""What a storage tier stores and the interface every tier implements.
+
+Tiers know tensors and bytes, never models: an entry is a flat ``dict[str, Tensor]`` plus
+string metadata (:class:`StoredEntry`). Turning K/V into a stored entry and back (and
+quantizing on the way) is the codec's job (:mod:`kvboost_rag.kv_codec`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One cache entry as tiers hold it.
+
+    Attributes:
+        tensors: Named tensors (for example ``keys``, ``values``, ``token_ids``).
+        metadata: String metadata (codec name, start position, fingerprint, ...).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class StorageTier(ABC):
+    """A key -> :class:`StoredEntry` store with its own capacity rules.
+
+    Implementations must be safe to call from several threads. ``get`` returns ``None`` for a
+    missing, corrupt or unreadable entry: a broken entry is a miss, never an exception.
+    """
+
+    name: str = "tier"
+
+    @abstractmethod
+    def get(self, key: str) -> StoredEntry | None:
+        """Return the entry stored under ``key``, or ``None``."""
+
+    @abstractmethod
+    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
+        """Store ``entry`` under ``key``.
+
+        Args:
+            key: Hex cache key.
+            entry: What to store.
+            pinned: Never evict this entry (shared beginnings such as the system prompt).
+
+        Returns:
+            The keys evicted to make room.
+        """
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is stored (without loading it)."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Iterate over stored keys."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every entry."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes currently held."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or handles (no-op by default)."""

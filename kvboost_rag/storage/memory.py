@@ -1,0 +1,96 @@
+"""In-memory tier with a byte budget and frequency+recency eviction."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.policy import FrequencyRecencyPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryTier(StorageTier):
+    """Entries held as tensors in process memory.
+
+    Args:
+        max_bytes: Byte budget. Unpinned entries are evicted (lowest decayed frequency first)
+            to stay within it; an entry larger than the whole budget is not stored.
+        policy: Eviction policy (a fresh :class:`FrequencyRecencyPolicy` by default).
+    """
+
+    name = "memory"
+
+    def __init__(self, max_bytes: int, policy: FrequencyRecencyPolicy | None = None) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.policy = policy or FrequencyRecencyPolicy()
+        self._entries: dict[str, StoredEntry] = {}
+        self._used = 0
+        self._lock = threading.RLock()
+
+    def get(self, key: str) -> StoredEntry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None:
+            self.policy.touch(key)
+        return entry
+
+    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            logger.warning("entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
+            return []
+        evicted: list[str] = []
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._used -= old.nbytes
+            if self._used + size > self.max_bytes:
+                for victim in self.policy.victims(list(self._entries)):
+                    if self._used + size <= self.max_bytes:
+                        break
+                    self._used -= self._entries.pop(victim).nbytes
+                    self.policy.remove(victim)
+                    evicted.append(victim)
+            if self._used + size > self.max_bytes:
+                logger.warning("memory tier full of pinned entries; entry %s not stored", key[:12])
+                return evicted
+            self._entries[key] = entry
+            self._used += size
+            self.policy.insert(key, pinned=pinned or self.policy.is_pinned(key))
+        return evicted
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._used -= entry.nbytes
+                self.policy.remove(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._entries))
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self.policy.remove(key)
+            self._entries.clear()
+            self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

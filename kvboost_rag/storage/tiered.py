@@ -1,0 +1,87 @@
+"""A stack of storage tiers: lookups go down the stack and promote hits upward, writes go
+through to every tier."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+
+from kvboost_rag.storage.base import StorageTier, StoredEntry
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Memory first, then slower tiers.
+
+    Args:
+        tiers: Fastest first (memory, disk, Redis). The first tier is where hits are promoted.
+    """
+
+    def __init__(self, tiers: Sequence[StorageTier]) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self._lock = threading.Lock()
+        self.hits: Counter[str] = Counter()
+        self.misses = 0
+        self.evictions: Counter[str] = Counter()
+
+    def get(self, key: str) -> StoredEntry | None:
+        """Return the entry from the fastest tier holding it, promoting it to faster tiers."""
+        for depth, tier in enumerate(self.tiers):
+            entry = tier.get(key)
+            if entry is None:
+                continue
+            with self._lock:
+                self.hits[tier.name] += 1
+            for upper in self.tiers[:depth]:
+                self._count_evictions(upper, upper.put(key, entry))
+            return entry
+        with self._lock:
+            self.misses += 1
+        return None
+
+    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> None:
+        """Write ``entry`` to every tier."""
+        for tier in self.tiers:
+            self._count_evictions(tier, tier.put(key, entry, pinned=pinned))
+
+    def contains(self, key: str) -> bool:
+        """Whether any tier holds ``key``."""
+        return any(key in tier for tier in self.tiers)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` from every tier."""
+        for tier in self.tiers:
+            tier.delete(key)
+
+    def clear(self) -> None:
+        """Remove every entry from every tier."""
+        for tier in self.tiers:
+            tier.clear()
+
+    def close(self) -> None:
+        """Close every tier."""
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier counters: hits, evictions, bytes used."""
+        with self._lock:
+            return {
+                tier.name: {
+                    "hits": self.hits[tier.name],
+                    "evictions": self.evictions[tier.name],
+                    "used_bytes": tier.used_bytes,
+                }
+                for tier in self.tiers
+            }
+
+    def _count_evictions(self, tier: StorageTier, evicted: list[str]) -> None:
+        if evicted:
+            with self._lock:
+                self.evictions[tier.name] += len(evicted)
+            logger.debug("%s tier evicted %d entries", tier.name, len(evicted))
