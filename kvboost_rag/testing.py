@@ -1,0 +1,122 @@
+"""Tiny offline models for tests and examples that must not download anything.
+
+``tiny_model(family)`` builds a random-weight causal LM of a given architecture from its
+config, and ``tiny_tokenizer()`` trains a small byte-level BPE tokenizer on the Python
+reference documents that ship with Python. Both run in a second or two on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+
+from kvboost_rag.corpus import python_reference_documents
+
+TINY_VOCAB_SIZE = 1024
+
+#: Architectures with RoPE that support position-independent reuse, keyed by model_type.
+ROPE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "stablelm")
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(python_reference_documents(), trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A fast byte-level BPE tokenizer trained on the Python reference docs.
+
+    Args:
+        vocab_size: Vocabulary size to train.
+
+    Returns:
+        A tokenizer with a ChatML chat template; ``<|im_end|>`` is its EOS token.
+    """
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any) -> PretrainedConfig:
+    """Config of a 2-layer model of the given architecture.
+
+    Args:
+        family: A ``model_type`` such as ``"llama"``, ``"qwen3"``, ``"stablelm"``, ``"gpt2"``.
+        vocab_size: Vocabulary size (match the tokenizer).
+        **overrides: Extra config fields.
+    """
+    from transformers import AutoConfig
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    per_family: dict[str, dict[str, Any]] = {
+        "gemma": {"head_dim": 16},
+        "qwen3": {"head_dim": 16},
+        "stablelm": {"partial_rotary_factor": 0.25},
+        "phi3": {"partial_rotary_factor": 0.5},
+        "mistral": {"sliding_window": None},
+        "gpt2": {
+            "n_embd": 64,
+            "n_layer": 3,
+            "n_head": 4,
+            "n_positions": 4096,
+        },
+    }
+    if family == "gpt2":
+        fields = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, **per_family["gpt2"]}
+    else:
+        fields = {**common, **per_family.get(family, {})}
+    fields.update(overrides)
+    return AutoConfig.for_model(family, **fields)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any) -> torch.nn.Module:
+    """A random-weight causal LM of ``family`` in eval mode (float32, CPU, sdpa attention)."""
+    torch.manual_seed(seed)
+    config = tiny_config(family, vocab_size=vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random weights give near-uniform attention; scale up embeddings so attention is peaked
+    # and cross-token effects are large enough for repair quality to be measurable.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8.0)
+    return model.eval()
