@@ -27,7 +27,8 @@ class KVBoostSettings(BaseModel):
         chunk_size: Tokens per stored chunk. Prefixes are cut on a grid of this size from the
             prompt's start; each document is cut on a grid starting at its own first token.
         kv_cache_bits: Store K/V quantized to 8 or 4 bits; ``None`` keeps the model's dtype.
-        kv_group_size: Quantization group size (channels per key group, tokens per value group).
+        kv_group_size: Quantization group size: tokens per key group (keys are quantized per
+            channel), channels per value group (values are quantized per token).
         max_cache_bytes: Byte budget of the in-memory tier.
         disk_cache_dir: Folder of the disk tier; ``None`` disables it.
         max_disk_bytes: Byte budget of the disk tier.
@@ -68,7 +69,7 @@ class KVBoostSettings(BaseModel):
     device: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     warm_prefix: str | None = None
-    check_layer: int = Field(1, ge=0)
+    check_layer: int = Field(2, ge=0)
     keep_document_start: int = Field(0, ge=0)
     strict: bool = False
     store_generated_documents: bool = True

@@ -88,6 +88,9 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any
         "eos_token_id": 2,
         "pad_token_id": 0,
         "tie_word_embeddings": False,
+        # Wide initialization: attention is peaked and each token's output depends strongly
+        # on its context, so a wrong or missing cross-document attention shows in the logits.
+        "initializer_range": 0.2,
     }
     per_family: dict[str, dict[str, Any]] = {
         "gemma": {"head_dim": 16},
@@ -103,7 +106,7 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any
         },
     }
     if family == "gpt2":
-        fields = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, **per_family["gpt2"]}
+        fields = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, **per_family["gpt2"]}
     else:
         fields = {**common, **per_family.get(family, {})}
     fields.update(overrides)
@@ -115,8 +118,4 @@ def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCA
     torch.manual_seed(seed)
     config = tiny_config(family, vocab_size=vocab_size, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random weights give near-uniform attention; scale up embeddings so attention is peaked
-    # and cross-token effects are large enough for repair quality to be measurable.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(8.0)
     return model.eval()

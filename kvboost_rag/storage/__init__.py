@@ -4,18 +4,41 @@ from __future__ import annotations
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.disk import DiskTier
 from kvboost_rag.storage.memory import MemoryTier
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
+from kvboost_rag.storage.serialization import CorruptPayloadError, deserialize_entry, serialize_entry
 from kvboost_rag.storage.tiered import TieredStore
 
-__all__ = ["FrequencyRecencyPolicy", "MemoryTier", "StorageTier", "StoredEntry", "TieredStore", "build_store"]
+__all__ = [
+    "CorruptPayloadError",
+    "DiskTier",
+    "FrequencyRecencyPolicy",
+    "MemoryTier",
+    "StorageTier",
+    "StoredEntry",
+    "TieredStore",
+    "build_store",
+    "deserialize_entry",
+    "serialize_entry",
+]
 
 
 def build_store(settings: KVBoostSettings) -> TieredStore:
-    """Build the tier stack the settings ask for (memory, then disk and Redis when configured)."""
+    """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
+
+    Args:
+        settings: Uses ``max_cache_bytes``, ``disk_cache_dir``, ``max_disk_bytes``,
+            ``redis_url`` and ``redis_ttl_seconds``.
+
+    Raises:
+        ImportError: ``redis_url`` is set but the ``redis`` package is missing.
+    """
     tiers: list[StorageTier] = [MemoryTier(settings.max_cache_bytes)]
     if settings.disk_cache_dir is not None:
-        raise NotImplementedError("disk tier is not available yet")
+        tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes))
     if settings.redis_url is not None:
-        raise NotImplementedError("redis tier is not available yet")
+        from kvboost_rag.storage.redis_tier import RedisTier
+
+        tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_seconds))
     return TieredStore(tiers)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install Debian's redis-server for the Redis tier tests (tests/test_storage_redis.py).
+# The tests start and stop their own server on a free loopback port; this script only makes
+# the binary available. A failure is reported, not fatal: those tests then skip with a reason.
+set -u
+
+if command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ]; then
+    echo "install-redis: $(redis-server --version 2>/dev/null || /usr/bin/redis-server --version)"
+    exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+        SUDO="sudo -n"
+    else
+        echo "install-redis: not root and no sudo; redis tests will be skipped" >&2
+        exit 0
+    fi
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+if $SUDO apt-get install -y -q --no-install-recommends redis-server >/tmp/install-redis.log 2>&1 \
+    || { $SUDO apt-get update -q >>/tmp/install-redis.log 2>&1 \
+         && $SUDO apt-get install -y -q --no-install-recommends redis-server >>/tmp/install-redis.log 2>&1; }; then
+    echo "install-redis: installed $(redis-server --version)"
+else
+    echo "install-redis: could not install redis-server (see /tmp/install-redis.log); redis tests will be skipped" >&2
+    tail -n 5 /tmp/install-redis.log >&2 || true
+fi
+exit 0

@@ -1,0 +1,70 @@
+"""Choosing which reused tokens to recompute (CacheBlend, selective, none).
+
+Pure tensor functions: they take positions and K/V and return positions; running the model
+over the chosen tokens is the engine's job (one forward pass over a stitched cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def recompute_budget(candidates: int, ratio: float) -> int:
+    """Number of tokens to recompute among ``candidates`` at ``ratio`` (rounded up)."""
+    if candidates <= 0 or ratio <= 0:
+        return 0
+    return min(candidates, math.ceil(candidates * ratio))
+
+
+def kv_deviation(
+    fresh_keys: torch.Tensor, fresh_values: torch.Tensor, cached_keys: torch.Tensor, cached_values: torch.Tensor
+) -> torch.Tensor:
+    """Per-token squared K/V deviation at one layer.
+
+    Args:
+        fresh_keys: ``[heads, tokens, dim]`` K computed in the prompt's context.
+        fresh_values: Same for V.
+        cached_keys: ``[heads, tokens, dim]`` K loaded from cache (re-rotated).
+        cached_values: Same for V.
+
+    Returns:
+        ``[tokens]`` float32 deviation.
+    """
+    dk = (fresh_keys.float() - cached_keys.float()).pow(2).sum(dim=(0, 2))
+    dv = (fresh_values.float() - cached_values.float()).pow(2).sum(dim=(0, 2))
+    return dk + dv
+
+
+def select_by_deviation(positions: torch.Tensor, deviation: torch.Tensor, budget: int) -> torch.Tensor:
+    """CacheBlend: the ``budget`` positions with the largest deviation (sorted)."""
+    if budget <= 0 or positions.numel() == 0:
+        return positions[:0]
+    top = torch.topk(deviation, k=min(budget, positions.numel())).indices
+    return positions[top].sort().values
+
+
+def select_document_starts(runs: Sequence[torch.Tensor], budget: int) -> torch.Tensor:
+    """Selective: the first tokens of each reused run, sharing ``budget`` by run length.
+
+    Args:
+        runs: Positions of each contiguous reused run (one per document piece), sorted.
+        budget: Total tokens to recompute.
+    """
+    total = sum(int(r.numel()) for r in runs)
+    if budget <= 0 or total == 0:
+        return torch.empty(0, dtype=torch.long)
+    chosen: list[torch.Tensor] = []
+    for run in runs:
+        share = min(int(run.numel()), math.ceil(budget * run.numel() / total))
+        chosen.append(run[:share])
+    return torch.cat(chosen).sort().values
+
+
+def leading_tokens(runs: Sequence[torch.Tensor], count: int) -> torch.Tensor:
+    """The first ``count`` positions of every run (kept fresh regardless of the strategy)."""
+    if count <= 0 or not runs:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([run[:count] for run in runs]).unique(sorted=True)

@@ -1,0 +1,90 @@
+"""Cache keys: prefix-chained hashes for shared beginnings, content hashes for documents.
+
+Pure functions over token ids (standard library only). Every key is namespaced by a model
+fingerprint, so a store shared by several models never serves one model's K/V to another.
+
+- ``prefix_hash``: SHA-256 chain. The key of a chunk covers the chunk's tokens *and* every
+  token before it (through the parent hash), because its K/V depends on all of them.
+- ``content_hash``: SHA-256 over a document chunk's tokens, chained within the document from
+  its first token only: the same document hits wherever it lands in a prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+_PREFIX_DOMAIN = b"kvboost-rag/prefix/v1"
+_CONTENT_DOMAIN = b"kvboost-rag/content/v1"
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def root_hash(fingerprint: str, domain: bytes = _PREFIX_DOMAIN) -> str:
+    """The seeded root of a hash chain for one model fingerprint."""
+    return hashlib.sha256(domain + b"\0" + fingerprint.encode()).hexdigest()
+
+
+def prefix_hash(parent: str, tokens: Sequence[int]) -> str:
+    """Key of a prefix chunk given the key of everything before it.
+
+    Args:
+        parent: ``root_hash(fingerprint)`` for the first chunk, else the previous chunk's key.
+        tokens: The chunk's token ids.
+    """
+    digest = hashlib.sha256(bytes.fromhex(parent))
+    digest.update(struct.pack("<q", len(tokens)))
+    digest.update(_pack_tokens(tokens))
+    return digest.hexdigest()
+
+
+def prefix_hash_chain(fingerprint: str, chunks: Iterable[Sequence[int]]) -> list[str]:
+    """Keys of consecutive prefix chunks starting at the prompt's first token."""
+    keys: list[str] = []
+    parent = root_hash(fingerprint)
+    for chunk in chunks:
+        parent = prefix_hash(parent, chunk)
+        keys.append(parent)
+    return keys
+
+
+def content_hash(fingerprint: str, tokens: Sequence[int], previous: str | None = None) -> str:
+    """Key of a document chunk.
+
+    Args:
+        fingerprint: Model fingerprint (namespace).
+        tokens: The chunk's token ids.
+        previous: Key of the document's preceding chunk, ``None`` for its first chunk.
+    """
+    digest = hashlib.sha256(bytes.fromhex(previous) if previous else root_hash(fingerprint, _CONTENT_DOMAIN).encode())
+    digest.update(struct.pack("<q", len(tokens)))
+    digest.update(_pack_tokens(tokens))
+    return digest.hexdigest()
+
+
+def content_hash_chain(fingerprint: str, chunks: Iterable[Sequence[int]]) -> list[str]:
+    """Keys of a document's consecutive chunks (the grid starts at the document's first token)."""
+    keys: list[str] = []
+    previous: str | None = None
+    for chunk in chunks:
+        previous = content_hash(fingerprint, chunk, previous)
+        keys.append(previous)
+    return keys
+
+
+def text_digest(text: str) -> str:
+    """SHA-256 hex digest of a string (document identity in the registry)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def fingerprint_of(parts: Iterable[str | bytes]) -> str:
+    """Combine the parts that identify a model setup into one short hex fingerprint."""
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        digest.update(struct.pack("<q", len(data)))
+        digest.update(data)
+    return digest.hexdigest()[:32]

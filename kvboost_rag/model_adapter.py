@@ -1,0 +1,295 @@
+"""Everything that knows transformers internals: cache objects, RoPE re-rotation, forward calls.
+
+The rest of the engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` tensors and calls
+three things here: a forward pass over chosen tokens at chosen positions on top of a cache, a
+partial pass that stops after one layer (CacheBlend's selection), and key re-rotation.
+
+Position-independent reuse relies on keys being rotated by RoPE with fixed frequencies
+(rotate-half convention, full or partial rotary): a key computed at position ``p0`` moves to
+``p`` by rotating it by ``p - p0``. Models without that property get prefix-only reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvboost_rag.errors import UnsupportedModelError
+from kvboost_rag.hashing import fingerprint_of
+
+logger = logging.getLogger(__name__)
+
+#: Architectures whose RoPE re-rotation is verified by the test suite.
+POSITION_INDEPENDENT_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "stablelm", "granite", "olmo", "olmo2"}
+)
+#: RoPE variants whose frequencies do not depend on sequence length.
+_FIXED_FREQUENCY_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's K/V: ``layers x kv_heads x head_dim``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)``."""
+        return self.layers, self.kv_heads, self.head_dim
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass after the selection layer."""
+
+
+class StitchedLayer(DynamicLayer):
+    """A cache layer holding the full prompt's K/V; the next update scatters into it.
+
+    On the first ``update`` after :meth:`arm`, the new tokens' K/V are written at the armed
+    positions of the full-length tensors and the full tensors are returned, so attention
+    sees every prompt token while only the chosen tokens were computed. Later updates append
+    as in :class:`~transformers.cache_utils.DynamicLayer` (decoding).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._scatter_index: torch.Tensor | None = None
+
+    def arm(self, positions: torch.Tensor) -> None:
+        """Make the next update scatter into ``positions``."""
+        self._scatter_index = positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: D102
+        if self._scatter_index is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        index, self._scatter_index = self._scatter_index, None
+        self.keys[:, :, index] = key_states
+        self.values[:, :, index] = value_states
+        return self.keys, self.values
+
+
+class StitchedCache(DynamicCache):
+    """A :class:`DynamicCache` made of :class:`StitchedLayer` (one per model layer)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.layers = [StitchedLayer(k, v) for k, v in zip(keys, values)]
+        self.layer_class_to_replicate = None
+
+    def arm(self, positions: torch.Tensor) -> None:
+        """Arm every layer to scatter the next update into ``positions``."""
+        for layer in self.layers:
+            layer.arm(positions)
+
+
+class ModelAdapter:
+    """Wraps a causal LM and its tokenizer for the engine.
+
+    Args:
+        model: A transformers causal LM (eval mode is set here).
+        tokenizer: Its fast tokenizer.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+        if tokenizer is None:
+            raise UnsupportedModelError("a tokenizer is required: pass the model's tokenizer")
+        if not getattr(tokenizer, "is_fast", False):
+            raise UnsupportedModelError(
+                "a fast tokenizer is required (character offsets locate documents in prompts): "
+                "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config(decoder=True)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.layout = self._probe_layout()
+        self._decoder_layers = self._find_decoder_layers()
+        self._inv_freq, self.position_independent_reason = self._find_rope()
+        self.sliding_window: int | None = getattr(self.config, "sliding_window", None) or None
+        if getattr(self.config, "use_sliding_window", True) is False:
+            self.sliding_window = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def position_independent(self) -> bool:
+        """Whether cached keys can move to new positions by re-rotation."""
+        return self._inv_freq is not None
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers."""
+        return self.layout.layers
+
+    @property
+    def context_window(self) -> int:
+        """Largest number of positions the model accepts."""
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(self.config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return int(getattr(self.tokenizer, "model_max_length", 2048))
+
+    def fingerprint(self, extra: list[str]) -> str:
+        """Fingerprint of model config, weights sample, dtype, tokenizer and ``extra`` settings."""
+        config_json = json.dumps(self.model.config.to_dict(), sort_keys=True, default=str)
+        sample = []
+        with torch.no_grad():
+            for param in (self.model.get_input_embeddings().weight, next(iter(self._decoder_layers[-1].parameters()))):
+                flat = param.detach().reshape(-1)[:4096].to("cpu", torch.float32)
+                sample.append(flat.numpy().tobytes())
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        tokenizer_json = backend.to_str() if backend is not None else repr(self.tokenizer.get_vocab())
+        return fingerprint_of([config_json, str(self.dtype), tokenizer_json, *sample, *extra])
+
+    # ----------------------------------------------------------------- forward passes
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``input_ids`` ``[n]`` at ``position_ids`` ``[n]`` on top of ``cache``.
+
+        Returns:
+            Logits of the last input token, ``[vocab]`` float32.
+        """
+        out = self.model(
+            input_ids=input_ids.view(1, -1).to(self.device),
+            position_ids=position_ids.view(1, -1).to(self.device),
+            past_key_values=cache,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_until_layer(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, last_layer: int) -> None:
+        """Run the first ``last_layer + 1`` decoder layers only, filling ``cache`` for them."""
+        def stop(*_args) -> None:
+            raise _StopForward
+
+        handle = self._decoder_layers[last_layer].register_forward_hook(stop)
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        try:
+            base(
+                input_ids=input_ids.view(1, -1).to(self.device),
+                position_ids=position_ids.view(1, -1).to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+
+    # ----------------------------------------------------------------- caches
+    def empty_cache(self) -> DynamicCache:
+        """A fresh cache for full prefill.
+
+        Every layer keeps all its tokens, sliding-window layers included: the model's masks
+        still apply the window, and stored K/V stays complete.
+        """
+        return DynamicCache()
+
+    def cache_from(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
+        """A dynamic cache pre-filled with ``[layers, heads, tokens, dim]`` K/V."""
+        cache = self.empty_cache()
+        for idx in range(keys.shape[0]):
+            cache.update(keys[idx].unsqueeze(0), values[idx].unsqueeze(0), idx)
+        return cache
+
+    @staticmethod
+    def cache_tensors(cache: DynamicCache, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack a cache's K/V for tokens ``[start, end)`` into ``[layers, heads, tokens, dim]``."""
+        keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
+        values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
+        return keys, values
+
+    def causal_mask(self, query_positions: torch.Tensor, kv_length: int) -> torch.Tensor:
+        """Additive ``[1, 1, queries, kv_length]`` mask: each query sees keys at or before it."""
+        keys = torch.arange(kv_length, device=self.device)
+        allowed = keys.view(1, -1) <= query_positions.to(self.device).view(-1, 1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask.view(1, 1, *allowed.shape)
+
+    # ----------------------------------------------------------------- RoPE
+    def rotate_keys(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Move keys by ``delta`` positions (per token) by RoPE re-rotation.
+
+        Args:
+            keys: ``[layers, heads, tokens, head_dim]``.
+            delta: ``[tokens]`` new position minus the position the key was computed at.
+
+        Returns:
+            Rotated keys, same shape and dtype.
+        """
+        if self._inv_freq is None:
+            raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
+        if bool((delta == 0).all()):
+            return keys
+        inv_freq = self._inv_freq.to(keys.device)
+        half = inv_freq.shape[0]
+        angles = delta.to(keys.device, torch.float64).view(-1, 1) * inv_freq.view(1, -1)  # [tokens, half]
+        cos, sin = angles.cos(), angles.sin()
+        rot = keys[..., : 2 * half].to(torch.float64)
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
+        if 2 * half == keys.shape[-1]:
+            return rotated
+        return torch.cat((rotated, keys[..., 2 * half :]), dim=-1)
+
+    # ----------------------------------------------------------------- discovery
+    @torch.inference_mode()
+    def _probe_layout(self) -> KVLayout:
+        cache = DynamicCache()
+        token = torch.tensor([[self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0]], device=self.device)
+        self.model(input_ids=token, past_key_values=cache, use_cache=True)
+        shapes = {tuple(layer.keys.shape) for layer in cache.layers}
+        if len(shapes) != 1:
+            raise UnsupportedModelError(f"layers with different K/V shapes are not supported: {sorted(shapes)}")
+        _, heads, _, dim = shapes.pop()
+        return KVLayout(layers=len(cache.layers), kv_heads=heads, head_dim=dim)
+
+    def _find_decoder_layers(self) -> torch.nn.ModuleList:
+        candidates = [
+            module
+            for name, module in self.model.named_modules()
+            if isinstance(module, torch.nn.ModuleList) and len(module) == self.layout.layers
+        ]
+        if not candidates:
+            raise UnsupportedModelError("cannot find the decoder layers of this model")
+        return candidates[0]
+
+    def _find_rope(self) -> tuple[torch.Tensor | None, str]:
+        model_type = getattr(self.config, "model_type", "?")
+        if model_type not in POSITION_INDEPENDENT_TYPES:
+            return None, f"model type {model_type!r} has no verified RoPE re-rotation"
+        rotary = [
+            module
+            for name, module in self.model.named_modules()
+            if name.endswith("rotary_emb") and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+        ]
+        if len(rotary) != 1:
+            return None, f"expected one rotary embedding, found {len(rotary)}"
+        rope_type = getattr(rotary[0], "rope_type", "default")
+        if rope_type not in _FIXED_FREQUENCY_ROPE:
+            return None, f"RoPE type {rope_type!r} changes frequencies with length"
+        inv_freq = rotary[0].inv_freq.detach().to(torch.float64).clone()
+        if 2 * inv_freq.shape[0] > self.layout.head_dim:
+            return None, "rotary dimension exceeds head dimension"
+        return inv_freq, ""

@@ -1,0 +1,265 @@
+"""Prefill with reuse: exact prefix hits, re-rotated document hits, CacheBlend repair.
+
+For one tokenized prompt, :class:`Prefiller` decides which tokens come from cache and which
+are computed, runs the model once over the computed ones, and returns the last position's
+logits plus a cache ready for decoding.
+
+- Only prefix hits (or nothing cached): the prefix K/V goes into a dynamic cache and the rest
+  of the prompt is prefilled on top of it. Same logits as full prefill.
+- Document hits: their K/V is re-rotated to the new positions and stitched with the prefix
+  into full-length tensors. CacheBlend runs the non-prefix tokens through the first
+  ``check_layer + 1`` layers only (those layers become exact for every token), picks the
+  cached tokens whose K/V deviates most at ``check_layer``, then runs only those plus the
+  live tokens through all layers, scattering their K/V into the stitched cache under a
+  custom causal mask. No pass over all cached tokens through the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvboost_rag.blend import kv_deviation, leading_tokens, recompute_budget, select_by_deviation, select_document_starts
+from kvboost_rag.cache_manager import CacheManager, PrefixPiece
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.kv_codec import KVBlock
+from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, align_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizedPrompt:
+    """A prompt as full prefill sees it."""
+
+    text: str
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+@dataclass
+class ContentHit:
+    """Cached document rows placed at new prompt positions."""
+
+    block: KVBlock
+    rows: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrefillOutcome:
+    """Logits of the last prompt token, the cache to decode from, and what was reused."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    prefix_tokens: int = 0
+    content_tokens: int = 0
+    recomputed_tokens: int = 0
+    live_tokens: int = 0
+    merged_tokens: int = 0
+    occurrences: list[DocumentOccurrence] = field(default_factory=list)
+    exact_until: int = 0
+    strategy: str = "full"
+
+
+class Prefiller:
+    """Runs prefill with whatever the cache can serve.
+
+    Args:
+        adapter: The model adapter.
+        cache: The cache manager.
+        settings: Engine settings.
+    """
+
+    def __init__(self, adapter: ModelAdapter, cache: CacheManager, settings: KVBoostSettings) -> None:
+        self.adapter = adapter
+        self.cache = cache
+        self.settings = settings
+
+    def full(self, prompt: TokenizedPrompt) -> PrefillOutcome:
+        """Plain prefill of every token (the baseline)."""
+        n = len(prompt.ids)
+        kv = self.adapter.empty_cache()
+        logits = self.adapter.forward(torch.tensor(prompt.ids), torch.arange(n), kv)
+        return PrefillOutcome(logits=logits, cache=kv, live_tokens=n, exact_until=n, strategy="full")
+
+    def with_reuse(self, prompt: TokenizedPrompt, documents: list[DocumentRecord], allow_content: bool) -> PrefillOutcome:
+        """Prefill reusing cached prefix chunks and (if allowed) cached documents.
+
+        Args:
+            prompt: The tokenized prompt.
+            documents: Documents the caller says are in the prompt.
+            allow_content: Whether document K/V may be moved to new positions.
+        """
+        n = len(prompt.ids)
+        pieces = self.cache.match_prefix(prompt.ids, limit=n - 1)
+        h = sum(p.length for p in pieces)
+        occurrences: list[DocumentOccurrence] = []
+        hits: dict[str, ContentHit] = {}
+        if allow_content:
+            char_start = prompt.offsets[h - 1][1] if h else 0
+            occurrences = self.cache.registry.find(prompt.text, documents, start=char_start)
+            hits = self._content_hits(prompt, occurrences, h)
+        merged = sum(o.merged_tokens for o in occurrences)
+        if not hits:
+            outcome = self._exact(prompt, pieces, h)
+        else:
+            outcome = self._blend(prompt, pieces, h, occurrences, hits)
+        outcome.occurrences = occurrences
+        outcome.merged_tokens = merged
+        return outcome
+
+    # ------------------------------------------------------------------ exact path
+    def _exact(self, prompt: TokenizedPrompt, pieces: list[PrefixPiece], h: int) -> PrefillOutcome:
+        n = len(prompt.ids)
+        if h:
+            keys, values = _concat_prefix(pieces)
+            kv = self.adapter.cache_from(keys, values)
+        else:
+            kv = self.adapter.empty_cache()
+        logits = self.adapter.forward(torch.tensor(prompt.ids[h:]), torch.arange(h, n), kv)
+        return PrefillOutcome(
+            logits=logits, cache=kv, prefix_tokens=h, live_tokens=n - h, exact_until=n, strategy="exact" if h else "full"
+        )
+
+    # ------------------------------------------------------------------ document hits
+    def _content_hits(self, prompt: TokenizedPrompt, occurrences: list[DocumentOccurrence], h: int) -> dict[str, ContentHit]:
+        token_at_char: dict[int, int] = {}
+        for j in range(h, len(prompt.ids)):
+            start, end = prompt.offsets[j]
+            if end > start:
+                token_at_char.setdefault(start, j)
+        hits: dict[str, ContentHit] = {}
+        missing: set[str] = set()
+        last = len(prompt.ids) - 1
+        for occ in occurrences:
+            align_tokens(occ, prompt.ids, token_at_char, prompt.offsets)
+            record = occ.record
+            for j, k in occ.aligned:
+                if j < h or j == last:
+                    continue
+                key = record.chunk_keys[record.chunk_of(k)]
+                if key in missing:
+                    continue
+                hit = hits.get(key)
+                if hit is None:
+                    block = self.cache.load(key)
+                    if block is None:
+                        missing.add(key)
+                        continue
+                    hit = hits[key] = ContentHit(block)
+                row = k - record.chunk_of(k) * record.chunk_size
+                if row >= hit.block.num_tokens or int(hit.block.token_ids[row]) != prompt.ids[j]:
+                    continue
+                hit.rows.append(row)
+                hit.positions.append(j)
+        return {key: hit for key, hit in hits.items() if hit.positions}
+
+    def _blend(
+        self,
+        prompt: TokenizedPrompt,
+        pieces: list[PrefixPiece],
+        h: int,
+        occurrences: list[DocumentOccurrence],
+        hits: dict[str, ContentHit],
+    ) -> PrefillOutcome:
+        adapter = self.adapter
+        n = len(prompt.ids)
+        layers, heads, dim = adapter.layout.as_tuple()
+        keys = torch.zeros(layers, heads, n, dim, dtype=adapter.dtype, device=adapter.device)
+        values = torch.zeros_like(keys)
+        if h:
+            pk, pv = _concat_prefix(pieces)
+            keys[:, :, :h], values[:, :, :h] = pk, pv
+        cached = torch.zeros(n, dtype=torch.bool)
+        for hit in hits.values():
+            rows = torch.tensor(hit.rows, device=adapter.device)
+            target = torch.tensor(hit.positions, device=adapter.device)
+            delta = target - (hit.block.start_position + rows)
+            keys[:, :, target] = adapter.rotate_keys(hit.block.keys[:, :, rows], delta)
+            values[:, :, target] = hit.block.values[:, :, rows]
+            cached[target.cpu()] = True
+        content_positions = cached.nonzero().view(-1)
+        budget = recompute_budget(int(content_positions.numel()), self.settings.recompute_ratio)
+        strategy = self.settings.recompute_strategy
+        if strategy == "cacheblend":
+            recompute = self._select_cacheblend(prompt, pieces, h, keys, values, content_positions, budget)
+        elif strategy == "selective":
+            recompute = select_document_starts(_runs(content_positions), budget)
+        else:
+            recompute = content_positions[:0]
+        keep = leading_tokens(_runs(content_positions), self.settings.keep_document_start)
+        compute = ~cached
+        compute[:h] = False
+        compute[recompute] = True
+        compute[keep] = True
+        compute[n - 1] = True
+        positions = compute.nonzero().view(-1)
+
+        stitched = _stitched_cache(keys, values)
+        stitched.arm(positions.to(adapter.device))
+        mask = adapter.causal_mask(positions, n)
+        logits = adapter.forward(torch.tensor(prompt.ids)[positions], positions, stitched, attention_mask=mask)
+        first_content = int(content_positions[0]) if content_positions.numel() else n
+        recomputed = int((cached & compute).sum())
+        return PrefillOutcome(
+            logits=logits,
+            cache=stitched,
+            prefix_tokens=h,
+            content_tokens=int(content_positions.numel()),
+            recomputed_tokens=recomputed,
+            live_tokens=int(compute.sum()) - recomputed,
+            exact_until=first_content,
+            strategy=strategy,
+        )
+
+    def _select_cacheblend(
+        self,
+        prompt: TokenizedPrompt,
+        pieces: list[PrefixPiece],
+        h: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        content_positions: torch.Tensor,
+        budget: int,
+    ) -> torch.Tensor:
+        """Fresh K/V for layers ``<= check_layer`` (written into ``keys``/``values``), and the
+        ``budget`` content tokens deviating most at ``check_layer``."""
+        adapter = self.adapter
+        n = len(prompt.ids)
+        check = min(self.settings.check_layer, adapter.num_layers - 1)
+        kv = adapter.cache_from(keys[: check + 1, :, :h], values[: check + 1, :, :h]) if h else adapter.empty_cache()
+        adapter.forward_until_layer(torch.tensor(prompt.ids[h:]), torch.arange(h, n), kv, check)
+        cached_k = keys[check][:, content_positions].clone()
+        cached_v = values[check][:, content_positions].clone()
+        for layer in range(check + 1):
+            keys[layer, :, h:] = kv.layers[layer].keys[0, :, h:]
+            values[layer, :, h:] = kv.layers[layer].values[0, :, h:]
+        if budget == 0:
+            return content_positions[:0]
+        deviation = kv_deviation(keys[check][:, content_positions], values[check][:, content_positions], cached_k, cached_v)
+        return select_by_deviation(content_positions, deviation.cpu(), budget)
+
+
+def _concat_prefix(pieces: list[PrefixPiece]) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
+    values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
+    return keys, values
+
+
+def _stitched_cache(keys: torch.Tensor, values: torch.Tensor):
+    from kvboost_rag.model_adapter import StitchedCache
+
+    return StitchedCache([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values])
+
+
+def _runs(positions: torch.Tensor) -> list[torch.Tensor]:
+    """Split sorted positions into contiguous runs."""
+    if positions.numel() == 0:
+        return []
+    breaks = (positions[1:] != positions[:-1] + 1).nonzero().view(-1) + 1
+    return list(torch.tensor_split(positions, breaks.tolist()))

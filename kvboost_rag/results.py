@@ -1,0 +1,131 @@
+"""Result objects returned by the engine (pydantic models)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WarmResult(BaseModel):
+    """What ``warm`` / ``warm_documents`` did for one text.
+
+    Attributes:
+        kind: ``"prefix"`` for a shared beginning, ``"document"`` for a document.
+        num_tokens: Tokens in the text.
+        new_tokens: Tokens whose K/V was computed by this call.
+        cached_tokens: Tokens whose K/V was already stored.
+        already_warm: Nothing had to be computed.
+        elapsed_ms: Wall time of the call for this text.
+        prefix_hash: Key of the last prefix chunk (prefix kind).
+        content_hash: Key of the document's first chunk (document kind).
+    """
+
+    kind: Literal["prefix", "document"]
+    num_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    already_warm: bool
+    elapsed_ms: float
+    prefix_hash: str | None = None
+    content_hash: str | None = None
+
+
+class GenerationResult(BaseModel):
+    """One generation with its timing and reuse figures.
+
+    Attributes:
+        output_text: Decoded new text, cut before the first stop string.
+        token_ids: Generated token ids (after the stop cut).
+        generated_tokens: Number of generated tokens.
+        finish_reason: ``"stop"`` (stop string), ``"eos"`` or ``"length"``.
+        ttft_ms: Wall time from the call to the first token: tokenizing, lookup, loading,
+            stitching, re-rotation, repair and prefill included.
+        total_ms: Wall time of the whole call.
+        prompt_tokens: Tokens in the prompt.
+        cached_tokens: Prompt tokens whose K/V came from cache (prefix + content hits).
+        prefix_hit_tokens: Tokens served exactly by prefix hash.
+        content_hit_tokens: Document tokens served by content hash (re-rotated).
+        recomputed_tokens: Content-hit tokens recomputed by the repair.
+        live_tokens: Prompt tokens computed because nothing was cached for them.
+        boundary_merged_tokens: Document tokens that the tokenizer merged across a document
+            boundary in this prompt (computed live).
+        documents_found: Document occurrences located in the prompt.
+        kv_reuse_ratio: ``cached_tokens / prompt_tokens``.
+        strategy: Repair strategy used (``"exact"`` when only prefix hits were used).
+        first_token_logits: Logits of the first generated position (``return_logits=True``).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    output_text: str
+    token_ids: list[int] = Field(default_factory=list)
+    generated_tokens: int = 0
+    finish_reason: Literal["stop", "eos", "length"] = "length"
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    content_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    live_tokens: int = 0
+    boundary_merged_tokens: int = 0
+    documents_found: int = 0
+    kv_reuse_ratio: float = 0.0
+    strategy: str = "full"
+    first_token_logits: torch.Tensor | None = None
+
+
+class PromptCheck(BaseModel):
+    """Reuse path against full prefill for one prompt."""
+
+    prompt_tokens: int
+    kv_reuse_ratio: float
+    first_token_kl: float
+    top1_agrees: bool
+    max_logit_diff: float
+    outputs_identical: bool
+    reuse_ttft_ms: float
+    full_ttft_ms: float
+
+
+class CorrectnessReport(BaseModel):
+    """What ``verify_correctness`` measured over a set of prompts.
+
+    Attributes:
+        checks: One entry per prompt.
+        mean_first_token_kl: Mean KL(full || reuse) of the first-token distributions.
+        top1_agreement: Share of prompts whose first greedy token agrees.
+        output_agreement: Share of prompts whose greedy outputs are identical.
+        passed: ``top1_agreement == 1`` and mean KL within ``kl_tolerance``.
+        kl_tolerance: Threshold used for ``passed``.
+    """
+
+    checks: list[PromptCheck]
+    mean_first_token_kl: float
+    top1_agreement: float
+    output_agreement: float
+    passed: bool
+    kl_tolerance: float
+
+
+class CacheStats(BaseModel):
+    """Counters of the cache.
+
+    Attributes:
+        entries: Entries in the memory tier.
+        memory_bytes: Bytes held by the memory tier.
+        documents: Documents in the registry.
+        tiers: Per-tier hits, evictions and bytes.
+        misses: Lookups no tier could answer.
+        counters: Engine counters (prefix/content hit tokens, boundary merges, ...).
+    """
+
+    entries: int
+    memory_bytes: int
+    documents: int
+    tiers: dict[str, dict[str, int]]
+    misses: int
+    counters: dict[str, int]

@@ -1,0 +1,305 @@
+"""Disk tier: one checksummed safetensors file per entry in a directory.
+
+Writes go to a temporary file in the same directory and are moved into place with
+``os.replace``, which is atomic on POSIX and Windows: a reader (this process or another one
+sharing the directory) sees either the old complete file, the new complete file, or none.
+Every read verifies the checksum (:mod:`kvboost_rag.storage.serialization`); a damaged file is
+a miss, is deleted, and is logged.
+
+The tier keeps an in-memory index (key -> file size) for its byte budget. On start it is
+rebuilt from the directory with files ordered by modification time (hits refresh it), so a
+restart finds every entry written before and evicts the least recently used first. Other
+processes may add or remove files at any time: a get always looks at the file itself, and the
+index is re-synchronised with the directory on puts (at most every ``RESCAN_SECONDS``) and
+before evicting, so processes sharing a directory keep it near one budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.policy import FrequencyRecencyPolicy
+from kvboost_rag.storage.serialization import HEADER_SIZE, CorruptPayloadError, deserialize_parts, serialize_parts
+
+logger = logging.getLogger(__name__)
+
+#: Extension of entry files.
+SUFFIX = ".kvb"
+#: Prefix of in-flight temporary files (never read as entries).
+TEMP_PREFIX = ".tmp-"
+#: A put re-reads the directory (to see other processes' files) when the last scan is older
+#: than this many seconds, and always when the budget looks exceeded.
+RESCAN_SECONDS = 1.0
+#: Temporary files older than this (seconds) are leftovers of a crashed writer and removed at start.
+STALE_TEMP_SECONDS = 3600.0
+
+_KEY_RE = re.compile(r"^[0-9A-Za-z_-]{1,200}$")
+
+
+class DiskTier(StorageTier):
+    """Entries stored as files under ``directory``.
+
+    Args:
+        directory: Folder for the entry files (created if missing). Several processes may
+            share it.
+        max_bytes: Byte budget for the files. Unpinned entries are evicted (lowest decayed
+            frequency first) to stay within it; an entry larger than the budget is not stored.
+        policy: Eviction policy (a fresh :class:`FrequencyRecencyPolicy` by default).
+        fsync: Flush each file to stable storage before it is moved into place. Without it a
+            power loss can leave an empty or partial file, which the checksum then turns into a
+            miss.
+
+    Pinned entries are pinned for this process only; pins are not stored on disk.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        policy: FrequencyRecencyPolicy | None = None,
+        *,
+        fsync: bool = False,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.policy = policy or FrequencyRecencyPolicy()
+        self.fsync = fsync
+        self._sizes: dict[str, int] = {}
+        self._used = 0
+        self._last_scan = 0.0
+        self._lock = threading.RLock()
+        self._remove_stale_temp_files()
+        self._rescan()
+        logger.debug("disk tier %s: %d entries, %d bytes", self.directory, len(self._sizes), self._used)
+
+    # -- StorageTier -------------------------------------------------------------------------
+
+    def get(self, key: str) -> StoredEntry | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as handle:
+                identity = os.fstat(handle.fileno())
+                header = handle.read(HEADER_SIZE)
+                payload = handle.read()
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            logger.warning("disk tier: cannot read %s: %s", path, exc)
+            return None
+        try:
+            entry = deserialize_parts(header, payload, expected_key=key)
+        except CorruptPayloadError as exc:
+            logger.warning("disk tier: corrupt entry %s (%s); deleting it", path.name, exc)
+            self._remove_if_same(path, identity)
+            self._forget(key)
+            return None
+        with self._lock:
+            if key in self._sizes:
+                self.policy.touch(key)
+            else:  # written by another process; index it unless it was evicted meanwhile
+                try:
+                    self._track(key, path.stat().st_size)
+                except FileNotFoundError:
+                    pass
+        try:
+            os.utime(path)  # recency survives a restart
+        except OSError:
+            pass
+        return entry
+
+    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
+        header, payload = serialize_parts(entry, key=key)
+        size = len(header) + len(payload)
+        if size > self.max_bytes:
+            logger.warning("disk tier: entry %s (%d bytes) exceeds the budget (%d); not stored", key[:12], size, self.max_bytes)
+            return []
+        path = self._path(key)
+        with self._lock:
+            evicted = self._make_room(key, size)
+            if evicted is None:
+                logger.warning("disk tier full of pinned entries; entry %s not stored", key[:12])
+                return []
+            try:
+                self._write_atomically(path, header, payload)
+            except OSError as exc:
+                logger.warning("disk tier: cannot write %s: %s", path, exc)
+                return evicted
+            self._track(key, size, pinned=pinned or self.policy.is_pinned(key))
+        return evicted
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._lock:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            self._forget(key)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether a file exists for ``key`` (cheap: its checksum is verified by :meth:`get`)."""
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            return False
+        return self._path(key).is_file()
+
+    def keys(self) -> Iterator[str]:
+        return iter([key for key, _, _ in self._list_files()])
+
+    def clear(self) -> None:
+        with self._lock:
+            for key, _, _ in self._list_files():
+                try:
+                    self._path(key).unlink()
+                except FileNotFoundError:
+                    pass
+            for key in list(self._sizes):
+                self._forget(key)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the entry files this tier knows of (refreshed from the directory on eviction)."""
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def refresh(self) -> None:
+        """Re-synchronise the index with the directory (files added or removed by others)."""
+        with self._lock:
+            self._rescan()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        if not _KEY_RE.match(key):
+            raise ValueError(f"cache key must be 1-200 characters of [0-9A-Za-z_-], got {key[:40]!r}")
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _make_room(self, key: str, size: int) -> list[str] | None:
+        """Evict until ``size`` more bytes fit (``key``'s old file counts as freed).
+
+        Returns:
+            Evicted keys, or ``None`` if pinned entries leave no room.
+        """
+        if time.monotonic() - self._last_scan >= RESCAN_SECONDS:
+            self._rescan()  # other processes may have added or removed files
+        old = self._sizes.get(key, 0)
+        if self._used - old + size <= self.max_bytes:
+            return []
+        self._rescan()
+        old = self._sizes.get(key, 0)
+        evicted: list[str] = []
+        candidates = [k for k in self._sizes if k != key]
+        for victim in self.policy.victims(candidates):
+            if self._used - old + size <= self.max_bytes:
+                break
+            try:
+                self._path(victim).unlink()
+            except FileNotFoundError:
+                pass
+            self._forget(victim)
+            evicted.append(victim)
+        if self._used - old + size > self.max_bytes:
+            return None
+        return evicted
+
+    def _write_atomically(self, path: Path, *parts: bytes) -> None:
+        fd, tmp_name = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.stem[:40]}-", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                for part in parts:
+                    handle.write(part)
+                if self.fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            try:
+                os.unlink(tmp_name)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def _track(self, key: str, size: int, *, pinned: bool = False) -> None:
+        """Index ``key`` (new or rewritten) and count one use of it."""
+        self._used += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        self.policy.insert(key, pinned=pinned)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+                self.policy.remove(key)
+
+    def _rescan(self) -> None:
+        """Rebuild the index from the directory; keys new to this process enter oldest first."""
+        self._last_scan = time.monotonic()
+        files = self._list_files()
+        on_disk = {key: size for key, size, _ in files}
+        for key in [k for k in self._sizes if k not in on_disk]:
+            self._forget(key)
+        for key, size, _ in sorted(files, key=lambda item: item[2]):
+            if key in self._sizes:
+                self._used += size - self._sizes[key]
+                self._sizes[key] = size
+            else:
+                self._track(key, size)
+
+    def _list_files(self) -> list[tuple[str, int, float]]:
+        """``(key, size, mtime)`` of every entry file present now."""
+        found: list[tuple[str, int, float]] = []
+        try:
+            scan = os.scandir(self.directory)
+        except FileNotFoundError:
+            return found
+        with scan:
+            for item in scan:
+                if not item.name.endswith(SUFFIX) or item.name.startswith(TEMP_PREFIX):
+                    continue
+                key = item.name[: -len(SUFFIX)]
+                if not _KEY_RE.match(key):
+                    continue
+                try:
+                    stat = item.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((key, stat.st_size, stat.st_mtime))
+        return found
+
+    def _remove_if_same(self, path: Path, identity: os.stat_result) -> None:
+        """Delete ``path`` unless another writer replaced it since it was read."""
+        try:
+            current = os.stat(path)
+            if (current.st_ino, current.st_dev) == (identity.st_ino, identity.st_dev):
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("disk tier: cannot delete corrupt %s: %s", path, exc)
+
+    def _remove_stale_temp_files(self) -> None:
+        cutoff = time.time() - STALE_TEMP_SECONDS
+        for item in self.directory.glob(f"{TEMP_PREFIX}*"):
+            try:
+                if item.stat().st_mtime < cutoff:
+                    item.unlink()
+            except OSError:
+                continue

@@ -1,0 +1,46 @@
+"""Shared fixtures: a trained tiny tokenizer, tiny random-weight models, the embedded model."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from kvboost_rag import KVBoost
+from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.testing import tiny_model, tiny_tokenizer
+
+# One thread: predictable on a shared 2-core machine, and tiny models gain nothing from more.
+torch.set_num_threads(1)
+
+from rag_prompts import SYSTEM_PROMPT
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Byte-level BPE tokenizer trained on the Python reference docs."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def docs() -> list[str]:
+    """Six real reference documents of a few hundred characters."""
+    return python_reference_documents(max_chars=320)[:6]
+
+
+@pytest.fixture
+def make_engine(tokenizer):
+    """Factory: a fresh engine over a tiny model of the given family."""
+
+    def build(family: str = "llama", **settings) -> KVBoost:
+        settings.setdefault("show_progress", False)
+        settings.setdefault("chunk_size", 32)
+        return KVBoost.from_model(tiny_model(family), tokenizer, **settings)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """The real embedded SmolLM2-135M-Instruct (converted once per machine)."""
+    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n")

@@ -1,0 +1,54 @@
+"""The real embedded model (SmolLM2-135M-Instruct): reuse quality on shuffled RAG prompts."""
+
+import random
+import statistics
+
+import pytest
+
+from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.correctness import first_token_kl
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return python_reference_documents(max_chars=900)[10:18]
+
+
+def test_embedded_model_loads_with_chat_template(embedded_engine):
+    assert embedded_engine.model.config.model_type == "llama"
+    assert embedded_engine.context_window == 8192
+    text = embedded_engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_cacheblend_beats_no_repair_on_shuffled_documents(embedded_engine, corpus):
+    engine = embedded_engine
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(corpus)
+    rng = random.Random(7)
+    kl = {"none": [], "cacheblend": []}
+    for i in range(3):
+        prompt = rag_prompt(rng.sample(corpus, 4), question=f"What is rule number {i}?")
+        full = engine.generate(prompt, max_new_tokens=1, reuse=False, return_logits=True)
+        for strategy in kl:
+            engine.settings.recompute_strategy = strategy
+            engine.settings.recompute_ratio = 0.15
+            res = engine.generate(prompt, max_new_tokens=1, return_logits=True)
+            assert res.content_hit_tokens > 0.8 * res.prompt_tokens - engine.count_tokens(SYSTEM_PROMPT) - 40
+            kl[strategy].append(first_token_kl(full.first_token_logits, res.first_token_logits))
+    engine.settings.recompute_strategy = "cacheblend"
+    assert statistics.mean(kl["cacheblend"]) < statistics.mean(kl["none"])
+
+
+def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
+    prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[:2]) + "\n\n"
+    embedded_engine.warm(prefix)
+    prompt = prefix + "Question: what is described?\nAnswer:"
+    full = embedded_engine.generate(prompt, max_new_tokens=12, reuse=False, return_logits=True)
+    hit = embedded_engine.generate(prompt, max_new_tokens=12, return_logits=True)
+    assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
+    assert (full.first_token_logits - hit.first_token_logits).abs().max() < 1e-3
+    assert hit.token_ids == full.token_ids

@@ -1,0 +1,200 @@
+"""The engine's public API: validation, decoding options, streaming, threads, eviction."""
+
+import threading
+
+import pydantic
+import pytest
+import torch
+
+from kvboost_rag import (
+    InvalidInputError,
+    KVBoost,
+    KVBoostSettings,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from kvboost_rag.testing import tiny_model
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine("llama")
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", None])
+def test_empty_prompt_is_rejected(engine, prompt):
+    with pytest.raises(InvalidInputError, match="non-empty"):
+        engine.generate(prompt)
+
+
+def test_prompt_longer_than_context_window(make_engine):
+    engine = make_engine("llama")
+    engine.model.config.max_position_embeddings = 64
+    with pytest.raises(PromptTooLongError, match="context window is 64"):
+        engine.generate("word " * 200)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"stop": [""]}, "stop"),
+        ({"documents": "a single string"}, "documents"),
+    ],
+)
+def test_bad_generation_arguments(engine, kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        engine.generate("Hello there", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"recompute_strategy": "magic"}, "recompute_strategy"),
+        ({"recompute_ratio": 1.5}, "recompute_ratio"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"kv_cache_bits": 3}, "kv_cache_bits"),
+        ({"device": "tpu"}, "device"),
+        ({"unknown_knob": 1}, "unknown_knob"),
+    ],
+)
+def test_bad_settings_name_the_field(settings, field):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        KVBoostSettings(**settings)
+
+
+def test_settings_are_validated_on_assignment(engine):
+    with pytest.raises(pydantic.ValidationError):
+        engine.settings.recompute_ratio = 2.0
+
+
+def test_check_layer_must_exist(tokenizer):
+    with pytest.raises(InvalidInputError, match="check_layer"):
+        KVBoost.from_model(tiny_model("llama"), tokenizer, check_layer=7)
+
+
+def test_model_without_tokenizer(tokenizer):
+    with pytest.raises(UnsupportedModelError, match="tokenizer"):
+        KVBoost.from_model(tiny_model("llama"), None)
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        KVBoost.from_pretrained(tmp_path / "missing-model")
+
+
+def test_empty_document_is_rejected(engine):
+    with pytest.raises(InvalidInputError, match="document 1 is empty"):
+        engine.warm_documents(["real text here", "  "])
+
+
+def test_stop_string_cuts_output_and_ends_decoding(engine):
+    base = engine.generate("The value of the expression", max_new_tokens=12)
+    assert len(base.output_text) > 4
+    stop = base.output_text[2:4]
+    cut = engine.generate("The value of the expression", max_new_tokens=12, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.output_text == base.output_text[: base.output_text.find(stop)]
+    assert stop not in cut.output_text
+    assert cut.generated_tokens < base.generated_tokens
+
+
+def test_stream_pieces_join_to_the_output(engine):
+    stream = engine.stream("The value of the expression", max_new_tokens=10)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.output_text
+    assert stream.result.output_text == engine.generate("The value of the expression", max_new_tokens=10).output_text
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    a = engine.generate("Import statements", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    b = engine.generate("Import statements", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+    c = engine.generate("Import statements", max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_ttft_is_within_total_time(engine):
+    result = engine.generate("The value of the expression", max_new_tokens=4)
+    assert 0 < result.ttft_ms <= result.total_ms
+
+
+def test_threads_give_the_same_outputs_as_sequential_calls(make_engine, docs):
+    engine = make_engine("qwen2")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    prompts = [rag_prompt([docs[i], docs[(i + 1) % 4]], question=f"q{i}") for i in range(4)]
+    expected = [engine.generate(p, max_new_tokens=6).output_text for p in prompts]
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        results[i] = engine.generate(prompts[i % 4], max_new_tokens=6).output_text
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(8)] == expected + expected
+
+
+def test_eviction_keeps_the_warmed_system_prompt(make_engine, docs):
+    engine = make_engine("llama")
+    per_token = 2 * 3 * 2 * 16 * 4  # K+V x layers x heads x head_dim x fp32
+    engine.settings.max_cache_bytes = per_token * 400
+    engine = KVBoost.from_model(engine.model, engine.tokenizer, **engine.settings.model_dump())
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs)
+    stats = engine.cache_stats()
+    assert stats.tiers["memory"]["evictions"] > 0
+    assert stats.memory_bytes <= per_token * 400
+    assert engine.warm(SYSTEM_PROMPT).already_warm
+
+
+def test_verify_correctness_reports_exact_prefix_reuse(make_engine, docs):
+    engine = make_engine("llama")
+    prefix = rag_prompt(docs[:2], question="")
+    engine.warm(prefix)
+    report = engine.verify_correctness([prefix + " one", prefix + " two"], max_new_tokens=4)
+    assert report.passed
+    assert report.top1_agreement == 1.0 and report.output_agreement == 1.0
+    assert report.mean_first_token_kl < 1e-6
+    assert all(c.kv_reuse_ratio > 0.9 for c in report.checks)
+
+
+def test_verify_correctness_flags_unrepaired_reuse(make_engine, docs):
+    engine = make_engine("llama", recompute_strategy="none")
+    engine.warm_documents(docs[:4])
+    report = engine.verify_correctness([rag_prompt(docs[3::-1])], max_new_tokens=2, kl_tolerance=1e-6)
+    assert report.checks[0].first_token_kl > 1e-6
+    assert not report.passed
+
+
+def test_cache_stats_count_hits(make_engine, docs):
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:2])
+    engine.generate(rag_prompt(docs[1::-1]), max_new_tokens=1)
+    stats = engine.cache_stats()
+    assert stats.documents == 2
+    assert stats.counters["prefix_hit_tokens"] > 0
+    assert stats.counters["content_hit_tokens"] > 0
+    assert stats.tiers["memory"]["hits"] > 0
+
+
+def test_full_prefill_baseline_neither_reads_nor_writes_the_cache(make_engine, docs):
+    engine = make_engine("llama")
+    before = engine.cache_stats()
+    result = engine.generate(rag_prompt(docs[:2]), max_new_tokens=2, reuse=False)
+    assert result.cached_tokens == 0 and result.strategy == "full"
+    assert engine.cache_stats().entries == before.entries
+
+
+def test_first_token_logits_only_on_request(engine):
+    assert engine.generate("abc def", max_new_tokens=1).first_token_logits is None
+    logits = engine.generate("abc def", max_new_tokens=1, return_logits=True).first_token_logits
+    assert isinstance(logits, torch.Tensor) and logits.shape == (len(engine.tokenizer),)
