@@ -203,8 +203,14 @@ class CacheManager:
         return stored
 
     # ------------------------------------------------------------------ documents
-    def document_record(self, text: str) -> DocumentRecord:
-        """The registry's record for ``text``, tokenizing and registering it if new."""
+    def document_record(self, text: str, *, register: bool = True) -> DocumentRecord:
+        """The registry's record for ``text``, tokenizing it if new.
+
+        Args:
+            text: The document.
+            register: Add a new record to the registry (so prompts find it); ``False`` only
+                builds the record.
+        """
         digest = text_digest(text)
         record = self.registry.get(digest)
         if record is not None:
@@ -220,7 +226,8 @@ class CacheManager:
             chunk_keys=tuple(keys),
             chunk_size=size,
         )
-        self.registry.register(record)
+        if register:
+            self.registry.register(record)
         return record
 
     def missing_chunks(self, record: DocumentRecord) -> list[int]:

@@ -16,6 +16,7 @@ from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import InvalidInputError, ModelNotFoundError, PromptTooLongError, UnsupportedModelError
+from kvboost_rag.hashing import text_digest
 from kvboost_rag.generate import SamplingParams, TextAssembler, make_generator, sample_token
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.prefill import PrefillOutcome, Prefiller, TokenizedPrompt
@@ -68,7 +69,8 @@ class KVBoost:
             )
         self.model = self._adapter.model
         self.tokenizer = tokenizer
-        self.model_name = str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
+        source = str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
+        self.model_name = Path(source).name if Path(source).is_dir() else source
         self._lead_in = self.settings.warm_prefix if self.settings.warm_prefix is not None else DEFAULT_DOCUMENT_LEAD_IN
         extra = [f"bits={self.settings.kv_cache_bits}", f"group={self.settings.kv_group_size}", f"lead_in={self._lead_in}"]
         self.fingerprint = self._adapter.fingerprint(extra)
@@ -235,11 +237,14 @@ class KVBoost:
         return results
 
     def is_document_warm(self, text: str) -> bool:
-        """Whether every chunk of ``text`` is cached (and the document is registered)."""
+        """Whether every chunk of ``text`` is cached and the document is registered.
+
+        A read-only check: it registers nothing.
+        """
         if not text:
             return False
-        record = self._cache.document_record(text)
-        return not self._cache.missing_chunks(record)
+        record = self._cache.registry.get(text_digest(text))
+        return record is not None and not self._cache.missing_chunks(record)
 
     def _lead_in_cache(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         ids = self._tokenize_prompt(self._lead_in).ids if self._lead_in.strip() else []
@@ -464,8 +469,7 @@ class KVBoost:
             new_docs = [(o, m) for o, m in new_docs if m]
         if prefix_end <= outcome.prefix_tokens and not new_docs:
             return
-        with self._model_lock:
-            keys, values = ModelAdapter.cache_tensors(outcome.cache, 0, len(prompt.ids))
+        keys, values = ModelAdapter.cache_tensors(outcome.cache, 0, len(prompt.ids))
         if prefix_end > outcome.prefix_tokens:
             self._cache.store_prefix(prompt.ids, keys, values, prefix_end)
         for occurrence, missing in new_docs:

@@ -228,30 +228,41 @@ class ModelAdapter:
         return mask.view(1, 1, *allowed.shape)
 
     # ----------------------------------------------------------------- RoPE
-    def rotate_keys(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Move keys by ``delta`` positions (per token) by RoPE re-rotation.
+    def rotate_keys(self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Move keys by ``delta`` positions by RoPE re-rotation.
 
         Args:
             keys: ``[layers, heads, tokens, head_dim]``.
-            delta: ``[tokens]`` new position minus the position the key was computed at.
+            delta: New position minus the position the keys were computed at: one int for all
+                tokens, or ``[tokens]``.
+            out: Tensor to write the result into (same shape; may be a view of a larger
+                tensor). A new tensor when omitted.
 
         Returns:
-            Rotated keys, same shape and dtype.
+            The rotated keys (``out`` when given).
         """
         if self._inv_freq is None:
             raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
-        if bool((delta == 0).all()):
-            return keys
-        inv_freq = self._inv_freq.to(keys.device)
-        half = inv_freq.shape[0]
-        angles = delta.to(keys.device, torch.float64).view(-1, 1) * inv_freq.view(1, -1)  # [tokens, half]
-        cos, sin = angles.cos(), angles.sin()
-        rot = keys[..., : 2 * half].to(torch.float64)
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
-        if 2 * half == keys.shape[-1]:
-            return rotated
-        return torch.cat((rotated, keys[..., 2 * half :]), dim=-1)
+        dst = out if out is not None else torch.empty_like(keys)
+        half = self._inv_freq.shape[0]
+        delta_t = torch.as_tensor(delta, dtype=torch.float64).view(-1, 1)
+        if bool((delta_t == 0).all()):
+            if dst is not keys:
+                dst.copy_(keys)
+            return dst
+        # Angles in float64 (positions times frequencies lose precision in float32), the
+        # rotation itself in float32.
+        angles = delta_t * self._inv_freq.view(1, -1)  # [tokens or 1, half]
+        cos = angles.cos().float().to(keys.device)
+        sin = angles.sin().float().to(keys.device)
+        x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
+        first = x1 * cos - x2 * sin
+        second = x2 * cos + x1 * sin
+        dst[..., :half] = first
+        dst[..., half : 2 * half] = second
+        if 2 * half < keys.shape[-1] and dst is not keys:
+            dst[..., 2 * half :] = keys[..., 2 * half :]
+        return dst
 
     # ----------------------------------------------------------------- discovery
     @torch.inference_mode()

@@ -26,7 +26,7 @@ from kvboost_rag.blend import kv_deviation, leading_tokens, recompute_budget, se
 from kvboost_rag.cache_manager import CacheManager, PrefixPiece
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock
-from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.model_adapter import ModelAdapter, StitchedCache
 from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, align_tokens
 
 logger = logging.getLogger(__name__)
@@ -170,19 +170,23 @@ class Prefiller:
         adapter = self.adapter
         n = len(prompt.ids)
         layers, heads, dim = adapter.layout.as_tuple()
-        keys = torch.zeros(layers, heads, n, dim, dtype=adapter.dtype, device=adapter.device)
-        values = torch.zeros_like(keys)
-        if h:
-            pk, pv = _concat_prefix(pieces)
-            keys[:, :, :h], values[:, :, :h] = pk, pv
+        # Every position is written below: prefix rows, cached rows, and (in the model call)
+        # every computed position; no need to zero-fill.
+        keys = torch.empty(layers, heads, n, dim, dtype=adapter.dtype, device=adapter.device)
+        values = torch.empty_like(keys)
+        for piece in pieces:
+            end = piece.start + piece.length
+            keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+            values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         cached = torch.zeros(n, dtype=torch.bool)
         for hit in hits.values():
-            rows = torch.tensor(hit.rows, device=adapter.device)
-            target = torch.tensor(hit.positions, device=adapter.device)
-            delta = target - (hit.block.start_position + rows)
-            keys[:, :, target] = adapter.rotate_keys(hit.block.keys[:, :, rows], delta)
-            values[:, :, target] = hit.block.values[:, :, rows]
-            cached[target.cpu()] = True
+            for row, position, length in _spans(hit.rows, hit.positions):
+                delta = position - (hit.block.start_position + row)
+                source = slice(row, row + length)
+                target = slice(position, position + length)
+                adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
+                values[:, :, target] = hit.block.values[:, :, source]
+                cached[target] = True
         content_positions = cached.nonzero().view(-1)
         budget = recompute_budget(int(content_positions.numel()), self.settings.recompute_ratio)
         strategy = self.settings.recompute_strategy
@@ -245,15 +249,27 @@ class Prefiller:
         return select_by_deviation(content_positions, deviation.cpu(), budget)
 
 
+def _spans(rows: list[int], positions: list[int]) -> list[tuple[int, int, int]]:
+    """Group row->position pairs into ``(first_row, first_position, length)`` runs where both
+    advance by one (one re-rotation angle per run)."""
+    spans: list[tuple[int, int, int]] = []
+    for row, position in zip(rows, positions):
+        if spans:
+            r0, p0, length = spans[-1]
+            if row == r0 + length and position == p0 + length:
+                spans[-1] = (r0, p0, length + 1)
+                continue
+        spans.append((row, position, 1))
+    return spans
+
+
 def _concat_prefix(pieces: list[PrefixPiece]) -> tuple[torch.Tensor, torch.Tensor]:
     keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
     values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
     return keys, values
 
 
-def _stitched_cache(keys: torch.Tensor, values: torch.Tensor):
-    from kvboost_rag.model_adapter import StitchedCache
-
+def _stitched_cache(keys: torch.Tensor, values: torch.Tensor) -> StitchedCache:
     return StitchedCache([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values])
 
 

@@ -1,0 +1,284 @@
+"""Fields, validation and per-call parameter handling shared by ``KVBoostLLM`` and ``ChatKVBoost``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from langchain_core.documents import Document
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from langchain_kvboost._engine import resolve_engine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Key of the run config metadata (``config={"metadata": {...}}``) holding explicit documents.
+DOCUMENTS_METADATA_KEY = "documents"
+
+#: Parameters of hosted chat APIs that LangChain tooling passes by habit; they mean nothing to
+#: a model that runs in this process, so they are accepted and dropped.
+_REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries", "base_url")
+
+#: Per-call keyword arguments understood by ``_generate`` / ``_stream``.
+CALL_PARAMS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "reuse", "documents")
+
+#: Keyword arguments LangChain core itself may pass down to ``_generate`` / ``_stream``.
+_CORE_KWARGS = ("stream",)
+
+#: Fields of ``GenerationResult`` reported in ``generation_info``.
+GENERATION_INFO_FIELDS = (
+    "finish_reason",
+    "ttft_ms",
+    "total_ms",
+    "prompt_tokens",
+    "generated_tokens",
+    "cached_tokens",
+    "prefix_hit_tokens",
+    "content_hit_tokens",
+    "recomputed_tokens",
+    "kv_reuse_ratio",
+    "documents_found",
+)
+
+
+def _pick_max_new_tokens(values: Mapping[str, Any]) -> Any:
+    """The one token budget named by ``max_new_tokens`` and/or its alias ``max_tokens``.
+
+    Raises:
+        ValueError: Both are set to different values.
+    """
+    new = values.get("max_new_tokens")
+    alias = values.get("max_tokens")
+    if new is not None and alias is not None and new != alias:
+        raise ValueError(
+            f"max_tokens={alias!r} and max_new_tokens={new!r} conflict: they are two names for "
+            "the same limit on generated tokens; set only one."
+        )
+    return new if new is not None else alias
+
+
+class KVBoostParams(BaseModel):
+    """Engine selection and generation parameters common to the LLM and the chat model."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    """A ready ``kvboost_rag.KVBoost``. When unset, one is built from ``model`` and
+    ``engine_kwargs`` (and shared with other objects built from the same two)."""
+
+    model: str | None = None
+    """Path of a local HuggingFace model folder; ``None`` uses the embedded default model
+    (SmolLM2-135M-Instruct)."""
+
+    engine_kwargs: dict[str, Any] | None = None
+    """``kvboost_rag.KVBoostSettings`` fields for an engine built here, e.g.
+    ``{"recompute_ratio": 0.1, "disk_cache_dir": "kv"}``."""
+
+    max_new_tokens: int = Field(default=256, ge=1)
+    """Most tokens to generate. ``max_tokens`` is accepted as another name for it."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature; 0 decodes greedily."""
+
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass (used when ``temperature`` > 0)."""
+
+    seed: int | None = None
+    """Seed of the sampler, for reproducible sampled outputs."""
+
+    stop: list[str] | None = None
+    """Stop strings: the output is cut before the first one and decoding stops there. A
+    ``stop`` given at call time replaces this list."""
+
+    reuse: bool = True
+    """Serve cached K/V of prefixes and documents; ``False`` runs a full prefill (useful as a
+    baseline)."""
+
+    streaming: bool = False
+    """Generate through the streaming path, so callbacks see each new token."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalize_init_params(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        dropped = [name for name in _REMOTE_ONLY_PARAMS if name in values]
+        for name in dropped:
+            values.pop(name)
+        if dropped:
+            logger.debug("%s runs locally; ignoring %s", cls.__name__, ", ".join(dropped))
+        if "max_tokens" in values:
+            budget = _pick_max_new_tokens(values)
+            values.pop("max_tokens")
+            if budget is not None:
+                values["max_new_tokens"] = budget
+        return values
+
+    @model_validator(mode="after")
+    def _attach_engine(self) -> KVBoostParams:
+        self.engine = resolve_engine(self.engine, self.model, self.engine_kwargs)
+        return self
+
+    @property
+    def max_tokens(self) -> int:
+        """Alias of ``max_new_tokens`` (the LangChain standard parameter name)."""
+        return self.max_new_tokens
+
+    @property
+    def model_name(self) -> str:
+        """Name of the model the engine runs."""
+        return str(self.engine.model_name)
+
+    def _params_dict(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "reuse": self.reuse,
+        }
+
+    def _call_params(
+        self,
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``engine.generate``/``engine.stream`` for one call.
+
+        Args:
+            stop: Stop strings given at call time; they replace ``self.stop``.
+            kwargs: Per-call overrides (see ``CALL_PARAMS``).
+            metadata: Run metadata; its ``"documents"`` entry names explicit documents when
+                no ``documents`` keyword is given.
+
+        Raises:
+            ValueError: An unknown keyword, or conflicting ``max_tokens``/``max_new_tokens``.
+        """
+        unknown = sorted(set(kwargs) - set(CALL_PARAMS) - set(_CORE_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} got unknown parameter(s) {unknown}; per-call parameters "
+                f"are {list(CALL_PARAMS)} (and `stop`)."
+            )
+        budget = _pick_max_new_tokens(kwargs)
+        documents = kwargs.get("documents")
+        if documents is None and metadata:
+            documents = metadata.get(DOCUMENTS_METADATA_KEY)
+        call_stop = stop if stop is not None else self.stop
+        return {
+            "max_new_tokens": self.max_new_tokens if budget is None else budget,
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": list(call_stop) if call_stop else None,
+            "reuse": kwargs.get("reuse", self.reuse),
+            "documents": document_texts(documents),
+        }
+
+
+def document_texts(documents: Any) -> list[str] | None:
+    """Texts of explicit documents given as strings or LangChain ``Document`` objects.
+
+    Args:
+        documents: ``None``, or a sequence of ``str`` / ``Document``. A ``Document`` stands for
+            its ``page_content``; pass rendered strings when the prompt shows documents through
+            a ``document_prompt`` other than ``{page_content}``.
+
+    Raises:
+        TypeError: ``documents`` is not a sequence of strings or Documents.
+    """
+    if documents is None:
+        return None
+    if isinstance(documents, (str, Document)) or not isinstance(documents, Sequence):
+        raise TypeError(
+            "`documents` must be a list of strings or Documents, got "
+            f"{type(documents).__name__}."
+        )
+    texts: list[str] = []
+    for item in documents:
+        if isinstance(item, Document):
+            texts.append(item.page_content)
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise TypeError(
+                f"`documents` items must be str or Document, got {type(item).__name__}."
+            )
+    return texts or None
+
+
+def generation_info(result: Any, extra_ttft_ms: float = 0.0) -> dict[str, Any]:
+    """The reuse and timing figures of a ``GenerationResult`` as a plain dict.
+
+    Args:
+        result: The engine's ``GenerationResult``.
+        extra_ttft_ms: Time spent in this call before the engine call (warming a new system
+            prompt), added to ``ttft_ms`` so it stays the wall time to the first token.
+    """
+    info = {name: getattr(result, name) for name in GENERATION_INFO_FIELDS}
+    if extra_ttft_ms:
+        info["ttft_ms"] = float(info["ttft_ms"]) + extra_ttft_ms
+    return info
+
+
+_DONE = object()
+
+
+async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run a blocking iterator in one worker thread and yield its items to the event loop.
+
+    The whole iteration happens in a single thread (the engine's stream may hold locks that
+    must be released by the thread that took them); the loop only awaits a queue. When the
+    consumer stops early, the worker stops after the item in progress and closes the iterator.
+
+    Args:
+        factory: Builds the iterator; called in the worker thread.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    stop_requested = threading.Event()
+
+    def post(item: Any, error: BaseException | None = None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # loop already closed: nobody is listening
+            stop_requested.set()
+
+    def produce() -> None:
+        iterator: Iterator[T] | None = None
+        try:
+            iterator = factory()
+            for item in iterator:
+                if stop_requested.is_set():
+                    break
+                post(item)
+        except BaseException as error:  # handed to the consumer, re-raised there
+            post(_DONE, error)
+        else:
+            post(_DONE)
+        finally:
+            close = getattr(iterator, "close", None)
+            if callable(close):
+                close()
+
+    worker = asyncio.ensure_future(asyncio.to_thread(produce))
+    try:
+        while True:
+            item, error = await queue.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                break
+            yield item
+    finally:
+        stop_requested.set()
+        await worker

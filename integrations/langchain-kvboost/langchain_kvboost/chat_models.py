@@ -1,0 +1,301 @@
+"""``ChatKVBoost``: a chat model on a local HuggingFace model with K/V reuse."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field
+
+from langchain_kvboost._common import KVBoostParams, generation_info, iterate_in_thread
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+#: Content block types that carry media this text-only integration cannot read.
+_MEDIA_BLOCKS = frozenset(
+    {"image", "image_url", "file", "audio", "input_audio", "video", "document", "text-plain"}
+)
+
+
+def _message_text(message: BaseMessage) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif block.get("type") in _MEDIA_BLOCKS:
+            raise ValueError(
+                f"ChatKVBoost reads text only; got a {block.get('type')!r} content block in a "
+                f"{message.type} message."
+            )
+        # Other blocks (reasoning, tool-call echoes) carry no prompt text for this model.
+    return "".join(parts)
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages as ``{"role", "content"}`` dicts for the model's chat template.
+
+    Raises:
+        ValueError: A message type with no chat role, or non-text content.
+    """
+    dicts: list[dict[str, str]] = []
+    for message in messages:
+        if isinstance(message, ChatMessage):
+            role = message.role
+        else:
+            role = _ROLES.get(message.type, "")
+        if not role:
+            raise ValueError(f"ChatKVBoost cannot place a {message.type!r} message in a chat template.")
+        dicts.append({"role": role, "content": _message_text(message)})
+    return dicts
+
+
+def _usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
+    prompt_tokens = int(info["prompt_tokens"])
+    output_tokens = int(info["generated_tokens"])
+    return UsageMetadata(
+        input_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        total_tokens=prompt_tokens + output_tokens,
+        input_token_details=InputTokenDetails(cache_read=int(info["cached_tokens"])),
+    )
+
+
+class ChatKVBoost(KVBoostParams, BaseChatModel):
+    """Chat model on a local HuggingFace causal LM that reuses cached K/V across calls.
+
+    Messages are rendered with the model's own chat template. The leading system messages
+    are warmed as the shared beginning, so every later conversation that starts with them
+    reuses their K/V by exact prefix; documents that were prewarmed (``KVBoostPrewarmer``) or
+    passed as ``documents`` are served from cache wherever they land, in any order.
+
+    A drop-in replacement for ``ChatHuggingFace``: text in, text out; no tool calling,
+    structured output or images.
+
+    Instantiate:
+        .. code-block:: python
+
+            from langchain_kvboost import ChatKVBoost
+
+            chat = ChatKVBoost(max_new_tokens=128)           # embedded SmolLM2-135M-Instruct
+            chat = ChatKVBoost(model="path/to/hf/folder", temperature=0.7, seed=1)
+
+    Invoke:
+        .. code-block:: python
+
+            msg = chat.invoke([("system", "You answer briefly."), ("human", "What is a tuple?")])
+            msg.usage_metadata["input_token_details"]["cache_read"]   # tokens served from cache
+            msg.response_metadata["ttft_ms"]
+
+    Keep per-query text (retrieved context) out of the system message: each distinct system
+    rendering that gets warmed stays pinned in the cache. Put the context in the human
+    message, or set ``warm_system_prompt=False``.
+    """
+
+    warm_system_prompt: bool = Field(default=True)
+    """Warm (and pin) the rendering of the leading system messages before generating, so the
+    next conversation with the same system messages hits by prefix hash."""
+
+    # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvboost-chat"
+
+    @property
+    def _identifying_params(self) -> Mapping[str, Any]:
+        return {**self._params_dict(), "warm_system_prompt": self.warm_system_prompt}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="kvboost",
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens,
+        )
+        ls_stop = stop if stop is not None else self.stop
+        if ls_stop:
+            params["ls_stop"] = ls_stop
+        return params
+
+    def render_prompt(self, messages: Sequence[BaseMessage]) -> str:
+        """The prompt string the model reads for ``messages`` (chat template applied).
+
+        Args:
+            messages: The conversation.
+
+        Returns:
+            The rendering with the generation prompt for the assistant's turn appended.
+        """
+        return self._render(to_chat_dicts(messages))
+
+    def _render(self, dicts: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return str(self.engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
+
+    def _system_prefix(self, dicts: list[dict[str, str]], prompt: str) -> str | None:
+        """Rendering of the leading system messages when it is a clean prefix of ``prompt``."""
+        leading = 0
+        while leading < len(dicts) and dicts[leading]["role"] == "system":
+            leading += 1
+        if leading == 0:
+            return None
+        prefix = self._render(dicts[:leading], add_generation_prompt=False)
+        if not prefix or not prompt.startswith(prefix):
+            logger.debug("System rendering is not a prefix of the prompt under this template; not warming it")
+            return None
+        prefix_ids = self.engine.token_ids(prefix)
+        if list(self.engine.token_ids(prompt)[: len(prefix_ids)]) != list(prefix_ids):
+            logger.debug("System rendering's tokens merge with what follows; not warming it")
+            return None
+        return prefix
+
+    def _prepare(self, messages: Sequence[BaseMessage], reuse: bool) -> tuple[str, float, int]:
+        """Render ``messages`` and warm their system prefix.
+
+        Returns:
+            The prompt, the milliseconds spent warming a new prefix (0 when it was warm or not
+            warmed), and the number of tokens in the warmed prefix (0 when none).
+        """
+        dicts = to_chat_dicts(messages)
+        prompt = self._render(dicts)
+        if not (self.warm_system_prompt and reuse):
+            return prompt, 0.0, 0
+        prefix = self._system_prefix(dicts, prompt)
+        if prefix is None:
+            return prompt, 0.0, 0
+        warmed = self.engine.warm(prefix)
+        spent = 0.0 if warmed.already_warm else float(warmed.elapsed_ms)
+        if spent:
+            logger.info("Warmed a new system prompt of %d tokens in %.0f ms", warmed.num_tokens, spent)
+        return prompt, spent, int(warmed.num_tokens)
+
+    def _result_message_fields(
+        self, result: Any, warm_ms: float, system_tokens: int
+    ) -> tuple[dict[str, Any], UsageMetadata, dict[str, Any]]:
+        info = {
+            **generation_info(result, extra_ttft_ms=warm_ms),
+            "system_prefix_tokens": system_tokens,
+            "system_warm_ms": warm_ms,
+        }
+        response_metadata = {"model_name": self.model_name, "finish_reason": info["finish_reason"]}
+        return info, _usage_metadata(info), response_metadata
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        prompt, warm_ms, system_tokens = self._prepare(messages, params["reuse"])
+        result = self.engine.generate(prompt, **params)
+        info, usage, response_metadata = self._result_message_fields(result, warm_ms, system_tokens)
+        message = AIMessage(
+            content=result.output_text, usage_metadata=usage, response_metadata=response_metadata
+        )
+        return ChatResult(
+            generations=[ChatGeneration(message=message, generation_info=info)],
+            llm_output={"model_name": self.model_name},
+        )
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        sync_manager = run_manager.get_sync() if run_manager else None
+        return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+
+    def _start_stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, float, int]:
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        prompt, warm_ms, system_tokens = self._prepare(messages, params["reuse"])
+        return self.engine.stream(prompt, **params), warm_ms, system_tokens
+
+    def _last_chunk(self, stream: Any, warm_ms: float, system_tokens: int) -> ChatGenerationChunk:
+        info, usage, response_metadata = self._result_message_fields(stream.result, warm_ms, system_tokens)
+        message = AIMessageChunk(
+            content="",
+            usage_metadata=usage,
+            response_metadata=response_metadata,
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message, generation_info=info)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # LangChain core reports each yielded chunk to the callbacks itself.
+        stream, warm_ms, system_tokens = self._start_stream(messages, stop, run_manager, kwargs)
+        for piece in stream:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        yield self._last_chunk(stream, warm_ms, system_tokens)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        started: list[tuple[Any, float, int]] = []
+
+        def start() -> Iterator[str]:
+            # Rendering, warming and starting the stream all block: keep them off the loop.
+            started.append(self._start_stream(messages, stop, run_manager, kwargs))
+            return iter(started[0][0])
+
+        async for piece in iterate_in_thread(start):
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        yield self._last_chunk(*started[0])
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's own tokenizer (no special tokens)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self.engine.token_ids(text))
+
+    def get_num_tokens(self, text: str) -> int:
+        """Number of model tokens in ``text``."""
+        return len(self.get_token_ids(text))
+
+    def get_num_tokens_from_messages(
+        self,
+        messages: list[BaseMessage],
+        tools: Sequence[Any] | None = None,
+    ) -> int:
+        """Number of tokens the model reads for ``messages``, chat template included.
+
+        Raises:
+            ValueError: ``tools`` were given; this model does not take tools.
+        """
+        if tools:
+            raise ValueError("ChatKVBoost does not support tools; count messages without them.")
+        return self.get_num_tokens(self.render_prompt(messages))

@@ -1,0 +1,191 @@
+"""``KVBoostLLM``: a text-completion LLM on a local HuggingFace model with K/V reuse."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
+
+from langchain_kvboost._common import KVBoostParams, generation_info, iterate_in_thread
+
+logger = logging.getLogger(__name__)
+
+
+class KVBoostLLM(KVBoostParams, BaseLLM):
+    """Local HuggingFace causal LM whose prompts reuse cached K/V of text read before.
+
+    A drop-in replacement for ``HuggingFacePipeline`` in RAG chains: a prompt that starts
+    with a warmed system prompt reuses it by exact prefix, and documents that were prewarmed
+    (see ``KVBoostPrewarmer``) or passed as ``documents`` are served from cache wherever they
+    land in the prompt, in any order.
+
+    Setup:
+        .. code-block:: bash
+
+            pip install -e integrations/langchain-kvboost
+
+    Instantiate:
+        .. code-block:: python
+
+            from langchain_kvboost import KVBoostLLM
+
+            llm = KVBoostLLM()                               # embedded SmolLM2-135M-Instruct
+            llm = KVBoostLLM(model="path/to/hf/folder", max_new_tokens=128)
+            llm = KVBoostLLM(engine=engine)                  # an existing kvboost_rag.KVBoost
+
+    Invoke:
+        .. code-block:: python
+
+            llm.invoke("The capital of France is", max_new_tokens=8)
+            result = llm.generate(["Question: ..."])
+            result.generations[0][0].generation_info["ttft_ms"]
+
+    Explicit documents (cut on their boundaries and stored for the next prompt):
+        .. code-block:: python
+
+            llm.invoke(prompt, documents=[doc1, doc2])
+            llm.invoke(prompt, config={"metadata": {"documents": [doc1, doc2]}})
+
+    ``generation_info`` of each generation holds ``ttft_ms``, ``total_ms``,
+    ``prompt_tokens``, ``generated_tokens``, ``cached_tokens``, ``prefix_hit_tokens``,
+    ``content_hit_tokens``, ``recomputed_tokens``, ``kv_reuse_ratio``, ``documents_found``
+    and ``finish_reason``.
+    """
+
+    # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvboost"
+
+    @property
+    def _identifying_params(self) -> Mapping[str, Any]:
+        return self._params_dict()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="kvboost",
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
+            ls_model_type="llm",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens,
+        )
+        ls_stop = stop if stop is not None else self.stop
+        if ls_stop:
+            params["ls_stop"] = ls_stop
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's own tokenizer (no special tokens)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self.engine.token_ids(text))
+
+    def get_num_tokens(self, text: str) -> int:
+        """Number of model tokens in ``text``."""
+        if self.custom_get_token_ids is not None:
+            return len(self.custom_get_token_ids(text))
+        return int(self.engine.count_tokens(text))
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        if not prompts:
+            raise ValueError("KVBoostLLM got an empty list of prompts; pass at least one prompt.")
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        generations: list[list[Generation]] = []
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        for prompt in prompts:
+            if self.streaming:
+                text, info = self._generate_streaming(prompt, params, run_manager)
+            else:
+                result = self.engine.generate(prompt, **params)
+                text, info = result.output_text, generation_info(result)
+            logger.debug(
+                "kvboost: ttft %.0f ms, %d/%d prompt tokens from cache",
+                info["ttft_ms"],
+                info["cached_tokens"],
+                info["prompt_tokens"],
+            )
+            generations.append([Generation(text=text, generation_info=info)])
+            usage["prompt_tokens"] += int(info["prompt_tokens"])
+            usage["completion_tokens"] += int(info["generated_tokens"])
+            usage["cached_tokens"] += int(info["cached_tokens"])
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return LLMResult(
+            generations=generations,
+            llm_output={"model_name": self.model_name, "token_usage": usage},
+        )
+
+    def _generate_streaming(
+        self,
+        prompt: str,
+        params: dict[str, Any],
+        run_manager: CallbackManagerForLLMRun | None,
+    ) -> tuple[str, dict[str, Any]]:
+        stream = self.engine.stream(prompt, **params)
+        pieces: list[str] = []
+        for piece in stream:
+            pieces.append(piece)
+            if run_manager:
+                run_manager.on_llm_new_token(piece, chunk=GenerationChunk(text=piece))
+        return "".join(pieces), generation_info(stream.result)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        sync_manager = run_manager.get_sync() if run_manager else None
+        return await asyncio.to_thread(self._generate, prompts, stop, sync_manager, **kwargs)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        stream = self.engine.stream(prompt, **params)
+        for piece in stream:
+            chunk = GenerationChunk(text=piece)
+            if run_manager:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=generation_info(stream.result))
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        streams: list[Any] = []
+
+        def start() -> Iterator[str]:
+            # Built in the worker thread too: starting a stream may already run the prefill.
+            streams.append(self.engine.stream(prompt, **params))
+            return iter(streams[0])
+
+        async for piece in iterate_in_thread(start):
+            chunk = GenerationChunk(text=piece)
+            if run_manager:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        yield GenerationChunk(text="", generation_info=generation_info(streams[0].result))

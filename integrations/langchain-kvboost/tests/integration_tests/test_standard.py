@@ -1,0 +1,49 @@
+"""langchain-tests standard integration tests for ChatKVBoost on the embedded model."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from langchain_kvboost import ChatKVBoost
+
+SYSTEM = "You are a concise assistant for questions about the Python programming language."
+
+
+@pytest.mark.slow
+class TestChatKVBoostIntegration(ChatModelIntegrationTests):
+    """Tools, structured output and media inputs stay off: the suite's defaults for a model
+    that overrides neither ``bind_tools`` nor ``with_structured_output``. Cache reads are
+    reported, so the suite's cache-read checks are switched on."""
+
+    @property
+    def chat_model_class(self) -> type[ChatKVBoost]:
+        return ChatKVBoost
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # Every instance shares the one embedded-model engine; short answers keep it quick.
+        return {"max_new_tokens": 16}
+
+    @property
+    def supported_usage_metadata_details(
+        self,
+    ) -> dict[Literal["invoke", "stream"], list[Any]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        model = ChatKVBoost(max_new_tokens=8)
+        messages = [SystemMessage(SYSTEM), HumanMessage("What is a list?")]
+        model.invoke(messages)
+        if not stream:
+            reply = model.invoke([SystemMessage(SYSTEM), HumanMessage("What is a tuple?")])
+            assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+            return reply
+        full: AIMessageChunk | None = None
+        for chunk in model.stream([SystemMessage(SYSTEM), HumanMessage("What is a set?")]):
+            full = chunk if full is None else full + chunk
+        assert full is not None and full.usage_metadata["input_token_details"]["cache_read"] > 0
+        return full

@@ -1,0 +1,112 @@
+"""KVBoostPrewarmer and PrewarmingVectorStore on a tiny random-weight model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvboost_rag.corpus import python_reference_documents
+from langchain_core.documents import Document
+from langchain_core.vectorstores import InMemoryVectorStore
+
+from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostPrewarmer, PrewarmingVectorStore
+
+TEXTS = python_reference_documents(max_chars=200)[:8]
+
+
+def _docs(texts: list[str]) -> list[Document]:
+    return [Document(page_content=t, metadata={"source": f"doc{i}"}) for i, t in enumerate(texts)]
+
+
+def test_transformer_warms_and_returns_documents_unchanged(engine: Any) -> None:
+    docs = _docs(TEXTS[:3])
+    prewarmer = KVBoostPrewarmer(KVBoostLLM(engine=engine))
+    assert not any(engine.is_document_warm(d.page_content) for d in docs)
+    out = prewarmer.transform_documents(docs)
+    assert out is docs
+    assert all(engine.is_document_warm(d.page_content) for d in docs)
+
+
+async def test_async_transformer_warms(engine: Any) -> None:
+    docs = _docs(TEXTS[3:5])
+    out = await KVBoostPrewarmer(engine).atransform_documents(docs)
+    assert list(out) == docs
+    assert all(engine.is_document_warm(d.page_content) for d in docs)
+
+
+def test_documents_are_rendered_with_the_chains_document_prompt(engine: Any) -> None:
+    docs = _docs(TEXTS[:2])
+    prewarmer = KVBoostPrewarmer(ChatKVBoost(engine=engine), document_prompt="[{source}]\n{page_content}")
+    rendered = prewarmer.render(docs)
+    assert rendered == [f"[doc{i}]\n{t}" for i, t in enumerate(TEXTS[:2])]
+    prewarmer.warm(docs)
+    assert all(engine.is_document_warm(text) for text in rendered)
+
+
+def test_already_warm_and_repeated_documents_are_skipped(engine: Any) -> None:
+    prewarmer = KVBoostPrewarmer(engine)
+    first = prewarmer.warm_texts([TEXTS[0], TEXTS[1], TEXTS[0], "   "])
+    assert len(first) == 2
+    assert not any(r.already_warm for r in first)
+    assert all(r.new_tokens > 0 for r in first)
+    again = prewarmer.warm_texts([TEXTS[1], TEXTS[0], TEXTS[2]])
+    assert [r.already_warm for r in again] == [True, True, False]
+    assert again[0].new_tokens == again[1].new_tokens == 0
+
+
+def test_progress_bar_only_for_large_batches(engine: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    prewarmer = KVBoostPrewarmer(engine, progress_min_documents=3)
+    prewarmer.warm_texts(TEXTS[:2])
+    assert "warming documents" not in capsys.readouterr().err
+    prewarmer.warm_texts(TEXTS[2:5])
+    assert "warming documents" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress_min_documents"):
+        KVBoostPrewarmer(engine, progress_min_documents=0)
+
+
+def test_prewarmer_needs_a_kvboost_engine() -> None:
+    with pytest.raises(TypeError, match="KVBoost"):
+        KVBoostPrewarmer(object())
+
+
+def test_vector_store_wrapper_warms_then_delegates(engine: Any, embeddings: Any) -> None:
+    inner = InMemoryVectorStore(embeddings)
+    store = KVBoostPrewarmer(engine).wrap(inner)
+    assert isinstance(store, PrewarmingVectorStore)
+    ids = store.add_documents(_docs(TEXTS[:3]))
+    assert len(ids) == 3 and len(inner.store) == 3
+    assert all(engine.is_document_warm(t) for t in TEXTS[:3])
+    more = store.add_texts(TEXTS[3:5], metadatas=[{"source": "a"}, {"source": "b"}], ids=["a", "b"])
+    assert more == ["a", "b"]
+    assert all(engine.is_document_warm(t) for t in TEXTS[3:5])
+    assert [d.page_content for d in store.get_by_ids(["a"])] == [TEXTS[3]]
+    # Searches go to the wrapped store, retrievers included.
+    query = TEXTS[4][:80]
+    assert store.similarity_search(query, k=1)[0].page_content == TEXTS[4]
+    assert store.as_retriever(search_kwargs={"k": 1}).invoke(query)[0].page_content == TEXTS[4]
+    assert store.embeddings is embeddings
+    assert store.store is inner.store  # other attributes of the wrapped store
+    store.delete(["a"])
+    assert store.get_by_ids(["a"]) == []
+    with pytest.raises(ValueError, match="metadatas"):
+        store.add_texts(TEXTS[:2], metadatas=[{}])
+
+
+async def test_vector_store_wrapper_async_paths(engine: Any, embeddings: Any) -> None:
+    store = KVBoostPrewarmer(engine).wrap(InMemoryVectorStore(embeddings))
+    await store.aadd_documents(_docs(TEXTS[5:6]))
+    await store.aadd_texts(TEXTS[6:8])
+    assert all(engine.is_document_warm(t) for t in TEXTS[5:8])
+    found = await store.asimilarity_search(TEXTS[6][:80], k=1)
+    assert found[0].page_content == TEXTS[6]
+
+
+def test_from_texts_warms_builds_and_wraps(engine: Any, embeddings: Any) -> None:
+    prewarmer = KVBoostPrewarmer(engine)
+    store = PrewarmingVectorStore.from_texts(
+        TEXTS[:2], embeddings, vectorstore_cls=InMemoryVectorStore, prewarmer=prewarmer
+    )
+    assert isinstance(store.vectorstore, InMemoryVectorStore)
+    assert all(engine.is_document_warm(t) for t in TEXTS[:2])
+    with pytest.raises(ValueError, match="vectorstore_cls"):
+        PrewarmingVectorStore.from_texts(TEXTS[:1], embeddings)

@@ -1,0 +1,32 @@
+"""langchain-tests standard unit tests for ChatKVBoost (tiny model)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_kvboost import ChatKVBoost
+
+
+@functools.cache
+def _shared_tiny_engine() -> Any:
+    """One tiny random-weight engine for every model the suite builds."""
+    from kvboost_rag import KVBoost
+    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+
+    return KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), chunk_size=16, show_progress=False)
+
+
+class TestChatKVBoostStandard(ChatModelUnitTests):
+    """Tools, structured output and media inputs stay off: the suite's defaults for a model
+    that overrides neither ``bind_tools`` nor ``with_structured_output``."""
+
+    @property
+    def chat_model_class(self) -> type[ChatKVBoost]:
+        return ChatKVBoost
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"engine": _shared_tiny_engine()}
