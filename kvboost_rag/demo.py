@@ -27,8 +27,8 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant for Python programmers. Answer the question in one or two "
     "sentences using only the reference documents below."
 )
+COLD_QUESTION = "What does the assert statement do when the expression is false?"
 QUESTIONS = [
-    "What does the assert statement do when the expression is false?",
     "How does a for statement iterate over a sequence?",
     "What does the pass statement do?",
     "How are exceptions raised with the raise statement?",
@@ -64,7 +64,7 @@ def build_prompt(question: str, documents: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run the demo and print a table of TTFT and reuse."""
     parser = argparse.ArgumentParser(description="kvboost-rag demo on the embedded model")
-    parser.add_argument("--docs", type=int, default=24, help="corpus size (reference topics)")
+    parser.add_argument("--docs", type=int, default=16, help="corpus size (reference topics)")
     parser.add_argument("--top-k", type=int, default=4, help="documents per prompt")
     parser.add_argument("--doc-chars", type=int, default=1200, help="characters per document")
     parser.add_argument("--new-tokens", type=int, default=40)
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = KVBoost.from_pretrained(warm_prefix=SYSTEM_PROMPT + "\n\n")
     print(f"model: {engine.model_name}  corpus: {len(corpus)} Python reference documents  threads: {torch.get_num_threads()}")
 
-    cold_question = QUESTIONS[0]
-    cold = engine.generate(build_prompt(cold_question, retriever.top(cold_question, args.top_k)), max_new_tokens=args.new_tokens)
+    cold_prompt = build_prompt(COLD_QUESTION, retriever.top(COLD_QUESTION, args.top_k))
+    cold = engine.generate(cold_prompt, max_new_tokens=args.new_tokens)
 
     start = time.perf_counter()
     engine.warm(SYSTEM_PROMPT)
@@ -89,10 +89,13 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"| query | prompt tokens | TTFT full prefill ms | TTFT kvboost ms | speedup | reused | answer |")
     print("|---|---:|---:|---:|---:|---:|---|")
-    print(f"| cold: {cold_question[:40]} | {cold.prompt_tokens} | - | {cold.ttft_ms:.0f} | - | {cold.kv_reuse_ratio:.0%} | {cold.output_text.strip()[:60]!r} |")
-    for question in QUESTIONS:
-        docs = retriever.top(question, args.top_k)
-        prompt = build_prompt(question, docs)
+    print(
+        f"| cold (nothing cached): {COLD_QUESTION[:30]} | {cold.prompt_tokens} | - | {cold.ttft_ms:.0f} | - | "
+        f"{cold.kv_reuse_ratio:.0%} | {cold.output_text.strip()[:60]!r} |"
+    )
+    rows = [(q, build_prompt(q, retriever.top(q, args.top_k))) for q in QUESTIONS]
+    rows.append((f"repeat: {COLD_QUESTION}", cold_prompt))
+    for question, prompt in rows:
         full = engine.generate(prompt, max_new_tokens=args.new_tokens, reuse=False)
         fast = engine.generate(prompt, max_new_tokens=args.new_tokens)
         print(

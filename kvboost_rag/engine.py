@@ -193,7 +193,7 @@ class KVBoost:
             pieces = self._cache.match_prefix(ids)
             cached = sum(p.length for p in pieces)
             if cached < len(ids):
-                outcome = self._prefiller.with_reuse(prompt, [], allow_content=False)
+                outcome = self._prefiller.with_reuse(prompt, [], allow_content=False, extra=0)
                 keys, values = ModelAdapter.cache_tensors(outcome.cache)
             else:
                 keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
@@ -268,10 +268,12 @@ class KVBoost:
             if n > limit:
                 logger.warning("document of %d tokens exceeds the context window; warming its first %d", n, limit)
             usable = min(n, limit)
+            keys, values = self._adapter.buffers(offset + usable)
+            keys[:, :, :offset], values[:, :, :offset] = lead_keys, lead_values
             with self._model_lock:
-                kv = self._adapter.cache_from(lead_keys, lead_values) if offset else self._adapter.empty_cache()
+                kv = self._adapter.cache_over(keys, values, offset)
                 self._adapter.forward(torch.tensor(record.token_ids[:usable]), torch.arange(offset, offset + usable), kv)
-            keys, values = ModelAdapter.cache_tensors(kv, offset)
+            keys, values = keys[:, :, offset:], values[:, :, offset:]
             size = record.chunk_size
             for chunk in missing:
                 lo, hi = chunk * size, min((chunk + 1) * size, n)
@@ -431,11 +433,12 @@ class KVBoost:
         )
 
     def _prefill(self, prompt: TokenizedPrompt, params: SamplingParams, reuse: bool, documents: list[str]) -> PrefillOutcome:
+        extra = min(params.max_new_tokens, self.context_window - len(prompt.ids))
         if not reuse:
-            return self._prefiller.full(prompt)
+            return self._prefiller.full(prompt, extra)
         records = [self._cache.document_record(d) for d in documents]
         allow_content = self._content_reuse_allowed(len(prompt.ids) + params.max_new_tokens)
-        outcome = self._prefiller.with_reuse(prompt, records, allow_content)
+        outcome = self._prefiller.with_reuse(prompt, records, allow_content, extra)
         self._cache.count("prompts")
         self._cache.count("prompt_tokens", len(prompt.ids))
         self._cache.count("prefix_hit_tokens", outcome.prefix_tokens)

@@ -49,42 +49,105 @@ class _StopForward(Exception):
     """Raised by a hook to end a forward pass after the selection layer."""
 
 
-class StitchedLayer(DynamicLayer):
-    """A cache layer holding the full prompt's K/V; the next update scatters into it.
+class BufferedLayer(DynamicLayer):
+    """A cache layer whose K/V live in a buffer with room to grow.
 
-    On the first ``update`` after :meth:`arm`, the new tokens' K/V are written at the armed
-    positions of the full-length tensors and the full tensors are returned, so attention
-    sees every prompt token while only the chosen tokens were computed. Later updates append
-    as in :class:`~transformers.cache_utils.DynamicLayer` (decoding).
+    Appending writes only the new tokens (``DynamicLayer`` concatenates, copying the whole
+    cache on every decoded token). After :meth:`arm`, the next update instead scatters the
+    new tokens' K/V into the armed positions of the tokens already held and returns all of
+    them, so attention sees every prompt token while only the chosen tokens were computed.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, key_buffer: torch.Tensor | None, value_buffer: torch.Tensor | None, length: int, capacity: int) -> None:
         super().__init__()
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._length = length
+        self._capacity_hint = capacity
         self._scatter_index: torch.Tensor | None = None
+        if key_buffer is not None:
+            self.dtype, self.device = key_buffer.dtype, key_buffer.device
+            self.is_initialized = True
+
+    # DynamicLayer reads and assigns ``keys``/``values``; they are views of the buffers.
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self._length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._key_buffer = value
+        self._length = 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self._length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._value_buffer = value
 
     def arm(self, positions: torch.Tensor) -> None:
-        """Make the next update scatter into ``positions``."""
+        """Make the next update scatter into ``positions`` instead of appending."""
         self._scatter_index = positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: D102
-        if self._scatter_index is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        index, self._scatter_index = self._scatter_index, None
-        self.keys[:, :, index] = key_states
-        self.values[:, :, index] = value_states
+        if self._scatter_index is not None:
+            index, self._scatter_index = self._scatter_index, None
+            self._key_buffer[:, :, index] = key_states
+            self._value_buffer[:, :, index] = value_states
+            return self.keys, self.values
+        new = key_states.shape[-2]
+        end = self._length + new
+        if self._key_buffer is None:
+            shape = (*key_states.shape[:2], max(self._capacity_hint, end), key_states.shape[-1])
+            self._key_buffer = key_states.new_empty(shape)
+            self._value_buffer = value_states.new_empty((*shape[:3], value_states.shape[-1]))
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        elif end > self._key_buffer.shape[-2]:
+            self._grow(max(end, 2 * self._key_buffer.shape[-2]))
+        self._key_buffer[:, :, self._length : end] = key_states
+        self._value_buffer[:, :, self._length : end] = value_states
+        self._length = end
         return self.keys, self.values
 
+    def _grow(self, capacity: int) -> None:
+        length = self._length
+        keys = self._key_buffer.new_empty((*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[-1]))
+        values = self._value_buffer.new_empty((*self._value_buffer.shape[:2], capacity, self._value_buffer.shape[-1]))
+        keys[:, :, :length] = self._key_buffer[:, :, :length]
+        values[:, :, :length] = self._value_buffer[:, :, :length]
+        self._key_buffer, self._value_buffer, self._length = keys, values, length
 
-class StitchedCache(DynamicCache):
-    """A :class:`DynamicCache` made of :class:`StitchedLayer` (one per model layer)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+class BufferedCache(DynamicCache):
+    """A :class:`DynamicCache` of :class:`BufferedLayer`, one per model layer.
+
+    Args:
+        num_layers: Layers of the model.
+        capacity: Tokens to reserve per layer (prompt plus new tokens).
+        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer already holding the
+            first ``length`` tokens; each layer uses a view of it.
+        value_buffer: Same for V.
+        length: Tokens already in the buffers.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        key_buffer: torch.Tensor | None = None,
+        value_buffer: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
         super().__init__()
-        self.layers = [StitchedLayer(k, v) for k, v in zip(keys, values)]
         self.layer_class_to_replicate = None
+        if key_buffer is None or value_buffer is None:
+            self.layers = [BufferedLayer(None, None, 0, capacity) for _ in range(num_layers)]
+        else:
+            self.layers = [
+                BufferedLayer(key_buffer[i : i + 1], value_buffer[i : i + 1], length, capacity) for i in range(num_layers)
+            ]
 
     def arm(self, positions: torch.Tensor) -> None:
         """Arm every layer to scatter the next update into ``positions``."""
@@ -197,20 +260,24 @@ class ModelAdapter:
             handle.remove()
 
     # ----------------------------------------------------------------- caches
-    def empty_cache(self) -> DynamicCache:
-        """A fresh cache for full prefill.
+    def new_cache(self, capacity: int) -> BufferedCache:
+        """An empty cache reserving ``capacity`` tokens per layer.
 
         Every layer keeps all its tokens, sliding-window layers included: the model's masks
         still apply the window, and stored K/V stays complete.
         """
-        return DynamicCache()
+        return BufferedCache(self.num_layers, capacity)
 
-    def cache_from(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
-        """A dynamic cache pre-filled with ``[layers, heads, tokens, dim]`` K/V."""
-        cache = self.empty_cache()
-        for idx in range(keys.shape[0]):
-            cache.update(keys[idx].unsqueeze(0), values[idx].unsqueeze(0), idx)
-        return cache
+    def buffers(self, capacity: int, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialized ``[layers, heads, capacity, dim]`` K and V buffers."""
+        shape = (layers or self.num_layers, self.layout.kv_heads, capacity, self.layout.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return keys, torch.empty_like(keys)
+
+    @staticmethod
+    def cache_over(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
+        """A cache over ``[layers, heads, capacity, dim]`` buffers holding ``length`` tokens."""
+        return BufferedCache(keys.shape[0], keys.shape[2], keys, values, length)
 
     @staticmethod
     def cache_tensors(cache: DynamicCache, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

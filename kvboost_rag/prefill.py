@@ -23,10 +23,10 @@ import torch
 from transformers import DynamicCache
 
 from kvboost_rag.blend import kv_deviation, leading_tokens, recompute_budget, select_by_deviation, select_document_starts
-from kvboost_rag.cache_manager import CacheManager, PrefixPiece
+from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock
-from kvboost_rag.model_adapter import ModelAdapter, StitchedCache
+from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, align_tokens
 
 logger = logging.getLogger(__name__)
@@ -80,20 +80,23 @@ class Prefiller:
         self.cache = cache
         self.settings = settings
 
-    def full(self, prompt: TokenizedPrompt) -> PrefillOutcome:
-        """Plain prefill of every token (the baseline)."""
+    def full(self, prompt: TokenizedPrompt, extra: int) -> PrefillOutcome:
+        """Plain prefill of every token (the baseline); ``extra`` tokens of room for decoding."""
         n = len(prompt.ids)
-        kv = self.adapter.empty_cache()
+        kv = self.adapter.new_cache(n + extra)
         logits = self.adapter.forward(torch.tensor(prompt.ids), torch.arange(n), kv)
         return PrefillOutcome(logits=logits, cache=kv, live_tokens=n, exact_until=n, strategy="full")
 
-    def with_reuse(self, prompt: TokenizedPrompt, documents: list[DocumentRecord], allow_content: bool) -> PrefillOutcome:
+    def with_reuse(
+        self, prompt: TokenizedPrompt, documents: list[DocumentRecord], allow_content: bool, extra: int
+    ) -> PrefillOutcome:
         """Prefill reusing cached prefix chunks and (if allowed) cached documents.
 
         Args:
             prompt: The tokenized prompt.
             documents: Documents the caller says are in the prompt.
             allow_content: Whether document K/V may be moved to new positions.
+            extra: Tokens of room to reserve in the cache for decoding.
         """
         n = len(prompt.ids)
         pieces = self.cache.match_prefix(prompt.ids, limit=n - 1)
@@ -105,22 +108,24 @@ class Prefiller:
             occurrences = self.cache.registry.find(prompt.text, documents, start=char_start)
             hits = self._content_hits(prompt, occurrences, h)
         merged = sum(o.merged_tokens for o in occurrences)
+        keys, values = self.adapter.buffers(n + extra)
+        for piece in pieces:
+            end = piece.start + piece.length
+            keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+            values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         if not hits:
-            outcome = self._exact(prompt, pieces, h)
+            outcome = self._exact(prompt, keys, values, h)
         else:
-            outcome = self._blend(prompt, pieces, h, occurrences, hits)
+            outcome = self._blend(prompt, keys, values, h, hits)
         outcome.occurrences = occurrences
         outcome.merged_tokens = merged
         return outcome
 
     # ------------------------------------------------------------------ exact path
-    def _exact(self, prompt: TokenizedPrompt, pieces: list[PrefixPiece], h: int) -> PrefillOutcome:
+    def _exact(self, prompt: TokenizedPrompt, keys: torch.Tensor, values: torch.Tensor, h: int) -> PrefillOutcome:
+        """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
         n = len(prompt.ids)
-        if h:
-            keys, values = _concat_prefix(pieces)
-            kv = self.adapter.cache_from(keys, values)
-        else:
-            kv = self.adapter.empty_cache()
+        kv = self.adapter.cache_over(keys, values, h)
         logits = self.adapter.forward(torch.tensor(prompt.ids[h:]), torch.arange(h, n), kv)
         return PrefillOutcome(
             logits=logits, cache=kv, prefix_tokens=h, live_tokens=n - h, exact_until=n, strategy="exact" if h else "full"
@@ -162,22 +167,19 @@ class Prefiller:
     def _blend(
         self,
         prompt: TokenizedPrompt,
-        pieces: list[PrefixPiece],
+        keys: torch.Tensor,
+        values: torch.Tensor,
         h: int,
-        occurrences: list[DocumentOccurrence],
         hits: dict[str, ContentHit],
     ) -> PrefillOutcome:
+        """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
+
+        ``keys``/``values`` are ``[layers, heads, capacity, dim]`` buffers holding the prefix;
+        every other prompt position is written here or by the model call (cached rows below,
+        computed rows by the scatter), so the buffers need no zero-filling.
+        """
         adapter = self.adapter
         n = len(prompt.ids)
-        layers, heads, dim = adapter.layout.as_tuple()
-        # Every position is written below: prefix rows, cached rows, and (in the model call)
-        # every computed position; no need to zero-fill.
-        keys = torch.empty(layers, heads, n, dim, dtype=adapter.dtype, device=adapter.device)
-        values = torch.empty_like(keys)
-        for piece in pieces:
-            end = piece.start + piece.length
-            keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
-            values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         cached = torch.zeros(n, dtype=torch.bool)
         for hit in hits.values():
             for row, position, length in _spans(hit.rows, hit.positions):
@@ -191,7 +193,7 @@ class Prefiller:
         budget = recompute_budget(int(content_positions.numel()), self.settings.recompute_ratio)
         strategy = self.settings.recompute_strategy
         if strategy == "cacheblend":
-            recompute = self._select_cacheblend(prompt, pieces, h, keys, values, content_positions, budget)
+            recompute = self._select_cacheblend(prompt, h, keys, values, content_positions, budget)
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
@@ -204,7 +206,7 @@ class Prefiller:
         compute[n - 1] = True
         positions = compute.nonzero().view(-1)
 
-        stitched = _stitched_cache(keys, values)
+        stitched = adapter.cache_over(keys, values, n)
         stitched.arm(positions.to(adapter.device))
         mask = adapter.causal_mask(positions, n)
         logits = adapter.forward(torch.tensor(prompt.ids)[positions], positions, stitched, attention_mask=mask)
@@ -224,25 +226,24 @@ class Prefiller:
     def _select_cacheblend(
         self,
         prompt: TokenizedPrompt,
-        pieces: list[PrefixPiece],
         h: int,
         keys: torch.Tensor,
         values: torch.Tensor,
         content_positions: torch.Tensor,
         budget: int,
     ) -> torch.Tensor:
-        """Fresh K/V for layers ``<= check_layer`` (written into ``keys``/``values``), and the
-        ``budget`` content tokens deviating most at ``check_layer``."""
+        """Recompute layers ``<= check_layer`` for every token after the prefix, in place in
+        ``keys``/``values`` (those layers become exact), and return the ``budget`` cached
+        tokens whose K/V deviated most at ``check_layer``."""
         adapter = self.adapter
         n = len(prompt.ids)
         check = min(self.settings.check_layer, adapter.num_layers - 1)
-        kv = adapter.cache_from(keys[: check + 1, :, :h], values[: check + 1, :, :h]) if h else adapter.empty_cache()
-        adapter.forward_until_layer(torch.tensor(prompt.ids[h:]), torch.arange(h, n), kv, check)
         cached_k = keys[check][:, content_positions].clone()
         cached_v = values[check][:, content_positions].clone()
-        for layer in range(check + 1):
-            keys[layer, :, h:] = kv.layers[layer].keys[0, :, h:]
-            values[layer, :, h:] = kv.layers[layer].values[0, :, h:]
+        # A cache over the first check+1 layers of the same buffers: the partial pass appends
+        # the fresh K/V of positions h..n-1 right where the stitched rows were.
+        partial = adapter.cache_over(keys[: check + 1], values[: check + 1], h)
+        adapter.forward_until_layer(torch.tensor(prompt.ids[h:]), torch.arange(h, n), partial, check)
         if budget == 0:
             return content_positions[:0]
         deviation = kv_deviation(keys[check][:, content_positions], values[check][:, content_positions], cached_k, cached_v)
@@ -261,16 +262,6 @@ def _spans(rows: list[int], positions: list[int]) -> list[tuple[int, int, int]]:
                 continue
         spans.append((row, position, 1))
     return spans
-
-
-def _concat_prefix(pieces: list[PrefixPiece]) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
-    values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
-    return keys, values
-
-
-def _stitched_cache(keys: torch.Tensor, values: torch.Tensor) -> StitchedCache:
-    return StitchedCache([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values])
 
 
 def _runs(positions: torch.Tensor) -> list[torch.Tensor]:

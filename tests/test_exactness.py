@@ -67,7 +67,7 @@ def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family):
     n = ids.numel()
 
     def layer0_keys(offset: int) -> torch.Tensor:
-        cache = adapter.empty_cache()
+        cache = adapter.new_cache(n)
         adapter.forward_until_layer(ids, torch.arange(offset, offset + n), cache, 0)
         return cache.layers[0].keys[0]
 
