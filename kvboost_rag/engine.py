@@ -20,6 +20,7 @@ from kvboost_rag.hashing import text_digest
 from kvboost_rag.generate import SamplingParams, TextAssembler, make_generator, sample_token
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.prefill import PrefillOutcome, Prefiller, TokenizedPrompt
+from kvboost_rag.segments import ANCHOR_CHARS
 from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, WarmResult
 from kvboost_rag.storage import build_store
 
@@ -42,6 +43,12 @@ class GenerationStream:
 
     def __next__(self) -> str:
         return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding early (the result stays ``None``)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
 
 
 class KVBoost:
@@ -229,6 +236,14 @@ class KVBoost:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise InvalidInputError(f"document {i} is empty; every document needs text")
+        short = sum(1 for text in texts if len(text) < ANCHOR_CHARS)
+        if short:
+            logger.warning(
+                "%d document(s) shorter than %d characters are cached but found in prompts only "
+                "when passed to generate(documents=...)",
+                short,
+                ANCHOR_CHARS,
+            )
         progress = self.settings.show_progress if show_progress is None else show_progress
         lead = self._lead_in_cache()
         results = []

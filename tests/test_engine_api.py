@@ -198,3 +198,13 @@ def test_first_token_logits_only_on_request(engine):
     assert engine.generate("abc def", max_new_tokens=1).first_token_logits is None
     logits = engine.generate("abc def", max_new_tokens=1, return_logits=True).first_token_logits
     assert isinstance(logits, torch.Tensor) and logits.shape == (len(engine.tokenizer),)
+
+
+def test_closing_a_stream_stops_decoding(engine):
+    stream = engine.stream("The value of the expression", max_new_tokens=50)
+    first = next(stream)
+    assert isinstance(first, str)
+    stream.close()
+    with pytest.raises(StopIteration):
+        next(stream)
+    assert stream.result is None

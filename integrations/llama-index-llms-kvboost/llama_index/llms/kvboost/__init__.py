@@ -1,0 +1,15 @@
+"""LlamaIndex integration of kvboost-rag: an LLM that reuses K/V, and prewarm at ingest."""
+
+from llama_index.llms.kvboost.background import BackgroundWarmer
+from llama_index.llms.kvboost.base import KVBoostLLM
+from llama_index.llms.kvboost.prewarm import KVBoostPrewarm, PrewarmStats, node_prompt_text
+from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+__all__ = [
+    "BackgroundWarmer",
+    "KVBoostLLM",
+    "KVBoostPrewarm",
+    "KVBoostRetrievalWarmer",
+    "PrewarmStats",
+    "node_prompt_text",
+]

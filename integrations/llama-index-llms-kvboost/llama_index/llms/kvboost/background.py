@@ -1,0 +1,186 @@
+"""Warming documents on a worker thread without delaying answers.
+
+The engine runs one model call at a time, so a warm running while an answer is being
+generated would hold the answer up. :class:`BackgroundWarmer` therefore
+
+* hands queued documents that an answer's prompt already contains to that answer
+  (``claim``), which passes them to ``generate(documents=...)``: the engine stores their K/V
+  from the prefill the answer does anyway, at no extra model cost;
+* warms what is left only while no answer is in flight and none has been for
+  ``idle_seconds``, one document at a time, so an answer that starts meanwhile waits for at
+  most one document's warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvboost_rag import KVBoost
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundWarmer:
+    """A queue of documents warmed on a daemon thread while the engine is idle.
+
+    Args:
+        engine: The engine to warm documents on.
+        idle_seconds: Quiet time after the last answer (or submission) before warming starts.
+        max_pending: Queue bound; the oldest entries are dropped beyond it.
+    """
+
+    def __init__(self, engine: KVBoost, idle_seconds: float = 0.5, max_pending: int = 4096) -> None:
+        if idle_seconds < 0:
+            raise ValueError(f"idle_seconds must be >= 0, got {idle_seconds}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self._engine = engine
+        self._idle_seconds = float(idle_seconds)
+        self._max_pending = max_pending
+        self._pending: OrderedDict[str, None] = OrderedDict()
+        self._cond = threading.Condition()
+        self._active_answers = 0
+        self._last_activity = time.monotonic()
+        self._warming = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.warmed_documents = 0
+        self.claimed_documents = 0
+        self.failed_documents = 0
+
+    @property
+    def pending(self) -> int:
+        """Documents queued and not yet warmed or claimed."""
+        with self._cond:
+            return len(self._pending)
+
+    def submit(self, texts: Iterable[str]) -> int:
+        """Queue documents for warming.
+
+        Args:
+            texts: Document texts exactly as prompts will contain them.
+
+        Returns:
+            How many were newly queued.
+        """
+        added = 0
+        with self._cond:
+            if self._closed:
+                return 0
+            for text in texts:
+                if text and text not in self._pending:
+                    self._pending[text] = None
+                    added += 1
+            while len(self._pending) > self._max_pending:
+                dropped, _ = self._pending.popitem(last=False)
+                logger.debug("background warm queue full; dropped a %d-char document", len(dropped))
+            self._last_activity = time.monotonic()
+            if added:
+                self._ensure_worker()
+                self._cond.notify_all()
+        return added
+
+    def claim(self, prompt: str) -> list[str]:
+        """Take the queued documents that ``prompt`` contains whole.
+
+        Args:
+            prompt: The prompt an answer is about to be generated from.
+
+        Returns:
+            The claimed texts (removed from the queue), in queue order.
+        """
+        with self._cond:
+            claimed = [text for text in self._pending if text in prompt]
+            for text in claimed:
+                del self._pending[text]
+            self.claimed_documents += len(claimed)
+        return claimed
+
+    def answer_started(self) -> None:
+        """Mark an answer in flight: no warm starts until it finishes."""
+        with self._cond:
+            self._active_answers += 1
+            self._last_activity = time.monotonic()
+
+    def answer_finished(self) -> None:
+        """Mark an answer done; warming may resume after ``idle_seconds``."""
+        with self._cond:
+            self._active_answers = max(0, self._active_answers - 1)
+            self._last_activity = time.monotonic()
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the queue is empty and no warm is running.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits as long as it takes.
+
+        Returns:
+            ``True`` if the warmer went idle, ``False`` on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._warming:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop the worker; queued documents are dropped.
+
+        Args:
+            timeout: Seconds to wait for a warm in progress to finish.
+        """
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="kvboost-background-warm", daemon=True)
+            self._thread.start()
+
+    def _next_text(self) -> str | None:
+        """Wait until warming may start; pop the next document (``None`` once closed)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._pending and self._active_answers == 0:
+                    quiet = time.monotonic() - self._last_activity
+                    if quiet >= self._idle_seconds:
+                        text, _ = self._pending.popitem(last=False)
+                        self._warming = True
+                        return text
+                    self._cond.wait(self._idle_seconds - quiet)
+                else:
+                    self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            text = self._next_text()
+            if text is None:
+                return
+            try:
+                if not self._engine.is_document_warm(text):
+                    self._engine.warm_documents([text], show_progress=False)
+                    self.warmed_documents += 1
+            except Exception:  # noqa: BLE001 - a failed warm must never reach the answer path
+                self.failed_documents += 1
+                logger.warning("background warm of a %d-char document failed", len(text), exc_info=True)
+            finally:
+                with self._cond:
+                    self._warming = False
+                    self._cond.notify_all()

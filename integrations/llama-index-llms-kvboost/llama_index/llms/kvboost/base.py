@@ -1,0 +1,603 @@
+"""``KVBoostLLM``: a LlamaIndex LLM on a local HuggingFace causal LM that reuses K/V.
+
+It answers like ``HuggingFaceLLM`` but runs through a ``kvboost_rag.KVBoost`` engine: the
+shared beginning of prompts (system turn) is served by prefix hash, retrieved documents that
+were warmed (``KVBoostPrewarm``) are served by content hash wherever they land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from llama_index.llms.kvboost.background import BackgroundWarmer
+from llama_index.llms.kvboost.formatting import chat_shared_beginning, message_dicts, text_shared_beginning
+
+if TYPE_CHECKING:
+    from kvboost_rag import GenerationResult, KVBoost, WarmResult
+    from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Generation keywords a call may override, and the engine keyword each maps to.
+_CALL_KEYWORDS = {
+    "max_new_tokens": "max_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "reuse": "reuse",
+}
+
+#: Distinct shared beginnings remembered as warm (the engine pins each one it warms).
+MAX_REMEMBERED_PREFIXES = 64
+
+_DONE = object()
+
+
+class KVBoostLLM(CustomLLM):
+    """LlamaIndex LLM backed by the KVBoost reuse engine.
+
+    Build it from an engine, a local model folder, a loaded model and tokenizer, or nothing
+    (the embedded SmolLM2-135M-Instruct). Prompts go through the model's chat template;
+    the template's system turn is warmed once and then hits by prefix hash. Each response's
+    ``raw`` holds ``usage`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``) and
+    the engine's timing and reuse figures (``ttft_ms``, ``kv_reuse_ratio``, ...).
+
+    Examples:
+        ```python
+        from llama_index.core import Settings
+        from llama_index.llms.kvboost import KVBoostLLM
+
+        llm = KVBoostLLM(max_new_tokens=128)  # embedded default model
+        Settings.llm = llm
+        print(llm.complete("What does the 'with' statement do?").raw["ttft_ms"])
+        ```
+    """
+
+    model_name: str = Field(description="Name of the model the engine runs.")
+    model_path: str | None = Field(
+        default=None,
+        description="Local model folder the engine was loaded from; None for the embedded model or a given engine.",
+    )
+    context_window: int = Field(
+        gt=0,
+        description=(
+            "Tokens prompt plus answer may take, as synthesizers budget them. Defaults to the "
+            "model's maximum; set it lower to make synthesizers pack fewer tokens per call."
+        ),
+    )
+    max_new_tokens: int = Field(
+        default=256, gt=0, description="Most tokens generated per call (LlamaIndex num_output)."
+    )
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (used when temperature > 0).")
+    seed: int | None = Field(default=None, description="Seed for sampling; None leaves the generator as is.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end generation; the output is cut before them."
+    )
+    reuse: bool = Field(
+        default=True,
+        description="Reuse cached K/V. False runs a full prefill on every call (the baseline to compare with).",
+    )
+    is_chat_model: bool = Field(
+        default=True,
+        description=(
+            "Whether LlamaIndex sends chat messages (rendered with the model's chat template). "
+            "Defaults to whether the tokenizer has a chat template."
+        ),
+    )
+    warm_shared_beginning: bool = Field(
+        default=True,
+        description="Warm the shared beginning of prompts (the system turn) so later prompts hit it by prefix hash.",
+    )
+
+    _engine: Any = PrivateAttr()
+    _model: Any = PrivateAttr()
+    _tokenizer: Any = PrivateAttr()
+    _has_chat_template: bool = PrivateAttr(default=False)
+    _custom_messages_to_prompt: bool = PrivateAttr(default=False)
+    _custom_completion_to_prompt: bool = PrivateAttr(default=False)
+    _warm_prefixes: OrderedDict = PrivateAttr(default_factory=OrderedDict)
+    _prefix_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _warmers: list = PrivateAttr(default_factory=list)
+
+    def __init__(
+        self,
+        engine: KVBoost | None = None,
+        model_path: str | None = None,
+        model: Any | None = None,
+        tokenizer: Any | None = None,
+        engine_settings: dict[str, Any] | None = None,
+        context_window: int | None = None,
+        is_chat_model: bool | None = None,
+        set_global_tokenizer: bool = True,
+        messages_to_prompt: Callable[[Sequence[ChatMessage]], str] | None = None,
+        completion_to_prompt: Callable[[str], str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Build the LLM and, unless given one, its engine.
+
+        Args:
+            engine: A ready ``KVBoost`` engine.
+            model_path: Local HuggingFace model folder to load (instead of ``engine``).
+            model: A loaded causal LM (with ``tokenizer``; instead of ``engine``).
+            tokenizer: The fast tokenizer of ``model``.
+            engine_settings: ``KVBoostSettings`` fields for an engine built here
+                (``recompute_ratio``, ``kv_cache_bits``, ``disk_cache_dir``, ...).
+            context_window: Token budget for synthesizers; at most the model's maximum.
+            is_chat_model: Send chat messages; defaults to whether a chat template exists.
+            set_global_tokenizer: Make the model's tokenizer LlamaIndex's global tokenizer so
+                ``PromptHelper`` and chat-message estimates budget the model's real tokens
+                (tiktoken's counts differ from this model's).
+            messages_to_prompt: Custom chat rendering (default: the model's chat template).
+            completion_to_prompt: Custom completion rendering (default: a user turn of the
+                chat template, or the plain prompt when the model has none).
+            **kwargs: Other fields (``max_new_tokens``, ``temperature``, ``system_prompt``,
+                ``callback_manager``, ...).
+
+        Raises:
+            ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
+            kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
+        """
+        resolved = _build_engine(engine, model_path, model, tokenizer, engine_settings)
+        model_max = int(resolved.context_window)
+        window = model_max if context_window is None else int(context_window)
+        if window > model_max:
+            raise ValueError(
+                f"context_window={window} exceeds the model's maximum of {model_max} positions; "
+                f"pass context_window<={model_max} or leave it unset"
+            )
+        has_template = bool(getattr(resolved.tokenizer, "chat_template", None))
+        if is_chat_model is None:
+            is_chat_model = has_template or messages_to_prompt is not None
+        super().__init__(
+            model_name=resolved.model_name,
+            model_path=None if model_path is None else str(model_path),
+            context_window=window,
+            is_chat_model=is_chat_model,
+            messages_to_prompt=messages_to_prompt,
+            completion_to_prompt=completion_to_prompt,
+            **kwargs,
+        )
+        if self.max_new_tokens >= self.context_window:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
+                f"context_window={self.context_window}"
+            )
+        self._engine = resolved
+        self._model = resolved.model
+        self._tokenizer = resolved.tokenizer
+        self._custom_messages_to_prompt = messages_to_prompt is not None
+        self._custom_completion_to_prompt = completion_to_prompt is not None
+        self._has_chat_template = has_template
+        # Like HuggingFaceLLM: the public callables give the exact text sent to the model.
+        scheme = "chat template" if has_template else "role: content rendering"
+        if not self._custom_messages_to_prompt:
+            self.messages_to_prompt = _Formatter(self._default_messages_to_prompt, scheme)
+        if not self._custom_completion_to_prompt:
+            self.completion_to_prompt = _Formatter(self._default_completion_to_prompt, f"{scheme}, user turn")
+        if set_global_tokenizer:
+            from llama_index.core import Settings
+
+            Settings.tokenizer = self.model_tokenizer_fn
+            logger.info("LlamaIndex global tokenizer set to the tokenizer of %s", self.model_name)
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Class name used in serialization."""
+        return "KVBoostLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window, num_output, model name and chat mode, as synthesizers use them."""
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_new_tokens,
+            model_name=self.model_name,
+            is_chat_model=self.is_chat_model,
+            is_function_calling_model=False,
+        )
+
+    @property
+    def engine(self) -> KVBoost:
+        """The ``KVBoost`` engine (cache statistics, warming, direct generation)."""
+        return self._engine
+
+    @property
+    def model_tokenizer_fn(self) -> Callable[[str], list[int]]:
+        """``text -> token ids`` with the model's tokenizer (no special tokens added).
+
+        For ``Settings.tokenizer``, ``PromptHelper(tokenizer=...)`` or
+        ``TokenCountingHandler(tokenizer=...)``.
+        """
+        return partial(self._tokenizer.encode, add_special_tokens=False)
+
+    def warm_prefix(self, text: str) -> WarmResult:
+        """Warm a shared beginning (e.g. a fixed instruction block) for prefix-hash hits.
+
+        Args:
+            text: Text later prompts start with, exactly.
+
+        Returns:
+            The engine's ``WarmResult``.
+        """
+        result = self._engine.warm(text)
+        self._remember_prefix(text)
+        return result
+
+    def enable_retrieval_warming(self, idle_seconds: float = 0.5) -> KVBoostRetrievalWarmer:
+        """Register a retrieval-end handler that warms retrieved nodes not yet warm.
+
+        Args:
+            idle_seconds: Quiet time after the last answer before background warming starts.
+
+        Returns:
+            The attached handler (call ``detach()`` to stop it).
+        """
+        from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+        return KVBoostRetrievalWarmer(llm=self, idle_seconds=idle_seconds).attach()
+
+    def attach_background_warmer(self, warmer: BackgroundWarmer) -> None:
+        """Let ``warmer`` see this LLM's answers (claims and busy periods)."""
+        if warmer not in self._warmers:
+            self._warmers.append(warmer)
+
+    def detach_background_warmer(self, warmer: BackgroundWarmer) -> None:
+        """Stop reporting answers to ``warmer``."""
+        if warmer in self._warmers:
+            self._warmers.remove(warmer)
+
+    # -- prompt rendering -------------------------------------------------------------------
+
+    def _render_messages(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self._custom_messages_to_prompt:
+            return self.messages_to_prompt(messages)  # type: ignore[misc]
+        if self._has_chat_template:
+            return self._engine.apply_chat_template(
+                message_dicts(messages), add_generation_prompt=add_generation_prompt
+            )
+        return generic_messages_to_prompt(messages)
+
+    def _default_messages_to_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt ``chat`` sends for ``messages``: the model's chat template rendering."""
+        return self._render_messages(messages, True)
+
+    def _default_completion_to_prompt(self, prompt: str) -> str:
+        """The prompt ``complete`` sends for an unformatted ``prompt``."""
+        return self._completion_prompt(prompt, formatted=False, reuse=False)[0]
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage], reuse: bool) -> tuple[str, str | None]:
+        if not messages:
+            raise ValueError("chat needs at least one message")
+        prompt = self._render_messages(messages)
+        shared = None
+        if reuse and self.warm_shared_beginning:
+            shared = chat_shared_beginning(messages, prompt, self._render_messages, self._engine.token_ids)
+        return prompt, shared
+
+    def _completion_prompt(self, prompt: str, formatted: bool, reuse: bool) -> tuple[str, str | None]:
+        if not formatted:
+            if self._custom_completion_to_prompt:
+                prompt = self.completion_to_prompt(prompt)  # type: ignore[misc]
+            elif self._has_chat_template or self._custom_messages_to_prompt:
+                messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
+                if self.system_prompt:
+                    messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
+                return self._chat_prompt(messages, reuse)
+            elif self.system_prompt:
+                prompt = f"{self.system_prompt}\n\n{prompt}"
+        shared = None
+        if reuse and self.warm_shared_beginning:
+            shared = text_shared_beginning(self.system_prompt, prompt, self._engine.token_ids)
+        return prompt, shared
+
+    # -- generation core --------------------------------------------------------------------
+
+    def _call_params(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(overrides) - set(_CALL_KEYWORDS))
+        if unknown:
+            raise TypeError(f"unsupported generation keyword(s) {unknown}; accepted: {sorted(_CALL_KEYWORDS)}")
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop) or None,
+            "reuse": self.reuse,
+        }
+        for key, value in overrides.items():
+            params[_CALL_KEYWORDS[key]] = value
+        return params
+
+    def _remember_prefix(self, text: str) -> None:
+        with self._prefix_lock:
+            self._warm_prefixes[text] = None
+            self._warm_prefixes.move_to_end(text)
+            while len(self._warm_prefixes) > MAX_REMEMBERED_PREFIXES:
+                self._warm_prefixes.popitem(last=False)
+
+    def _ensure_prefix_warm(self, text: str) -> float:
+        """Warm ``text`` once; returns the milliseconds spent (0 when it was warm)."""
+        from kvboost_rag import KVBoostError
+
+        with self._prefix_lock:
+            if text in self._warm_prefixes:
+                self._warm_prefixes.move_to_end(text)
+                return 0.0
+        try:
+            result = self._engine.warm(text)
+        except KVBoostError as exc:
+            logger.warning("could not warm the shared beginning (%d chars): %s", len(text), exc)
+            return 0.0
+        self._remember_prefix(text)
+        logger.debug("warmed shared beginning: %d tokens, already warm: %s", result.num_tokens, result.already_warm)
+        return 0.0 if result.already_warm else float(result.elapsed_ms)
+
+    @contextmanager
+    def _answer(self, prompt: str) -> Iterator[list[str]]:
+        """Mark an answer in flight for background warmers; yields documents they hand over."""
+        warmers = list(self._warmers)
+        for warmer in warmers:
+            warmer.answer_started()
+        try:
+            yield [text for warmer in warmers for text in warmer.claim(prompt)]
+        finally:
+            for warmer in warmers:
+                warmer.answer_finished()
+
+    def _raw(self, result: GenerationResult, prefix_warm_ms: float) -> dict[str, Any]:
+        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
+        usage = {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.generated_tokens,
+            "total_tokens": result.prompt_tokens + result.generated_tokens,
+            "cached_tokens": result.cached_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        }
+        return {**metrics, "usage": usage, "model": self.model_name, "shared_beginning_warm_ms": prefix_warm_ms}
+
+    def _generate(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponse:
+        params = self._call_params(overrides)
+        with self._answer(prompt) as documents:
+            warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+            result = self._engine.generate(prompt, documents=documents or None, **params)
+        logger.debug(
+            "generated %d tokens: ttft %.1f ms, reuse %.2f",
+            result.generated_tokens,
+            result.ttft_ms,
+            result.kv_reuse_ratio,
+        )
+        return CompletionResponse(text=result.output_text, raw=self._raw(result, warm_ms))
+
+    def _stream(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponseGen:
+        params = self._call_params(overrides)
+
+        def gen() -> CompletionResponseGen:
+            with self._answer(prompt) as documents:
+                warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+                stream = self._engine.stream(prompt, documents=documents or None, **params)
+                text = ""
+                try:
+                    for piece in stream:
+                        text += piece
+                        yield CompletionResponse(text=text, delta=piece)
+                finally:
+                    close = getattr(stream, "close", None)
+                    if callable(close):
+                        close()
+                result = stream.result
+            # The last response carries the usage and timing (known once the stream ended).
+            yield CompletionResponse(text=result.output_text, delta="", raw=self._raw(result, warm_ms))
+
+        return gen()
+
+    def _reuse_of(self, overrides: dict[str, Any]) -> bool:
+        return bool(overrides.get("reuse", self.reuse))
+
+    # -- LlamaIndex LLM interface -----------------------------------------------------------
+
+    def _complete_sync(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
+        return self._generate(full, shared, kwargs)
+
+    def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
+        return _as_chat(self._generate(prompt, shared, kwargs))
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete ``prompt``.
+
+        Args:
+            prompt: The prompt. Unless ``formatted``, it becomes the user turn of the chat
+                template (after the system prompt), or ``completion_to_prompt`` renders it.
+            formatted: ``prompt`` is final text; send it as is.
+            **kwargs: Per-call ``max_new_tokens`` (or ``max_tokens``), ``temperature``,
+                ``top_p``, ``seed``, ``stop``, ``reuse``.
+
+        Returns:
+            The completion; ``raw`` holds usage, timing and reuse figures.
+        """
+        return self._complete_sync(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Stream the completion of ``prompt``; the last response (empty delta) carries ``raw``."""
+        full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
+        return self._stream(full, shared, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer a conversation rendered with the model's chat template."""
+        return self._chat_sync(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Stream the answer to a conversation; the last response carries ``raw``."""
+        prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
+        return _as_chat_stream(self._stream(prompt, shared, kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Async ``complete``: rendering and generation run in a worker thread."""
+        return await _to_thread(self._complete_sync, prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        """Async ``stream_complete``: tokens are produced in a worker thread."""
+
+        def make() -> CompletionResponseGen:
+            full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
+            return self._stream(full, shared, kwargs)
+
+        return _iterate_in_thread(make)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Async ``chat``: rendering and generation run in a worker thread."""
+        return await _to_thread(self._chat_sync, messages, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """Async ``stream_chat``: tokens are produced in a worker thread."""
+
+        def make() -> ChatResponseGen:
+            prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
+            return _as_chat_stream(self._stream(prompt, shared, kwargs))
+
+        return _iterate_in_thread(make)
+
+
+class _Formatter:
+    """A prompt-formatting callable whose repr does not recurse into the LLM that owns it."""
+
+    def __init__(self, fn: Callable[..., str], description: str) -> None:
+        self._fn = fn
+        self._description = description
+
+    def __call__(self, *args: Any) -> str:
+        return self._fn(*args)
+
+    def __repr__(self) -> str:
+        return f"<KVBoostLLM {self._description}>"
+
+
+def _build_engine(
+    engine: KVBoost | None,
+    model_path: str | None,
+    model: Any | None,
+    tokenizer: Any | None,
+    engine_settings: dict[str, Any] | None,
+) -> KVBoost:
+    """The engine from exactly one source: an engine, a folder, a model, or the default."""
+    sources = [
+        name for name, value in (("engine", engine), ("model_path", model_path), ("model", model)) if value is not None
+    ]
+    if len(sources) > 1:
+        raise ValueError(f"pass only one of engine=, model_path=, model= (got {', '.join(sources)})")
+    if (model is None) != (tokenizer is None):
+        raise ValueError("model= and tokenizer= go together")
+    if engine is not None:
+        if engine_settings:
+            raise ValueError("engine_settings apply to an engine built here; configure the given engine instead")
+        return engine
+    from kvboost_rag import KVBoost
+
+    settings = dict(engine_settings or {})
+    if model is not None:
+        return KVBoost.from_model(model, tokenizer, **settings)
+    if model_path is not None:
+        return KVBoost.from_pretrained(str(model_path), **settings)
+    return KVBoost.from_pretrained(**settings)
+
+
+def _as_chat(response: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        delta=response.delta,
+        raw=response.raw,
+    )
+
+
+def _as_chat_stream(responses: CompletionResponseGen) -> ChatResponseGen:
+    for response in responses:
+        yield _as_chat(response)
+
+
+async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.to_thread(fn, *args)
+
+
+async def _iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncGenerator[T, None]:
+    """Drive a blocking iterator in a worker thread and yield its items on the event loop.
+
+    Leaving the ``async for`` early stops the worker after its current item.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def post(item: Any, error: BaseException | None = None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # the loop closed while the worker ran
+            stop.set()
+
+    def pump() -> None:
+        try:
+            iterator = make()
+            try:
+                for item in iterator:
+                    if stop.is_set():
+                        break
+                    post(item)
+            finally:
+                close = getattr(iterator, "close", None)
+                if callable(close):
+                    close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
+            post(_DONE, exc)
+            return
+        post(_DONE)
+
+    context = contextvars.copy_context()
+    worker = loop.run_in_executor(None, context.run, pump)
+    try:
+        while True:
+            item, error = await queue.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                break
+            yield item
+    finally:
+        stop.set()
+        await asyncio.shield(worker)

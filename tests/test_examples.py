@@ -1,0 +1,62 @@
+"""Every example script runs as is on the embedded model (small settings to stay quick)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_quickstart():
+    out = run_example("quickstart.py", "--doc-chars", "300", "--max-new-tokens", "6")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TTFT with reuse" in out.stdout
+    reused = [line for line in out.stdout.splitlines() if line.startswith("reused")]
+    assert reused and "document tokens (re-rotated)" in reused[0]
+    assert not reused[0].startswith("reused 0%")
+
+
+def test_verify_correctness_passes_at_full_recompute():
+    out = run_example(
+        "verify_correctness.py", "--prompts", "2", "--docs-per-prompt", "2", "--max-new-tokens", "4", "--recompute-ratio", "1.0"
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "PASSED" in out.stdout
+    assert out.stdout.count("| yes | yes |") == 2
+
+
+def test_prewarm_store_serves_a_fresh_process_from_disk(tmp_path):
+    out = run_example("prewarm_store.py", "--docs", "6", "--new-tokens", "4", "--store-dir", str(tmp_path / "store"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert any(tmp_path.joinpath("store").iterdir())
+
+
+def test_langchain_rag_example():
+    out = run_example("langchain_rag.py", "--question", "What does the pass statement do?", "--k", "2", "--max-chars", "300", "--max-new-tokens", "6")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "ms" in out.stdout
+
+
+def test_llamaindex_query_engine_example():
+    out = run_example(
+        "llamaindex_query_engine.py", "--question", "What does the pass statement do?", "--top-k", "2", "--max-chars", "300", "--max-new-tokens", "6"
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "ms" in out.stdout
