@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hashing import fingerprint_of
 
@@ -222,21 +223,38 @@ class ModelAdapter:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DynamicCache,
-        attention_mask: torch.Tensor | None = None,
+        sparse_queries: bool = False,
     ) -> torch.Tensor:
         """Run ``input_ids`` ``[n]`` at ``position_ids`` ``[n]`` on top of ``cache``.
+
+        Args:
+            input_ids: Tokens to run.
+            position_ids: Their positions (sorted).
+            cache: The cache to attend to and extend.
+            sparse_queries: The tokens sit at scattered positions of an armed
+                :class:`BufferedCache` that holds every prompt position; attention is made
+                causal by position (:mod:`kvboost_rag.attention`).
 
         Returns:
             Logits of the last input token, ``[vocab]`` float32.
         """
-        out = self.model(
+        call = dict(
             input_ids=input_ids.view(1, -1).to(self.device),
             position_ids=position_ids.view(1, -1).to(self.device),
             past_key_values=cache,
-            attention_mask=attention_mask,
             use_cache=True,
             logits_to_keep=1,
         )
+        if not sparse_queries:
+            return self.model(**call).logits[0, -1].float()
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTENTION_NAME
+        try:
+            with query_positions(position_ids):
+                out = self.model(**call)
+        finally:
+            config._attn_implementation = previous
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -285,14 +303,6 @@ class ModelAdapter:
         keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
         values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
         return keys, values
-
-    def causal_mask(self, query_positions: torch.Tensor, kv_length: int) -> torch.Tensor:
-        """Additive ``[1, 1, queries, kv_length]`` mask: each query sees keys at or before it."""
-        keys = torch.arange(kv_length, device=self.device)
-        allowed = keys.view(1, -1) <= query_positions.to(self.device).view(-1, 1)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask.view(1, 1, *allowed.shape)
 
     # ----------------------------------------------------------------- RoPE
     def rotate_keys(self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,8 +10,8 @@ logits plus a cache ready for decoding.
   into full-length tensors. CacheBlend runs the non-prefix tokens through the first
   ``check_layer + 1`` layers only (those layers become exact for every token), picks the
   cached tokens whose K/V deviates most at ``check_layer``, then runs only those plus the
-  live tokens through all layers, scattering their K/V into the stitched cache under a
-  custom causal mask. No pass over all cached tokens through the whole model.
+  live tokens through all layers, scattering their K/V into the stitched cache with
+  attention made causal by position. No pass over all cached tokens through the whole model.
 """
 
 from __future__ import annotations
@@ -208,8 +208,7 @@ class Prefiller:
 
         stitched = adapter.cache_over(keys, values, n)
         stitched.arm(positions.to(adapter.device))
-        mask = adapter.causal_mask(positions, n)
-        logits = adapter.forward(torch.tensor(prompt.ids)[positions], positions, stitched, attention_mask=mask)
+        logits = adapter.forward(torch.tensor(prompt.ids)[positions], positions, stitched, sparse_queries=True)
         first_content = int(content_positions[0]) if content_positions.numel() else n
         recomputed = int((cached & compute).sum())
         return PrefillOutcome(
