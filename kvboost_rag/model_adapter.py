@@ -143,7 +143,8 @@ class BufferedCache(DynamicCache):
     ) -> None:
         super().__init__()
         self.layer_class_to_replicate = None
-        if key_buffer is None or value_buffer is None:
+        self._shared = (key_buffer, value_buffer) if key_buffer is not None and value_buffer is not None else None
+        if self._shared is None:
             self.layers = [BufferedLayer(None, None, 0, capacity) for _ in range(num_layers)]
         else:
             self.layers = [
@@ -154,6 +155,19 @@ class BufferedCache(DynamicCache):
         """Arm every layer to scatter the next update into ``positions``."""
         for layer in self.layers:
             layer.arm(positions)
+
+    def shared_view(self, start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[layers, heads, tokens, dim]`` views of tokens ``[start, end)`` if every layer still
+        writes into the buffer the cache was built over (no layer had to grow)."""
+        if self._shared is None:
+            return None
+        keys, values = self._shared
+        for i, layer in enumerate(self.layers):
+            if layer._key_buffer is None or layer._key_buffer.data_ptr() != keys[i].data_ptr():
+                return None
+        length = self.layers[0]._length
+        stop = length if end is None else min(end, length)
+        return keys[:, :, start:stop], values[:, :, start:stop]
 
 
 class ModelAdapter:
@@ -299,7 +313,15 @@ class ModelAdapter:
 
     @staticmethod
     def cache_tensors(cache: DynamicCache, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stack a cache's K/V for tokens ``[start, end)`` into ``[layers, heads, tokens, dim]``."""
+        """A cache's K/V for tokens ``[start, end)`` as ``[layers, heads, tokens, dim]``.
+
+        A view (no copy) when the cache still lives in the one buffer it was built over;
+        callers that keep the result must clone it.
+        """
+        if isinstance(cache, BufferedCache):
+            shared = cache.shared_view(start, end)
+            if shared is not None:
+                return shared
         keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
         values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
         return keys, values
