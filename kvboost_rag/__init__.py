@@ -15,7 +15,13 @@ from kvboost_rag.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, PromptCheck, WarmResult
+from kvboost_rag.results import (
+    CacheStats,
+    CorrectnessReport,
+    GenerationResult,
+    PromptCheck,
+    WarmResult,
+)
 
 __all__ = [
     "CacheStats",

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.warm_documents(corpus)
     print(f"prewarmed {len(corpus)} documents in {time.perf_counter() - start:.1f}s (done once, at ingest)\n")
 
-    print(f"| query | prompt tokens | TTFT full prefill ms | TTFT kvboost ms | speedup | reused | answer |")
+    print("| query | prompt tokens | TTFT full prefill ms | TTFT kvboost ms | speedup | reused | answer |")
     print("|---|---:|---:|---:|---:|---:|---|")
     print(
         f"| cold (nothing cached): {COLD_QUESTION[:30]} | {cold.prompt_tokens} | - | {cold.ttft_ms:.0f} | - | "

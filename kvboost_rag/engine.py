@@ -15,13 +15,28 @@ from tqdm.auto import tqdm
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.correctness import compare_runs
-from kvboost_rag.errors import InvalidInputError, ModelNotFoundError, PromptTooLongError, UnsupportedModelError
+from kvboost_rag.errors import (
+    InvalidInputError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from kvboost_rag.generate import (
+    SamplingParams,
+    TextAssembler,
+    make_generator,
+    sample_token,
+)
 from kvboost_rag.hashing import text_digest
-from kvboost_rag.generate import SamplingParams, TextAssembler, make_generator, sample_token
 from kvboost_rag.model_adapter import ModelAdapter
-from kvboost_rag.prefill import PrefillOutcome, Prefiller, TokenizedPrompt
+from kvboost_rag.prefill import Prefiller, PrefillOutcome, TokenizedPrompt
+from kvboost_rag.results import (
+    CacheStats,
+    CorrectnessReport,
+    GenerationResult,
+    WarmResult,
+)
 from kvboost_rag.segments import ANCHOR_CHARS
-from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, WarmResult
 from kvboost_rag.storage import build_store
 
 logger = logging.getLogger(__name__)

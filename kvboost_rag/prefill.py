@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvboost_rag.blend import kv_deviation, leading_tokens, recompute_budget, select_by_deviation, select_document_starts
+from kvboost_rag.blend import (
+    kv_deviation,
+    leading_tokens,
+    recompute_budget,
+    select_by_deviation,
+    select_document_starts,
+)
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock

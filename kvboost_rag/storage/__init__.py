@@ -7,7 +7,11 @@ from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.disk import DiskTier
 from kvboost_rag.storage.memory import MemoryTier
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
-from kvboost_rag.storage.serialization import CorruptPayloadError, deserialize_entry, serialize_entry
+from kvboost_rag.storage.serialization import (
+    CorruptPayloadError,
+    deserialize_entry,
+    serialize_entry,
+)
 from kvboost_rag.storage.tiered import TieredStore
 
 __all__ = [

@@ -27,7 +27,12 @@ from pathlib import Path
 
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
-from kvboost_rag.storage.serialization import HEADER_SIZE, CorruptPayloadError, deserialize_parts, serialize_parts
+from kvboost_rag.storage.serialization import (
+    HEADER_SIZE,
+    CorruptPayloadError,
+    deserialize_parts,
+    serialize_parts,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvboost_rag.storage.base import StorageTier, StoredEntry
-from kvboost_rag.storage.serialization import CorruptPayloadError, deserialize_entry, serialize_entry
+from kvboost_rag.storage.serialization import (
+    CorruptPayloadError,
+    deserialize_entry,
+    serialize_entry,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from langchain_core.documents import Document
@@ -228,57 +226,3 @@ def generation_info(result: Any, extra_ttft_ms: float = 0.0) -> dict[str, Any]:
     if extra_ttft_ms:
         info["ttft_ms"] = float(info["ttft_ms"]) + extra_ttft_ms
     return info
-
-
-_DONE = object()
-
-
-async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Run a blocking iterator in one worker thread and yield its items to the event loop.
-
-    The whole iteration happens in a single thread (the engine's stream may hold locks that
-    must be released by the thread that took them); the loop only awaits a queue. When the
-    consumer stops early, the worker stops after the item in progress and closes the iterator.
-
-    Args:
-        factory: Builds the iterator; called in the worker thread.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-    stop_requested = threading.Event()
-
-    def post(item: Any, error: BaseException | None = None) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
-        except RuntimeError:  # loop already closed: nobody is listening
-            stop_requested.set()
-
-    def produce() -> None:
-        iterator: Iterator[T] | None = None
-        try:
-            iterator = factory()
-            for item in iterator:
-                if stop_requested.is_set():
-                    break
-                post(item)
-        except BaseException as error:  # handed to the consumer, re-raised there
-            post(_DONE, error)
-        else:
-            post(_DONE)
-        finally:
-            close = getattr(iterator, "close", None)
-            if callable(close):
-                close()
-
-    worker = asyncio.ensure_future(asyncio.to_thread(produce))
-    try:
-        while True:
-            item, error = await queue.get()
-            if item is _DONE:
-                if error is not None:
-                    raise error
-                break
-            yield item
-    finally:
-        stop_requested.set()
-        await worker

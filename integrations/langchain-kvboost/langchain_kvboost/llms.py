@@ -7,12 +7,16 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from langchain_kvboost._common import KVBoostParams, generation_info, iterate_in_thread
+from kvboost_rag.async_stream import iterate_in_thread
+from langchain_kvboost._common import KVBoostParams, generation_info
 
 logger = logging.getLogger(__name__)
 

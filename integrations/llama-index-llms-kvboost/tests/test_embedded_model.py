@@ -16,14 +16,20 @@ from llama_index.core import Document, VectorStoreIndex, get_response_synthesize
 from llama_index.core.indices.prompt_helper import PromptHelper
 from llama_index.core.llms import ChatMessage, MessageRole
 from llama_index.core.node_parser import SentenceSplitter
-from llama_index.core.prompts.chat_prompts import CHAT_REFINE_PROMPT, CHAT_TEXT_QA_PROMPT, TEXT_QA_SYSTEM_PROMPT
+from llama_index.core.prompts.chat_prompts import (
+    CHAT_REFINE_PROMPT,
+    CHAT_TEXT_QA_PROMPT,
+    TEXT_QA_SYSTEM_PROMPT,
+)
 from llama_index.core.prompts.prompt_utils import get_biggest_prompt
-from llama_index.core.response_synthesizers.refine import DEFAULT_RESPONSE_PADDING_SIZE as DEFAULT_REFINE_PADDING
+from llama_index.core.response_synthesizers.refine import (
+    DEFAULT_RESPONSE_PADDING_SIZE as DEFAULT_REFINE_PADDING,
+)
 from llama_index.core.schema import NodeWithScore
+from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm, node_prompt_text
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
-from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm, node_prompt_text
 
 pytestmark = pytest.mark.slow
 

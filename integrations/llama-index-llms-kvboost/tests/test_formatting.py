@@ -5,11 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.llms import ChatMessage, MessageRole
+from llama_index.llms.kvboost.formatting import (
+    chat_shared_beginning,
+    message_dicts,
+    text_shared_beginning,
+)
 
 from kvboost_rag.testing import tiny_tokenizer
-from llama_index.llms.kvboost.formatting import chat_shared_beginning, message_dicts, text_shared_beginning
 
 # A template that inserts a default system turn when the conversation has none (as
 # SmolLM2-Instruct's does).

@@ -10,10 +10,10 @@ import pytest
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.llms import ChatMessage, MessageRole
 from llama_index.core.prompts import PromptTemplate
+from llama_index.llms.kvboost import KVBoostLLM
 
 from kvboost_rag import KVBoost, ModelNotFoundError, PromptTooLongError
 from kvboost_rag.testing import tiny_model, tiny_tokenizer
-from llama_index.llms.kvboost import KVBoostLLM
 
 SYSTEM = "You answer questions about the Python language reference in one short sentence."
 

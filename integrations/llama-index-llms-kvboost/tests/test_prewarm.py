@@ -13,10 +13,15 @@ from llama_index.core.ingestion.pipeline import get_transformation_hash
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, TextNode
+from llama_index.llms.kvboost import (
+    BackgroundWarmer,
+    KVBoostLLM,
+    KVBoostPrewarm,
+    node_prompt_text,
+)
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
-from llama_index.llms.kvboost import BackgroundWarmer, KVBoostLLM, KVBoostPrewarm, node_prompt_text
 
 TOPICS = ("assert", "break", "continue", "del", "global", "pass", "return", "yield")
 

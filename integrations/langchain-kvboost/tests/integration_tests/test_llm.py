@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from langchain_kvboost import ChatKVBoost, KVBoostLLM
 
 PROMPT = "Question: What keyword defines a function in Python?\nAnswer:"

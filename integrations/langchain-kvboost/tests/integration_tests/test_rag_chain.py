@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvboost_rag.corpus import python_reference_documents, python_reference_topics
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
-
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer
+
+from kvboost_rag.corpus import python_reference_documents, python_reference_topics
 
 SYSTEM = (
     "You are a Python expert. Answer the question in one short sentence, "

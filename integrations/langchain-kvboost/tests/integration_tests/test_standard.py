@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
-from langchain_tests.integration_tests import ChatModelIntegrationTests
-
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+)
 from langchain_kvboost import ChatKVBoost
+from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 SYSTEM = "You are a concise assistant for questions about the Python programming language."
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvboost_rag.corpus import python_reference_documents
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
-
 from langchain_kvboost import KVBoostLLM, KVBoostRetrieverWarmer
+
+from kvboost_rag.corpus import python_reference_documents
 
 TEXTS = python_reference_documents(max_chars=200)[10:20]
 PROMPT = PromptTemplate.from_template(

@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
-
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+)
 from langchain_kvboost import ChatKVBoost
 
 SYSTEM = "You answer questions about the Python language reference, briefly and exactly."

@@ -8,13 +8,13 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from kvboost_rag.corpus import python_reference_documents
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
-from pydantic import ValidationError
-
 from langchain_kvboost import KVBoostLLM
 from langchain_kvboost._common import GENERATION_INFO_FIELDS
+from pydantic import ValidationError
+
+from kvboost_rag.corpus import python_reference_documents
 
 DOCS = python_reference_documents(max_chars=240)
 SYSTEM = "You answer questions about the Python language reference.\n\n"
@@ -202,9 +202,9 @@ def test_unknown_model_path_raises_model_not_found(tmp_path: Any) -> None:
 
 
 def test_model_folder_loads_once_and_is_shared(tmp_path: Any) -> None:
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
-
     from langchain_kvboost import ChatKVBoost
+
+    from kvboost_rag.testing import tiny_model, tiny_tokenizer
 
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvboost_rag.corpus import python_reference_documents
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
+from langchain_kvboost import (
+    ChatKVBoost,
+    KVBoostLLM,
+    KVBoostPrewarmer,
+    PrewarmingVectorStore,
+)
 
-from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostPrewarmer, PrewarmingVectorStore
+from kvboost_rag.corpus import python_reference_documents
 
 TEXTS = python_reference_documents(max_chars=200)[:8]
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from langchain_tests.unit_tests import ChatModelUnitTests
-
 from langchain_kvboost import ChatKVBoost
+from langchain_tests.unit_tests import ChatModelUnitTests
 
 
 @functools.cache

@@ -2,7 +2,11 @@
 
 from llama_index.llms.kvboost.background import BackgroundWarmer
 from llama_index.llms.kvboost.base import KVBoostLLM
-from llama_index.llms.kvboost.prewarm import KVBoostPrewarm, PrewarmStats, node_prompt_text
+from llama_index.llms.kvboost.prewarm import (
+    KVBoostPrewarm,
+    PrewarmStats,
+    node_prompt_text,
+)
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 __all__ = [

@@ -8,16 +8,17 @@ were warmed (``KVBoostPrewarm``) are served by content hash wherever they land.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -32,13 +33,19 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-
 from llama_index.llms.kvboost.background import BackgroundWarmer
-from llama_index.llms.kvboost.formatting import chat_shared_beginning, message_dicts, text_shared_beginning
+from llama_index.llms.kvboost.formatting import (
+    chat_shared_beginning,
+    message_dicts,
+    text_shared_beginning,
+)
+
+from kvboost_rag.async_stream import iterate_in_thread
 
 if TYPE_CHECKING:
-    from kvboost_rag import GenerationResult, KVBoost, WarmResult
     from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+    from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +65,7 @@ _CALL_KEYWORDS = {
 #: Distinct shared beginnings remembered as warm (the engine pins each one it warms).
 MAX_REMEMBERED_PREFIXES = 64
 
-_DONE = object()
+
 
 
 class KVBoostLLM(CustomLLM):
@@ -478,7 +485,7 @@ class KVBoostLLM(CustomLLM):
             full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
             return self._stream(full, shared, kwargs)
 
-        return _iterate_in_thread(make)
+        return iterate_in_thread(make)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -493,7 +500,7 @@ class KVBoostLLM(CustomLLM):
             prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
             return _as_chat_stream(self._stream(prompt, shared, kwargs))
 
-        return _iterate_in_thread(make)
+        return iterate_in_thread(make)
 
 
 class _Formatter:
@@ -556,48 +563,3 @@ async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
-async def _iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncGenerator[T, None]:
-    """Drive a blocking iterator in a worker thread and yield its items on the event loop.
-
-    Leaving the ``async for`` early stops the worker after its current item.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-    stop = threading.Event()
-
-    def post(item: Any, error: BaseException | None = None) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
-        except RuntimeError:  # the loop closed while the worker ran
-            stop.set()
-
-    def pump() -> None:
-        try:
-            iterator = make()
-            try:
-                for item in iterator:
-                    if stop.is_set():
-                        break
-                    post(item)
-            finally:
-                close = getattr(iterator, "close", None)
-                if callable(close):
-                    close()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the loop
-            post(_DONE, exc)
-            return
-        post(_DONE)
-
-    context = contextvars.copy_context()
-    worker = loop.run_in_executor(None, context.run, pump)
-    try:
-        while True:
-            item, error = await queue.get()
-            if item is _DONE:
-                if error is not None:
-                    raise error
-                break
-            yield item
-    finally:
-        stop.set()
-        await asyncio.shield(worker)

@@ -20,8 +20,9 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
 if TYPE_CHECKING:
-    from kvboost_rag import KVBoost
     from llama_index.llms.kvboost.base import KVBoostLLM
+
+    from kvboost_rag import KVBoost
 
 logger = logging.getLogger(__name__)
 
