@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from langchain_core.documents import Document
+from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from langchain_kvboost._engine import resolve_engine
@@ -132,6 +133,20 @@ class KVBoostParams(BaseModel):
     def model_name(self) -> str:
         """Name of the model the engine runs."""
         return str(self.engine.model_name)
+
+    def _langsmith_params(self, model_type: str, stop: list[str] | None, **kwargs: Any) -> LangSmithParams:
+        """Tracing parameters shared by the LLM and the chat model."""
+        params = LangSmithParams(
+            ls_provider="kvboost",
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
+            ls_model_type=model_type,
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens,
+        )
+        ls_stop = stop if stop is not None else self.stop
+        if ls_stop:
+            params["ls_stop"] = ls_stop
+        return params
 
     def _params_dict(self) -> dict[str, Any]:
         return {

@@ -125,17 +125,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         return {**self._params_dict(), "warm_system_prompt": self.warm_system_prompt}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="kvboost",
-            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
-            ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens,
-        )
-        ls_stop = stop if stop is not None else self.stop
-        if ls_stop:
-            params["ls_stop"] = ls_stop
-        return params
+        return self._langsmith_params("chat", stop, **kwargs)
 
     def render_prompt(self, messages: Sequence[BaseMessage]) -> str:
         """The prompt string the model reads for ``messages`` (chat template applied).

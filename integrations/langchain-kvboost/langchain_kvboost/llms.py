@@ -74,17 +74,7 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
         return self._params_dict()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="kvboost",
-            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
-            ls_model_type="llm",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_new_tokens") or kwargs.get("max_tokens") or self.max_new_tokens,
-        )
-        ls_stop = stop if stop is not None else self.stop
-        if ls_stop:
-            params["ls_stop"] = ls_stop
-        return params
+        return self._langsmith_params("llm", stop, **kwargs)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` under the model's own tokenizer (no special tokens)."""
