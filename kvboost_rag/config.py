@@ -41,8 +41,9 @@ class KVBoostSettings(BaseModel):
         dtype: Weights dtype for ``from_pretrained`` (``"float32"``, ``"bfloat16"``,
             ``"float16"``); ``None`` picks float32 on CPU and bfloat16 on CUDA.
         warm_prefix: Text that documents are warmed behind (usually the system prompt), so
-            their first tokens do not become attention sinks. ``None`` uses a short neutral
-            lead-in. Part of the cache namespace.
+            their first tokens do not become attention sinks. ``None``: the most recent text
+            passed to ``warm()``, or a short neutral lead-in before any. Documents warmed
+            behind one text still hit under any other (the repair handles the difference).
         check_layer: Layer whose K/V deviation picks the tokens CacheBlend recomputes. Layers
             up to and including it are recomputed for every token during selection.
         keep_document_start: Tokens at the start of each cached document that are always

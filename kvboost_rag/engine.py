@@ -93,8 +93,10 @@ class KVBoost:
         self.tokenizer = tokenizer
         source = str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.model_name = Path(source).name if Path(source).is_dir() else source
-        self._lead_in = self.settings.warm_prefix if self.settings.warm_prefix is not None else DEFAULT_DOCUMENT_LEAD_IN
-        extra = [f"bits={self.settings.kv_cache_bits}", f"group={self.settings.kv_group_size}", f"lead_in={self._lead_in}"]
+        self._last_warmed_beginning: str | None = None
+        # The text documents are warmed behind changes their K/V only as much as any other
+        # context would: it is not part of the namespace, so documents hit under any prompt.
+        extra = [f"bits={self.settings.kv_cache_bits}", f"group={self.settings.kv_group_size}"]
         self.fingerprint = self._adapter.fingerprint(extra)
         self._cache = CacheManager(
             store=build_store(self.settings),
@@ -206,8 +208,24 @@ class KVBoost:
     def warm(self, text: str) -> WarmResult:
         """Cache ``text`` as a shared beginning (system prompt); prompts starting with it hit exactly.
 
-        Warmed beginnings are pinned: eviction never drops them.
+        Warmed beginnings are pinned: eviction never drops them. Unless ``warm_prefix`` is
+        set, documents warmed afterwards are computed behind the most recently warmed text.
         """
+        result = self._warm_beginning(text)
+        self._last_warmed_beginning = text
+        return result
+
+    @property
+    def document_context(self) -> str:
+        """The text documents are warmed behind: ``settings.warm_prefix``, else the most
+        recent text passed to :meth:`warm`, else a short neutral lead-in."""
+        if self.settings.warm_prefix is not None:
+            return self.settings.warm_prefix
+        if self._last_warmed_beginning is not None:
+            return self._last_warmed_beginning
+        return DEFAULT_DOCUMENT_LEAD_IN
+
+    def _warm_beginning(self, text: str) -> WarmResult:
         start = time.perf_counter()
         prompt = self._tokenize_prompt(text)
         ids = prompt.ids
@@ -235,9 +253,10 @@ class KVBoost:
     def warm_documents(self, texts: Iterable[str], show_progress: bool | None = None) -> list[WarmResult]:
         """Cache documents so they hit by content hash wherever they land in a prompt.
 
-        Each document is computed behind the warm prefix (``settings.warm_prefix`` or a
-        neutral lead-in) and stored in ``chunk_size`` pieces. Documents already cached are
-        registered without computing anything.
+        Each document is computed behind :attr:`document_context` (so its first tokens are not
+        attention sinks; ideally the system prompt that precedes documents in your prompts)
+        and stored in ``chunk_size`` pieces. Documents already cached are registered without
+        computing anything.
 
         Args:
             texts: Document texts, exactly as they will appear in prompts.
@@ -277,10 +296,11 @@ class KVBoost:
         return record is not None and not self._cache.missing_chunks(record)
 
     def _lead_in_cache(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        ids = self._tokenize_prompt(self._lead_in).ids if self._lead_in.strip() else []
-        if not ids:
+        lead_in = self.document_context
+        if not lead_in.strip():
             return [], torch.empty(0), torch.empty(0)
-        self.warm(self._lead_in)
+        ids = self._tokenize_prompt(lead_in).ids
+        self._warm_beginning(lead_in)
         pieces = self._cache.match_prefix(ids)
         keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
         values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
@@ -299,7 +319,8 @@ class KVBoost:
                 logger.warning("document of %d tokens exceeds the context window; warming its first %d", n, limit)
             usable = min(n, limit)
             keys, values = self._adapter.buffers(offset + usable)
-            keys[:, :, :offset], values[:, :, :offset] = lead_keys, lead_values
+            if offset:
+                keys[:, :, :offset], values[:, :, :offset] = lead_keys, lead_values
             with self._model_lock:
                 kv = self._adapter.cache_over(keys, values, offset)
                 self._adapter.forward(torch.tensor(record.token_ids[:usable]), torch.arange(offset, offset + usable), kv)

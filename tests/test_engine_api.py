@@ -208,3 +208,30 @@ def test_closing_a_stream_stops_decoding(engine):
     with pytest.raises(StopIteration):
         next(stream)
     assert stream.result is None
+
+
+def test_documents_are_warmed_behind_the_latest_shared_beginning(make_engine, docs):
+    engine = make_engine("llama")
+    assert engine.document_context.startswith("Reference documents")
+    engine.warm(SYSTEM_PROMPT)
+    assert engine.document_context == SYSTEM_PROMPT
+    pinned = make_engine("llama", warm_prefix="Fixed lead-in:\n")
+    pinned.warm(SYSTEM_PROMPT)
+    assert pinned.document_context == "Fixed lead-in:\n"
+
+
+def test_documents_still_hit_after_a_new_system_prompt(make_engine, docs):
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:2])
+    engine.warm("A different system prompt for another chain.")
+    assert all(engine.is_document_warm(d) for d in docs[:2])
+    result = engine.generate("A different system prompt for another chain.\n\n" + "\n\n".join(docs[1::-1]) + "\nQ?", max_new_tokens=1)
+    assert result.documents_found == 2 and result.content_hit_tokens > 0
+
+
+def test_empty_warm_prefix_warms_documents_alone(make_engine, docs):
+    engine = make_engine("llama", warm_prefix="")
+    [result] = engine.warm_documents(docs[:1])
+    assert result.new_tokens == result.num_tokens > 0
+    assert engine.generate(rag_prompt(docs[:1]), max_new_tokens=1).content_hit_tokens > 0
