@@ -56,7 +56,17 @@ def test_prefix_cache_is_exact(model_and_tokenizer):
 def test_benchmark_writes_table_and_plots(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
     config = rag_bench.BenchConfig(
-        questions=2, k_values=(2, 3), doc_chars=400, pool=5, chat_turns=2, new_tokens=4, ratios=(0.15,), out=tmp_path
+        questions=2,
+        k_values=(2, 3),
+        doc_chars=400,
+        pool=5,
+        qa_questions=2,
+        qa_k=2,
+        qa_doc_chars=400,
+        chat_turns=2,
+        new_tokens=4,
+        ratios=(0.15,),
+        out=tmp_path,
     )
     result = rag_bench.run_benchmark(model, tokenizer, config, show_progress=False)
     result.command = "pytest"
@@ -66,13 +76,19 @@ def test_benchmark_writes_table_and_plots(model_and_tokenizer, tmp_path):
     assert rag_bench.REFERENCE in names
     assert {"kvboost-rag none", "kvboost-rag selective 15%", "kvboost-rag cacheblend 15%"} <= names
     assert any(r.family == "adapter" for r in result.records) or any("unavailable" in n for n in result.notes)
-    assert {r.workload for r in result.records} == {"rag", "chat"}
+    assert {r.workload for r in result.records} == {"rag", "qa", "chat"}
     ref = [r for r in result.records if r.system == rag_bench.REFERENCE]
     assert all(r.kl == 0.0 and r.greedy == 1.0 for r in ref)
     assert all(r.ttft_ms > 0 for r in result.records)
 
     report = (tmp_path / "results.md").read_text()
-    assert "| kvboost-rag cacheblend 15% |" in report and "Machine:" in report
-    for name in ("results.md", "results.json", "ttft_vs_prompt_length.png", "quality_vs_recompute_ratio.png", "speed_quality_frontier.png"):
+    assert "| kvboost-rag cacheblend 15% |" in report and "Machine:" in report and "Exact-match QA" in report
+    for name in (
+        "results.md",
+        "results.json",
+        "ttft_vs_prompt_length.png",
+        "quality_vs_recompute_ratio.png",
+        "speed_quality_frontier.png",
+    ):
         assert (tmp_path / name) in paths
         assert (tmp_path / name).stat().st_size > 0
