@@ -667,7 +667,7 @@ def adapter_table(records: Sequence[Record]) -> list[str]:
     ]
     for name in system_order(records):
         adapter = [r for r in records if r.system == name and r.family == "adapter"]
-        for workload in ("rag", "chat"):
+        for workload in ("rag", "qa", "chat"):
             rs = [r for r in adapter if r.workload == workload]
             if not rs:
                 continue
@@ -769,6 +769,25 @@ def write_outputs(result: BenchResult, out: Path) -> list[Path]:
     return [report, raw, *plots.write_plots(result.records, summaries, out, REFERENCE)]
 
 
+def load_result(path: Path) -> BenchResult:
+    """A run saved by :func:`write_outputs` (``results.json``)."""
+    data = json.loads(Path(path).read_text())
+    config = dict(data["config"])
+    config["out"] = Path(config["out"])
+    for name in ("k_values", "ratios"):
+        config[name] = tuple(config[name])
+    return BenchResult(
+        config=BenchConfig(**config),
+        records=[Record(**r) for r in data["records"]],
+        warm_seconds=data["warm_seconds"],
+        notes=data["notes"],
+        machine=data["machine"],
+        code=data.get("code", ""),
+        command=data["command"],
+        model=data["model"],
+    )
+
+
 # ---------------------------------------------------------------------------- CLI
 def load_model(path: str | None) -> tuple[torch.nn.Module, Any]:
     """A local causal LM and its tokenizer (default: the embedded SmolLM2-135M-Instruct)."""
@@ -811,6 +830,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, B
     parser.add_argument("--ratios", help=f"recompute ratios (default {','.join(map(str, base.ratios))})")
     parser.add_argument("--seed", type=int, default=base.seed)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="rewrite results.md and the plots from a saved results.json into --out (nothing is run)",
+    )
     args = parser.parse_args(argv)
     values: dict[str, Any] = dict(QUICK) if args.quick else {}
     names = ("questions", "doc_chars", "pool", "qa_questions", "qa_k", "qa_doc_chars", "chat_turns", "chat_docs")
@@ -828,6 +852,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run the benchmark from the command line and print the report."""
     args, config = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.from_json:
+        result = load_result(args.from_json)
+        paths = write_outputs(result, args.out)
+        print(markdown_report(result))
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)

@@ -92,3 +92,8 @@ def test_benchmark_writes_table_and_plots(model_and_tokenizer, tmp_path):
     ):
         assert (tmp_path / name) in paths
         assert (tmp_path / name).stat().st_size > 0
+
+    again = tmp_path / "again"
+    rag_bench.main(["--from-json", str(tmp_path / "results.json"), "--out", str(again)])
+    assert (again / "results.md").read_text() == report
+    assert (again / "speed_quality_frontier.png").stat().st_size > 0
