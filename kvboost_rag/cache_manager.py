@@ -1,4 +1,4 @@
-"""Lookup, storage and counters for cached K/V. Never calls the model.
+"""Lookup, write-back and counters for cached K/V. Never calls the model.
 
 Two kinds of entries, both cut into ``chunk_size`` pieces and stored through the tier stack:
 
@@ -6,6 +6,8 @@ Two kinds of entries, both cut into ``chunk_size`` pieces and stored through the
   first token. Their K/V is exact for any prompt that starts with the same tokens.
 - document chunks, keyed by :func:`~kvboost_rag.hashing.content_hash` chains from the
   document's own first token. Their K/V is re-rotated and repaired where reused.
+
+Every key comes from a :class:`~kvboost_rag.plan.PromptPlan`; this module hashes nothing.
 """
 
 from __future__ import annotations
@@ -13,21 +15,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.hashing import content_hash_chain, prefix_hash, root_hash, text_digest
-from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, decode_block, encode_block
-from kvboost_rag.model_adapter import KVLayout
+from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
+from kvboost_rag.log_limits import RateLimitedLog
+from kvboost_rag.outcome import PrefillOutcome
+from kvboost_rag.plan import PromptPlan
 from kvboost_rag.segments import DocumentRecord, DocumentRegistry
 from kvboost_rag.storage import TieredStore
 
 logger = logging.getLogger(__name__)
-
-Tokenize = Callable[[str], tuple[list[int], list[tuple[int, int]]]]
+_corrupt = RateLimitedLog(logger)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,21 @@ class PrefixPiece:
     block: KVBlock
 
 
+@dataclass(frozen=True)
+class WriteBack:
+    """What one write-back stored.
+
+    Attributes:
+        prefix_tokens: Tokens newly stored as prefix chunks.
+        document_tokens: Tokens newly stored as document chunks.
+        document_chunks: Keys of the document chunks stored.
+    """
+
+    prefix_tokens: int = 0
+    document_tokens: int = 0
+    document_chunks: tuple[str, ...] = ()
+
+
 class CacheManager:
     """Finds and stores K/V chunks for one model fingerprint.
 
@@ -48,7 +65,6 @@ class CacheManager:
         fingerprint: Namespace of every key.
         layout: K/V layout of the model (validates loaded entries).
         settings: Engine settings (chunk size, KV bits).
-        tokenize: Tokenizes a document alone: ``text -> (ids, char offsets)``.
         device: Where loaded K/V goes.
         dtype: Dtype of loaded K/V.
     """
@@ -59,7 +75,6 @@ class CacheManager:
         fingerprint: str,
         layout: KVLayout,
         settings: KVBoostSettings,
-        tokenize: Tokenize,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
@@ -68,9 +83,7 @@ class CacheManager:
         self.layout = layout
         self.settings = settings
         self.registry = DocumentRegistry()
-        self._tokenize = tokenize
         self._device, self._dtype = device, dtype
-        self._root = root_hash(fingerprint)
         # parent prefix key -> {child key: child tokens}; finds partial (non-grid) chunks
         self._children: dict[str, dict[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
@@ -91,53 +104,46 @@ class CacheManager:
                 dtype=self._dtype,
             )
         except CorruptEntryError as exc:
-            logger.warning("dropping corrupt cache entry %s: %s", key[:12], exc)
+            _corrupt.warning("dropping corrupt cache entry %s: %s", key[:12], exc)
             self.store.delete(key)
-            self.count("corrupt_entries")
+            self._count({"corrupt_entries": 1})
             return None
 
-    def save(self, key: str, block: KVBlock, *, pinned: bool = False) -> None:
-        """Store ``block`` under ``key`` in every tier."""
+    def _save(self, key: str, keys: torch.Tensor, values: torch.Tensor, token_ids: Sequence[int], start: int) -> None:
+        block = KVBlock(
+            keys=keys, values=values, token_ids=torch.tensor(list(token_ids), dtype=torch.long), start_position=start
+        )
         entry = encode_block(
             block, fingerprint=self.fingerprint, bits=self.settings.kv_cache_bits, group_size=self.settings.kv_group_size
         )
-        self.store.put(key, entry, pinned=pinned)
-        self.count("stored_entries")
+        self.store.put(key, entry)
 
-    def count(self, name: str, amount: int = 1) -> None:
-        """Add to a named counter."""
-        with self._lock:
-            self.counters[name] += amount
-
-    # ------------------------------------------------------------------ prefixes
-    def match_prefix(self, ids: Sequence[int], limit: int | None = None) -> list[PrefixPiece]:
-        """Longest run of stored prefix chunks matching the start of ``ids``.
+    # ------------------------------------------------------------------ lookup
+    def match_prefix(self, plan: PromptPlan) -> list[PrefixPiece]:
+        """Longest run of stored prefix chunks matching the start of the planned prompt.
 
         Grid chunks are found by hash (so entries written by another process hit too); the
         last piece may be a shorter stored chunk, or the leading part of one, found through
         the in-process index. Rows of a prefix chunk depend only on the tokens before them,
         so a leading part of a chunk is exact.
-
-        Args:
-            ids: The prompt's tokens.
-            limit: Match at most this many tokens.
         """
-        size = self.settings.chunk_size
-        end = len(ids) if limit is None else min(limit, len(ids))
         pieces: list[PrefixPiece] = []
-        parent, pos = self._root, 0
-        while pos < end:
-            if pos + size <= end:
-                key = prefix_hash(parent, ids[pos : pos + size])
-                block = self.load(key)
-                if block is not None:
-                    pieces.append(PrefixPiece(key, pos, size, block))
-                    parent, pos = key, pos + size
-                    continue
-            piece = self._partial_prefix(parent, ids, pos, end)
+        parent, pos = plan.root, 0
+        for chunk in plan.prefix_chunks:
+            block = self.load(chunk.key)
+            if block is None:
+                break
+            pieces.append(PrefixPiece(chunk.key, chunk.start, chunk.length, block))
+            parent, pos = chunk.key, chunk.stop
+        tail = plan.prefix_tail
+        if tail is not None and tail.start == pos:
+            block = self.load(tail.key)
+            if block is not None:
+                return [*pieces, PrefixPiece(tail.key, tail.start, tail.length, block)]
+        if pos < plan.lookup_limit:
+            piece = self._partial_prefix(parent, plan.tokens.ids, pos, plan.lookup_limit)
             if piece is not None:
                 pieces.append(piece)
-            break
         return pieces
 
     def _partial_prefix(self, parent: str, ids: Sequence[int], pos: int, end: int) -> PrefixPiece | None:
@@ -160,98 +166,88 @@ class CacheManager:
             return None
         return PrefixPiece(best[1], pos, best[0], block)
 
-    def prefix_chunks(self, ids: Sequence[int], end: int) -> list[tuple[str, int, int]]:
-        """``(key, start, stop)`` of the prefix grid over ``ids[:end]``, last chunk possibly short."""
-        size = self.settings.chunk_size
-        chunks: list[tuple[str, int, int]] = []
-        parent = self._root
-        for start in range(0, end, size):
-            stop = min(start + size, end)
-            key = prefix_hash(parent, ids[start:stop])
-            chunks.append((key, start, stop))
-            parent = key
-        return chunks
-
-    def store_prefix(
-        self, ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor, end: int, *, pinned: bool = False
-    ) -> int:
-        """Store the exact K/V of ``ids[:end]`` as prefix chunks; returns tokens newly stored.
-
-        Args:
-            ids: The prompt's tokens.
-            keys: ``[layers, heads, >=end, dim]`` exact K for the prompt.
-            values: Same for V.
-            end: Store tokens ``[0, end)``.
-            pinned: Keep these chunks resident (shared beginnings).
-        """
-        stored = 0
-        parent = self._root
-        for key, start, stop in self.prefix_chunks(ids, end):
-            with self._lock:
-                self._children.setdefault(parent, {})[key] = tuple(ids[start:stop])
-            if pinned or not self.store.contains(key):
-                block = KVBlock(
-                    keys=keys[:, :, start:stop].clone(),
-                    values=values[:, :, start:stop].clone(),
-                    token_ids=torch.tensor(ids[start:stop], dtype=torch.long),
-                    start_position=start,
-                )
-                if not self.store.contains(key):
-                    stored += stop - start
-                self.save(key, block, pinned=pinned)
-            parent = key
-        return stored
-
-    # ------------------------------------------------------------------ documents
-    def document_record(self, text: str, *, register: bool = True) -> DocumentRecord:
-        """The registry's record for ``text``, tokenizing it if new.
-
-        Args:
-            text: The document.
-            register: Add a new record to the registry (so prompts find it); ``False`` only
-                builds the record.
-        """
-        digest = text_digest(text)
-        record = self.registry.get(digest)
-        if record is not None:
-            return record
-        ids, offsets = self._tokenize(text)
-        size = self.settings.chunk_size
-        keys = content_hash_chain(self.fingerprint, (ids[i : i + size] for i in range(0, len(ids), size)))
-        record = DocumentRecord(
-            digest=digest,
-            text=text,
-            token_ids=tuple(ids),
-            offsets=tuple(offsets),
-            chunk_keys=tuple(keys),
-            chunk_size=size,
-        )
-        if register:
-            self.registry.register(record)
-        return record
-
     def missing_chunks(self, record: DocumentRecord) -> list[int]:
         """Indices of the document's chunks that no tier holds."""
         return [i for i, key in enumerate(record.chunk_keys) if not self.store.contains(key)]
 
-    def store_document_chunk(self, record: DocumentRecord, chunk: int, keys: torch.Tensor, values: torch.Tensor, start_position: int) -> None:
-        """Store chunk ``chunk`` of a document computed at ``start_position``.
+    # ------------------------------------------------------------------ write-back
+    def write_back(self, plan: PromptPlan, outcome: PrefillOutcome, *, store_documents: bool, pin: bool = False) -> WriteBack:
+        """Store what the prompt taught: its exact leading part as prefix chunks, and the
+        chunks of its documents that no tier holds yet, cut from the prompt's own K/V.
 
         Args:
-            record: The document.
-            chunk: Chunk index.
-            keys: ``[layers, heads, chunk_tokens, dim]``.
-            values: Same for V.
-            start_position: Position of the chunk's first token when computed.
+            plan: The prompt's plan.
+            outcome: Its prefill outcome.
+            store_documents: Store document chunks too.
+            pin: Pin the prefix chunks that serve the leading part (an explicit warm).
+                Pinning writes nothing: a text already stored costs no write.
         """
-        size = record.chunk_size
-        ids = record.token_ids[chunk * size : (chunk + 1) * size]
-        if keys.shape[2] != len(ids):
-            raise ValueError(f"chunk {chunk} has {len(ids)} tokens but {keys.shape[2]} K/V rows")
-        block = KVBlock(
-            keys=keys.clone(), values=values.clone(), token_ids=torch.tensor(ids, dtype=torch.long), start_position=start_position
+        ids = plan.tokens.ids
+        h = outcome.prefix_tokens
+        prefix_tokens = saved = 0
+        served = list(outcome.prefix_keys)
+        for chunk in plan.stored_prefix:
+            if chunk.stop <= h:
+                continue  # served by the chunks that hit
+            if not self.store.contains(chunk.key):
+                self._save(
+                    chunk.key,
+                    outcome.keys[:, :, chunk.start : chunk.stop].clone(),
+                    outcome.values[:, :, chunk.start : chunk.stop].clone(),
+                    ids[chunk.start : chunk.stop],
+                    chunk.start,
+                )
+                prefix_tokens += chunk.length
+                saved += 1
+            with self._lock:
+                self._children.setdefault(chunk.parent, {})[chunk.key] = tuple(ids[chunk.start : chunk.stop])
+            served.append(chunk.key)
+        if pin:
+            for key in served:
+                self.store.pin(key)
+        stored_chunks: list[str] = []
+        document_tokens = 0
+        if store_documents:
+            for document in outcome.documents:
+                record = document.record
+                for index, key in enumerate(record.chunk_keys):
+                    if key in outcome.loaded_chunks or key in stored_chunks or self.store.contains(key):
+                        continue
+                    first = document.chunk_span(index)
+                    if first is None:
+                        continue  # not wholly in this prompt, or split by a boundary merge
+                    lo = index * record.chunk_size
+                    length = min(record.chunk_size, len(record.token_ids) - lo)
+                    self._save(
+                        key,
+                        outcome.keys[:, :, first : first + length].clone(),
+                        outcome.values[:, :, first : first + length].clone(),
+                        record.token_ids[lo : lo + length],
+                        first,
+                    )
+                    stored_chunks.append(key)
+                    document_tokens += length
+        if saved or stored_chunks:
+            self._count({"stored_entries": saved + len(stored_chunks)})
+        return WriteBack(prefix_tokens, document_tokens, tuple(stored_chunks))
+
+    # ------------------------------------------------------------------ counters
+    def record(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
+        """Add one prompt's reuse figures to the counters."""
+        self._count(
+            {
+                "prompts": 1,
+                "prompt_tokens": plan.num_tokens,
+                "prefix_hit_tokens": outcome.prefix_tokens,
+                "content_hit_tokens": outcome.content_tokens,
+                "recomputed_tokens": outcome.recomputed_tokens,
+                "boundary_merged_tokens": outcome.merged_tokens,
+            }
         )
-        self.save(record.chunk_keys[chunk], block)
+
+    def _count(self, amounts: dict[str, int]) -> None:
+        with self._lock:
+            self.counters.update(amounts)
 
     def clear(self) -> None:
         """Drop every entry and index."""

@@ -21,25 +21,26 @@ from kvboost_rag.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from kvboost_rag.generate import (
-    SamplingParams,
-    TextAssembler,
-    make_generator,
-    sample_token,
-)
-from kvboost_rag.hashing import text_digest
+from kvboost_rag.hashing import root_hash, text_digest
+from kvboost_rag.log_limits import RateLimitedLog
 from kvboost_rag.model_adapter import ModelAdapter
-from kvboost_rag.prefill import Prefiller, PrefillOutcome, TokenizedPrompt
+from kvboost_rag.options import GenerationOptions
+from kvboost_rag.outcome import PrefillOutcome
+from kvboost_rag.plan import PromptPlan, PromptTokens, build_plan
+from kvboost_rag.prefill import Prefiller
 from kvboost_rag.results import (
     CacheStats,
     CorrectnessReport,
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.segments import ANCHOR_CHARS
+from kvboost_rag.sampling import TextAssembler, make_generator, sample_token
+from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
 
 logger = logging.getLogger(__name__)
+_window_exceeded = RateLimitedLog(logger)
+_long_document = RateLimitedLog(logger)
 
 #: Text documents are warmed behind when no ``warm_prefix`` is set, so a document's first
 #: tokens are not computed at position 0 (where they would act as attention sinks).
@@ -83,6 +84,7 @@ class KVBoost:
         if model is None:
             raise UnsupportedModelError("a model is required")
         if self.settings.device is not None:
+            _check_device(self.settings.device)
             model = model.to(self.settings.device)
         self._adapter = ModelAdapter(model, tokenizer)
         if self.settings.check_layer >= self._adapter.num_layers:
@@ -103,10 +105,10 @@ class KVBoost:
             fingerprint=self.fingerprint,
             layout=self._adapter.layout,
             settings=self.settings,
-            tokenize=self.token_ids_with_offsets,
             device=self._adapter.device,
             dtype=self._adapter.dtype,
         )
+        self._root = root_hash(self.fingerprint)
         self._prefiller = Prefiller(self._adapter, self._cache, self.settings)
         self._model_lock = threading.RLock()
         if not self._adapter.position_independent:
@@ -140,6 +142,7 @@ class KVBoost:
         config = KVBoostSettings(**settings)
         path = default_model_dir() if model_name_or_path is None else model_name_or_path
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_device(device)
         dtype = getattr(torch, config.dtype) if config.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         local_only = not Path(path).is_dir()
         try:
@@ -190,26 +193,41 @@ class KVBoost:
             raise UnsupportedModelError("this tokenizer has no chat template; pass a plain prompt instead")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def _tokenize_prompt(self, prompt: str) -> TokenizedPrompt:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidInputError("prompt must be a non-empty string")
-        enc = self.tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)
+    def _prompt_tokens(self, text: str, what: str = "prompt") -> PromptTokens:
+        """Tokenize a prompt exactly as full prefill sees it (special tokens included)."""
+        _check_text(text, what)
+        enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         if not ids:
-            raise InvalidInputError("prompt has no tokens")
+            raise InvalidInputError(f"{what} has no tokens")
         if len(ids) >= self.context_window:
             raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens but the model's context window is {self.context_window}: "
+                f"{what} has {len(ids)} tokens but the model's context window is {self.context_window}: "
                 "retrieve fewer or shorter documents"
             )
-        return TokenizedPrompt(prompt, ids, [tuple(o) for o in enc["offset_mapping"]])
+        return PromptTokens(text, ids, [tuple(o) for o in enc["offset_mapping"]])
+
+    def _plan(self, tokens: PromptTokens, **options: Any) -> PromptPlan:
+        options.setdefault("registry", self._cache.registry)
+        return build_plan(tokens, root=self._root, chunk_size=self.settings.chunk_size, **options)
+
+    def _document_record(self, text: str) -> DocumentRecord:
+        """The registry's record for ``text``, tokenizing and registering it if new."""
+        record = self._cache.registry.get(text_digest(text))
+        if record is None:
+            ids, offsets = self.token_ids_with_offsets(text)
+            record = make_record(text, ids, offsets, self.fingerprint, self.settings.chunk_size)
+            self._cache.registry.register(record)
+        return record
 
     # ------------------------------------------------------------------ warming
     def warm(self, text: str) -> WarmResult:
         """Cache ``text`` as a shared beginning (system prompt); prompts starting with it hit exactly.
 
-        Warmed beginnings are pinned: eviction never drops them. Unless ``warm_prefix`` is
-        set, documents warmed afterwards are computed behind the most recently warmed text.
+        Warmed beginnings are pinned: eviction leaves them alone while room allows. Warming a
+        text already stored computes and writes nothing (it only pins). Unless
+        ``warm_prefix`` is set, documents warmed afterwards are computed behind the most
+        recently warmed text.
         """
         result = self._warm_beginning(text)
         self._last_warmed_beginning = text
@@ -227,27 +245,20 @@ class KVBoost:
 
     def _warm_beginning(self, text: str) -> WarmResult:
         start = time.perf_counter()
-        prompt = self._tokenize_prompt(text)
-        ids = prompt.ids
+        tokens = self._prompt_tokens(text, "warmed text")
+        n = len(tokens)
+        plan = self._plan(tokens, content_reuse=False, lookup_limit=n)
         with self._model_lock:
-            pieces = self._cache.match_prefix(ids)
-            cached = sum(p.length for p in pieces)
-            if cached < len(ids):
-                outcome = self._prefiller.with_reuse(prompt, [], allow_content=False, extra=0)
-                keys, values = ModelAdapter.cache_tensors(outcome.cache)
-            else:
-                keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
-                values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
-        self._cache.store_prefix(ids, keys, values, len(ids), pinned=True)
-        chunks = self._cache.prefix_chunks(ids, len(ids))
+            outcome = self._prefiller.run(plan)
+        self._cache.write_back(plan, outcome, store_documents=False, pin=True)
         return WarmResult(
             kind="prefix",
-            num_tokens=len(ids),
-            new_tokens=len(ids) - cached,
-            cached_tokens=cached,
-            already_warm=cached == len(ids),
+            num_tokens=n,
+            new_tokens=n - outcome.prefix_tokens,
+            cached_tokens=outcome.prefix_tokens,
+            already_warm=outcome.prefix_tokens == n,
             elapsed_ms=(time.perf_counter() - start) * 1000,
-            prefix_hash=chunks[-1][0],
+            prefix_hash=plan.stored_prefix[-1].key,
         )
 
     def warm_documents(self, texts: Iterable[str], show_progress: bool | None = None) -> list[WarmResult]:
@@ -256,7 +267,8 @@ class KVBoost:
         Each document is computed behind :attr:`document_context` (so its first tokens are not
         attention sinks; ideally the system prompt that precedes documents in your prompts)
         and stored in ``chunk_size`` pieces. Documents already cached are registered without
-        computing anything.
+        computing anything. A document longer than the context window is warmed up to it
+        (``WarmResult.skipped_tokens`` counts the rest).
 
         Args:
             texts: Document texts, exactly as they will appear in prompts.
@@ -264,12 +276,15 @@ class KVBoost:
                 more than one document).
 
         Raises:
-            InvalidInputError: A document is empty.
+            InvalidInputError: ``texts`` is one string, or a document is empty or not text.
         """
+        if isinstance(texts, (str, bytes)):
+            raise InvalidInputError("warm_documents takes a list of documents, not one string: pass [text]")
         texts = list(texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise InvalidInputError(f"document {i} is empty; every document needs text")
+            _check_text(text, f"document {i}")
         short = sum(1 for text in texts if len(text) < ANCHOR_CHARS)
         if short:
             logger.warning(
@@ -279,7 +294,7 @@ class KVBoost:
                 ANCHOR_CHARS,
             )
         progress = self.settings.show_progress if show_progress is None else show_progress
-        lead = self._lead_in_cache()
+        lead = self._lead_in()
         results = []
         for text in tqdm(texts, desc="warming documents", unit="doc", disable=not progress or len(texts) < 2):
             results.append(self._warm_document(text, lead))
@@ -290,177 +305,117 @@ class KVBoost:
 
         A read-only check: it registers nothing.
         """
-        if not text:
+        if not isinstance(text, str) or not text:
             return False
         record = self._cache.registry.get(text_digest(text))
         return record is not None and not self._cache.missing_chunks(record)
 
-    def _lead_in_cache(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def _lead_in(self) -> PromptTokens:
+        """The document context, warmed (pinned) as a beginning; empty when it is blank."""
         lead_in = self.document_context
         if not lead_in.strip():
-            return [], torch.empty(0), torch.empty(0)
-        ids = self._tokenize_prompt(lead_in).ids
+            return PromptTokens("", [], [])
         self._warm_beginning(lead_in)
-        pieces = self._cache.match_prefix(ids)
-        keys = torch.cat([p.block.keys[:, :, : p.length] for p in pieces], dim=2)
-        values = torch.cat([p.block.values[:, :, : p.length] for p in pieces], dim=2)
-        return ids[: keys.shape[2]], keys, values
+        return self._prompt_tokens(lead_in, "document context")
 
-    def _warm_document(self, text: str, lead: tuple[list[int], torch.Tensor, torch.Tensor]) -> WarmResult:
+    def _warm_document(self, text: str, lead: PromptTokens) -> WarmResult:
+        """A warm is a prefill with no decoding: the lead-in then the document's own tokens."""
         start = time.perf_counter()
-        record = self._cache.document_record(text)
-        missing = self._cache.missing_chunks(record)
+        record = self._document_record(text)
         n = len(record.token_ids)
+        size = record.chunk_size
+        usable = max(0, min(n, self.context_window - len(lead) - 1))
+        if usable < n:
+            _long_document.warning(
+                "a document of %d tokens does not fit the context window after the document context; "
+                "warming its first %d tokens",
+                n,
+                usable,
+            )
+        whole = [c for c in range(len(record.chunk_keys)) if min((c + 1) * size, n) <= usable]
+        missing = [c for c in whole if not self._cache.store.contains(record.chunk_keys[c])]
+        cached_tokens = sum(min(size, n - c * size) for c in whole if c not in missing)
+        new_tokens = 0
         if missing and self._adapter.position_independent:
-            lead_ids, lead_keys, lead_values = lead
-            offset = len(lead_ids)
-            limit = self.context_window - offset
-            if n > limit:
-                logger.warning("document of %d tokens exceeds the context window; warming its first %d", n, limit)
-            usable = min(n, limit)
-            keys, values = self._adapter.buffers(offset + usable)
-            if offset:
-                keys[:, :, :offset], values[:, :, :offset] = lead_keys, lead_values
+            end = whole[-1] * size + min(size, n - whole[-1] * size)
+            part = text[: record.offsets[end - 1][1]]
+            shift = len(lead.text)
+            tokens = PromptTokens(
+                lead.text + part,
+                lead.ids + list(record.token_ids[:end]),
+                lead.offsets + [(x + shift, y + shift) for x, y in record.offsets[:end]],
+            )
+            placed = DocumentOccurrence(record, shift, len(part))
+            plan = self._plan(tokens, placed=[placed], content_reuse=False, lookup_limit=len(lead))
             with self._model_lock:
-                kv = self._adapter.cache_over(keys, values, offset)
-                self._adapter.forward(torch.tensor(record.token_ids[:usable]), torch.arange(offset, offset + usable), kv)
-            keys, values = keys[:, :, offset:], values[:, :, offset:]
-            size = record.chunk_size
-            for chunk in missing:
-                lo, hi = chunk * size, min((chunk + 1) * size, n)
-                if hi > usable:
-                    break
-                self._cache.store_document_chunk(record, chunk, keys[:, :, lo:hi], values[:, :, lo:hi], offset + lo)
-        new_tokens = sum(min(record.chunk_size, n - c * record.chunk_size) for c in missing)
+                outcome = self._prefiller.run(plan)
+            new_tokens = self._cache.write_back(plan, outcome, store_documents=True).document_tokens
         return WarmResult(
             kind="document",
             num_tokens=n,
             new_tokens=new_tokens,
-            cached_tokens=n - new_tokens,
+            cached_tokens=cached_tokens,
+            skipped_tokens=n - new_tokens - cached_tokens,
             already_warm=not missing,
             elapsed_ms=(time.perf_counter() - start) * 1000,
             content_hash=record.chunk_keys[0] if record.chunk_keys else None,
         )
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        reuse: bool = True,
-        documents: Sequence[str] | None = None,
-        return_logits: bool = False,
-    ) -> GenerationResult:
+    def generate(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion of ``prompt``, reusing cached K/V where possible.
 
         Args:
             prompt: The full prompt text.
-            max_new_tokens: Upper bound on generated tokens.
-            temperature: 0 for greedy decoding.
-            top_p: Nucleus sampling mass.
-            seed: Seed for sampling.
-            stop: Strings that end the output; it is cut before the first one.
-            reuse: ``False`` runs full prefill through the same code path (the baseline).
-            documents: Texts the caller knows are in the prompt; cut on their boundaries and
-                stored for next time even if never warmed.
-            return_logits: Fill ``first_token_logits``.
+            options: Decoding and reuse options (defaults when omitted).
+            **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`
+                (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``reuse``,
+                ``documents``, ``return_logits``), applied over ``options``.
 
         Raises:
-            InvalidInputError: Empty prompt, bad sampling parameters.
+            InvalidInputError: Empty prompt, bad options (the message names the field).
             PromptTooLongError: The prompt does not fit the context window.
         """
-        stream = self.stream(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            reuse=reuse,
-            documents=documents,
-            return_logits=return_logits,
-        )
+        stream = self.stream(prompt, options, **overrides)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        reuse: bool = True,
-        documents: Sequence[str] | None = None,
-        return_logits: bool = False,
-    ) -> GenerationStream:
+    def stream(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationStream:
         """Like :meth:`generate`, yielding text pieces as they decode.
 
         Input is validated here, before iteration starts. ``stream.result`` holds the
         :class:`GenerationResult` once the iterator is exhausted.
         """
         start = time.perf_counter()
-        params = SamplingParams(max_new_tokens, float(temperature), float(top_p), seed, tuple(stop or ()))
-        tokenized = self._tokenize_prompt(prompt)
-        if documents is not None and (isinstance(documents, str) or not all(isinstance(d, str) for d in documents)):
-            raise InvalidInputError("documents must be a list of strings")
+        resolved = GenerationOptions.resolve(options, overrides)
+        tokens = self._prompt_tokens(prompt)
+        for i, document in enumerate(resolved.documents):
+            _check_text(document, f"documents[{i}]")
         stream = GenerationStream(iter(()))
-        stream._pieces = self._run(stream, tokenized, params, reuse, [d for d in documents or () if d], return_logits, start)
+        stream._pieces = self._run(stream, tokens, resolved, start)
         return stream
 
-    def _run(
-        self,
-        stream: GenerationStream,
-        prompt: TokenizedPrompt,
-        params: SamplingParams,
-        reuse: bool,
-        documents: list[str],
-        return_logits: bool,
-        start: float,
-    ) -> Iterator[str]:
-        n = len(prompt.ids)
-        budget = min(params.max_new_tokens, self.context_window - n)
+    def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
+        """text -> plan -> lookup/stitch/repair -> decode -> write-back, in that order."""
+        n = len(tokens)
+        budget = min(options.max_new_tokens, self.context_window - n)
+        plan = self._plan_generation(tokens, options, budget)
         with self._model_lock:
-            outcome = self._prefill(prompt, params, reuse, documents)
-        generator = make_generator(params.seed, self._adapter.device)
-        token = sample_token(outcome.logits, params, generator)
+            outcome = self._prefiller.run(plan, reuse=options.reuse)
+        if options.reuse:
+            self._cache.record(plan, outcome)
+        generator = make_generator(options.seed, self._adapter.device)
+        token = sample_token(outcome.logits, options.temperature, options.top_p, generator)
         ttft_ms = (time.perf_counter() - start) * 1000
-        if reuse:
-            self._store_after_prefill(prompt, outcome)
-        assembler = TextAssembler(self.tokenizer, params.stop)
-        eos = self._eos_ids()
+        assembler = TextAssembler(self.tokenizer, options.stop)
         finish = "length"
-        position = n
-        produced = 0
-        while True:
-            if token in eos:
-                finish = "eos"
-                break
-            produced += 1
-            piece = assembler.add(token)
-            if piece:
-                yield piece
-            if assembler.stopped:
-                finish = "stop"
-                break
-            if produced >= budget:
-                break
-            with self._model_lock:
-                logits = self._adapter.forward(torch.tensor([token]), torch.tensor([position]), outcome.cache)
-            position += 1
-            token = sample_token(logits, params, generator)
-        rest = assembler.finish()
-        if rest:
-            yield rest
+        try:
+            finish = yield from self._decode(token, n, budget, outcome, options, generator, assembler)
+        finally:
+            if options.reuse:
+                self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
         token_ids = assembler.trimmed_token_ids()
         cached = outcome.prefix_tokens + outcome.content_tokens
         stream.result = GenerationResult(
@@ -477,26 +432,58 @@ class KVBoost:
             recomputed_tokens=outcome.recomputed_tokens,
             live_tokens=outcome.live_tokens,
             boundary_merged_tokens=outcome.merged_tokens,
-            documents_found=len(outcome.occurrences),
+            documents_found=len(outcome.documents),
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
-            first_token_logits=outcome.logits.detach().cpu() if return_logits else None,
+            first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
         )
 
-    def _prefill(self, prompt: TokenizedPrompt, params: SamplingParams, reuse: bool, documents: list[str]) -> PrefillOutcome:
-        extra = min(params.max_new_tokens, self.context_window - len(prompt.ids))
-        if not reuse:
-            return self._prefiller.full(prompt, extra)
-        records = [self._cache.document_record(d) for d in documents]
-        allow_content = self._content_reuse_allowed(len(prompt.ids) + params.max_new_tokens)
-        outcome = self._prefiller.with_reuse(prompt, records, allow_content, extra)
-        self._cache.count("prompts")
-        self._cache.count("prompt_tokens", len(prompt.ids))
-        self._cache.count("prefix_hit_tokens", outcome.prefix_tokens)
-        self._cache.count("content_hit_tokens", outcome.content_tokens)
-        self._cache.count("recomputed_tokens", outcome.recomputed_tokens)
-        self._cache.count("boundary_merged_tokens", outcome.merged_tokens)
-        return outcome
+    def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
+        if not options.reuse:
+            return self._plan(tokens, registry=None, content_reuse=False, reserve=budget)
+        records = [self._document_record(d) for d in options.documents]
+        content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
+        return self._plan(tokens, explicit=records, content_reuse=content, reserve=budget)
+
+    def _decode(
+        self,
+        token: int,
+        position: int,
+        budget: int,
+        outcome: PrefillOutcome,
+        options: GenerationOptions,
+        generator: torch.Generator | None,
+        assembler: TextAssembler,
+    ) -> Iterator[str]:
+        """Decode from the first sampled token; yields text pieces, returns the finish reason."""
+        eos = self._eos_ids()
+        produced = 0
+        finish = "length"
+        while True:
+            if token in eos:
+                finish = "eos"
+                break
+            produced += 1
+            piece = assembler.add(token)
+            if piece:
+                yield piece
+            if assembler.stopped:
+                finish = "stop"
+                break
+            if produced >= budget:
+                break
+            with self._model_lock:
+                logits = self._adapter.forward(torch.tensor([token]), torch.tensor([position]), outcome.cache)
+            position += 1
+            token = sample_token(logits, options.temperature, options.top_p, generator)
+        rest = assembler.finish()
+        if rest:
+            yield rest
+        return finish
+
+    @property
+    def _stores_documents(self) -> bool:
+        return self.settings.store_generated_documents and self._adapter.position_independent
 
     def _content_reuse_allowed(self, total_tokens: int) -> bool:
         if not self._adapter.position_independent:
@@ -509,46 +496,9 @@ class KVBoost:
             )
             if self.settings.strict:
                 raise UnsupportedModelError(message)
-            logger.warning(message)
+            _window_exceeded.warning(message)
             return False
         return True
-
-    def _store_after_prefill(self, prompt: TokenizedPrompt, outcome: PrefillOutcome) -> None:
-        """Store the exact leading K/V as prefix chunks and new documents as content chunks."""
-        first_doc = min((self._first_token(prompt, o.char_start) for o in outcome.occurrences), default=len(prompt.ids))
-        prefix_end = min(outcome.exact_until, first_doc, len(prompt.ids))
-        new_docs = []
-        if self.settings.store_generated_documents and self._adapter.position_independent:
-            new_docs = [(o, self._cache.missing_chunks(o.record)) for o in outcome.occurrences]
-            new_docs = [(o, m) for o, m in new_docs if m]
-        if prefix_end <= outcome.prefix_tokens and not new_docs:
-            return
-        keys, values = ModelAdapter.cache_tensors(outcome.cache, 0, len(prompt.ids))
-        if prefix_end > outcome.prefix_tokens:
-            self._cache.store_prefix(prompt.ids, keys, values, prefix_end)
-        for occurrence, missing in new_docs:
-            self._store_document_from_prompt(occurrence, missing, keys, values)
-
-    def _store_document_from_prompt(self, occurrence, missing: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        record = occurrence.record
-        where = dict((k, j) for j, k in occurrence.aligned)
-        size = record.chunk_size
-        for chunk in missing:
-            lo, hi = chunk * size, min((chunk + 1) * size, len(record.token_ids))
-            positions = [where.get(k) for k in range(lo, hi)]
-            if any(p is None for p in positions) or positions[-1] - positions[0] != hi - lo - 1:
-                continue  # not wholly in this prompt, or split by a boundary merge
-            first = positions[0]
-            self._cache.store_document_chunk(
-                record, chunk, keys[:, :, first : first + hi - lo], values[:, :, first : first + hi - lo], first
-            )
-
-    @staticmethod
-    def _first_token(prompt: TokenizedPrompt, char: int) -> int:
-        for j, (s, e) in enumerate(prompt.offsets):
-            if e > char:
-                return j
-        return len(prompt.ids)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -596,3 +546,29 @@ class KVBoost:
     def clear_cache(self) -> None:
         """Drop every cached entry and registered document."""
         self._cache.clear()
+
+
+def _check_text(text: object, what: str) -> None:
+    """Reject text the tokenizer cannot read, with an error that names the fix."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInputError(f"{what} must be a non-empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{what} holds a lone surrogate at character {exc.start} ({text[exc.start]!r}), which is not "
+            "valid Unicode text: decode your source with errors='replace' or strip surrogates"
+        ) from None
+
+
+def _check_device(device: str) -> None:
+    """Fail early, and clearly, when the settings name a device this machine lacks."""
+    kind = device.split(":", 1)[0]
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available(),
+        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+        "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
+    if not available.get(kind, False):
+        raise InvalidInputError(f"device={device!r} but this machine has no {kind} device; use device='cpu' or None")

@@ -41,16 +41,6 @@ def prefix_hash(parent: str, tokens: Sequence[int]) -> str:
     return digest.hexdigest()
 
 
-def prefix_hash_chain(fingerprint: str, chunks: Iterable[Sequence[int]]) -> list[str]:
-    """Keys of consecutive prefix chunks starting at the prompt's first token."""
-    keys: list[str] = []
-    parent = root_hash(fingerprint)
-    for chunk in chunks:
-        parent = prefix_hash(parent, chunk)
-        keys.append(parent)
-    return keys
-
-
 def content_hash(fingerprint: str, tokens: Sequence[int], previous: str | None = None) -> str:
     """Key of a document chunk.
 

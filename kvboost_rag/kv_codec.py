@@ -18,6 +18,19 @@ FORMAT_VERSION = "1"
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's K/V: ``layers x kv_heads x head_dim``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)``."""
+        return self.layers, self.kv_heads, self.head_dim
+
+
+@dataclass(frozen=True)
 class KVBlock:
     """K/V of consecutive tokens across all layers.
 

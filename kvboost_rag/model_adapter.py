@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hashing import fingerprint_of
+from kvboost_rag.kv_codec import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +31,6 @@ POSITION_INDEPENDENT_TYPES = frozenset(
 )
 #: RoPE variants whose frequencies do not depend on sequence length.
 _FIXED_FREQUENCY_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one token's K/V: ``layers x kv_heads x head_dim``."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    def as_tuple(self) -> tuple[int, int, int]:
-        """``(layers, kv_heads, head_dim)``."""
-        return self.layers, self.kv_heads, self.head_dim
 
 
 class _StopForward(Exception):

@@ -1,17 +1,18 @@
-"""Prefill with reuse: exact prefix hits, re-rotated document hits, CacheBlend repair.
+"""Prefill of a planned prompt: exact prefix hits, re-rotated document hits, CacheBlend repair.
 
-For one tokenized prompt, :class:`Prefiller` decides which tokens come from cache and which
-are computed, runs the model once over the computed ones, and returns the last position's
-logits plus a cache ready for decoding.
+:meth:`Prefiller.run` reads a :class:`~kvboost_rag.plan.PromptPlan`, loads what the cache
+holds, runs the model once over the tokens that must be computed, and returns a
+:class:`~kvboost_rag.outcome.PrefillOutcome` (last logits, a cache ready for decoding, and
+what was reused). It stores nothing: write-back reads the outcome.
 
-- Only prefix hits (or nothing cached): the prefix K/V goes into a dynamic cache and the rest
-  of the prompt is prefilled on top of it. Same logits as full prefill.
+- Only prefix hits (or nothing cached): the prefix K/V goes into the buffers and the rest of
+  the prompt is prefilled on top of it. Same logits as full prefill.
 - Document hits: their K/V is re-rotated to the new positions and stitched with the prefix
-  into full-length tensors. CacheBlend runs the non-prefix tokens through the first
-  ``check_layer + 1`` layers only (those layers become exact for every token), picks the
-  cached tokens whose K/V deviates most at ``check_layer``, then runs only those plus the
-  live tokens through all layers, scattering their K/V into the stitched cache with
-  attention made causal by position. No pass over all cached tokens through the whole model.
+  into full-length buffers. CacheBlend runs the non-prefix tokens through the first
+  ``check_layer + 1`` layers only, picks the cached tokens whose K/V deviates most at
+  ``check_layer``, then runs only those plus the live tokens through all layers, scattering
+  their K/V into the stitched cache with attention made causal by position. No pass over all
+  cached tokens through the whole model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from kvboost_rag.blend import (
     kv_deviation,
@@ -33,18 +33,10 @@ from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock
 from kvboost_rag.model_adapter import ModelAdapter
-from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, align_tokens
+from kvboost_rag.outcome import PrefillOutcome
+from kvboost_rag.plan import PlacedDocument, PromptPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenizedPrompt:
-    """A prompt as full prefill sees it."""
-
-    text: str
-    ids: list[int]
-    offsets: list[tuple[int, int]]
 
 
 @dataclass
@@ -56,28 +48,12 @@ class ContentHit:
     positions: list[int] = field(default_factory=list)
 
 
-@dataclass
-class PrefillOutcome:
-    """Logits of the last prompt token, the cache to decode from, and what was reused."""
-
-    logits: torch.Tensor
-    cache: DynamicCache
-    prefix_tokens: int = 0
-    content_tokens: int = 0
-    recomputed_tokens: int = 0
-    live_tokens: int = 0
-    merged_tokens: int = 0
-    occurrences: list[DocumentOccurrence] = field(default_factory=list)
-    exact_until: int = 0
-    strategy: str = "full"
-
-
 class Prefiller:
     """Runs prefill with whatever the cache can serve.
 
     Args:
         adapter: The model adapter.
-        cache: The cache manager.
+        cache: The cache manager (lookups only; storing is the write-back's job).
         settings: Engine settings.
     """
 
@@ -86,77 +62,83 @@ class Prefiller:
         self.cache = cache
         self.settings = settings
 
-    def full(self, prompt: TokenizedPrompt, extra: int) -> PrefillOutcome:
-        """Plain prefill of every token (the baseline); ``extra`` tokens of room for decoding."""
-        n = len(prompt.ids)
-        kv = self.adapter.new_cache(n + extra)
-        logits = self.adapter.forward(torch.tensor(prompt.ids), torch.arange(n), kv)
-        return PrefillOutcome(logits=logits, cache=kv, live_tokens=n, exact_until=n, strategy="full")
-
-    def with_reuse(
-        self, prompt: TokenizedPrompt, documents: list[DocumentRecord], allow_content: bool, extra: int
-    ) -> PrefillOutcome:
-        """Prefill reusing cached prefix chunks and (if allowed) cached documents.
+    def run(self, plan: PromptPlan, *, reuse: bool = True) -> PrefillOutcome:
+        """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
 
         Args:
-            prompt: The tokenized prompt.
-            documents: Documents the caller says are in the prompt.
-            allow_content: Whether document K/V may be moved to new positions.
-            extra: Tokens of room to reserve in the cache for decoding.
+            plan: The prompt's plan.
+            reuse: ``False`` computes every token (the full-prefill baseline) and reads no cache.
+
+        Returns:
+            The outcome. When a warm's whole text was already stored, nothing is computed
+            and ``logits`` is ``None``.
         """
-        n = len(prompt.ids)
-        pieces = self.cache.match_prefix(prompt.ids, limit=n - 1)
+        n = plan.num_tokens
+        if not reuse:
+            keys, values = self.adapter.buffers(n + plan.reserve)
+            return self._exact(plan, keys, values, 0, ())
+        pieces = self.cache.match_prefix(plan)
         h = sum(p.length for p in pieces)
-        occurrences: list[DocumentOccurrence] = []
-        hits: dict[str, ContentHit] = {}
-        if allow_content:
-            char_start = prompt.offsets[h - 1][1] if h else 0
-            occurrences = self.cache.registry.find(prompt.text, documents, start=char_start)
-            hits = self._content_hits(prompt, occurrences, h)
-        merged = sum(o.merged_tokens for o in occurrences)
-        keys, values = self.adapter.buffers(n + extra)
+        prefix_keys = tuple(p.key for p in pieces)
+        documents = plan.documents_after(h)
+        if h >= n:
+            return PrefillOutcome(
+                logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
+                exact_until=n, strategy="exact",
+            )
+        hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
+        keys, values = self.adapter.buffers(n + plan.reserve)
         for piece in pieces:
             end = piece.start + piece.length
             keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
             values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         if not hits:
-            outcome = self._exact(prompt, keys, values, h)
+            outcome = self._exact(plan, keys, values, h, prefix_keys)
         else:
-            outcome = self._blend(prompt, keys, values, h, hits)
-        outcome.occurrences = occurrences
-        outcome.merged_tokens = merged
+            outcome = self._blend(plan, keys, values, h, prefix_keys, hits)
+        outcome.documents = documents
+        outcome.merged_tokens = sum(d.merged_tokens for d in documents)
         return outcome
 
     # ------------------------------------------------------------------ exact path
-    def _exact(self, prompt: TokenizedPrompt, keys: torch.Tensor, values: torch.Tensor, h: int) -> PrefillOutcome:
+    def _exact(
+        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, prefix_keys: tuple[str, ...]
+    ) -> PrefillOutcome:
         """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
-        n = len(prompt.ids)
+        ids = plan.tokens.ids
+        n = len(ids)
         kv = self.adapter.cache_over(keys, values, h)
         # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
         # (measured 35% slower per token than prefill from scratch on CPU); causal attention
         # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
-        logits = self.adapter.forward(torch.tensor(prompt.ids[h:]), torch.arange(h, n), kv, sparse_queries=h > 0)
+        logits = self.adapter.forward(torch.tensor(ids[h:]), torch.arange(h, n), kv, sparse_queries=h > 0)
         return PrefillOutcome(
-            logits=logits, cache=kv, prefix_tokens=h, live_tokens=n - h, exact_until=n, strategy="exact" if h else "full"
+            logits=logits,
+            cache=kv,
+            keys=keys,
+            values=values,
+            prefix_tokens=h,
+            prefix_keys=prefix_keys,
+            live_tokens=n - h,
+            exact_until=n,
+            strategy="exact" if h else "full",
         )
 
     # ------------------------------------------------------------------ document hits
-    def _content_hits(self, prompt: TokenizedPrompt, occurrences: list[DocumentOccurrence], h: int) -> dict[str, ContentHit]:
-        token_at_char: dict[int, int] = {}
-        for j in range(h, len(prompt.ids)):
-            start, end = prompt.offsets[j]
-            if end > start:
-                token_at_char.setdefault(start, j)
+    def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> dict[str, ContentHit]:
+        """Load the chunks of the documents after the prefix hit; keep the rows whose token
+        matches the prompt's. The last prompt token is always computed (its logits are needed)."""
+        ids = plan.tokens.ids
+        last = len(ids) - 1
         hits: dict[str, ContentHit] = {}
         missing: set[str] = set()
-        last = len(prompt.ids) - 1
-        for occ in occurrences:
-            align_tokens(occ, prompt.ids, token_at_char, prompt.offsets)
-            record = occ.record
-            for j, k in occ.aligned:
+        for document in documents:
+            record = document.record
+            for j, k in zip(document.positions, document.rows):
                 if j < h or j == last:
                     continue
-                key = record.chunk_keys[record.chunk_of(k)]
+                chunk = k // record.chunk_size
+                key = record.chunk_keys[chunk]
                 if key in missing:
                     continue
                 hit = hits.get(key)
@@ -166,8 +148,8 @@ class Prefiller:
                         missing.add(key)
                         continue
                     hit = hits[key] = ContentHit(block)
-                row = k - record.chunk_of(k) * record.chunk_size
-                if row >= hit.block.num_tokens or int(hit.block.token_ids[row]) != prompt.ids[j]:
+                row = k - chunk * record.chunk_size
+                if row >= hit.block.num_tokens or int(hit.block.token_ids[row]) != ids[j]:
                     continue
                 hit.rows.append(row)
                 hit.positions.append(j)
@@ -175,10 +157,11 @@ class Prefiller:
 
     def _blend(
         self,
-        prompt: TokenizedPrompt,
+        plan: PromptPlan,
         keys: torch.Tensor,
         values: torch.Tensor,
         h: int,
+        prefix_keys: tuple[str, ...],
         hits: dict[str, ContentHit],
     ) -> PrefillOutcome:
         """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
@@ -188,7 +171,8 @@ class Prefiller:
         computed rows by the scatter), so the buffers need no zero-filling.
         """
         adapter = self.adapter
-        n = len(prompt.ids)
+        ids = plan.tokens.ids
+        n = len(ids)
         cached = torch.zeros(n, dtype=torch.bool)
         for hit in hits.values():
             for row, position, length in _spans(hit.rows, hit.positions):
@@ -202,7 +186,7 @@ class Prefiller:
         budget = recompute_budget(int(content_positions.numel()), self.settings.recompute_ratio)
         strategy = self.settings.recompute_strategy
         if strategy == "cacheblend":
-            recompute = self._select_cacheblend(prompt, h, keys, values, content_positions, budget)
+            recompute = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
@@ -217,13 +201,17 @@ class Prefiller:
 
         stitched = adapter.cache_over(keys, values, n)
         stitched.arm(positions.to(adapter.device))
-        logits = adapter.forward(torch.tensor(prompt.ids)[positions], positions, stitched, sparse_queries=True)
+        logits = adapter.forward(torch.tensor(ids)[positions], positions, stitched, sparse_queries=True)
         first_content = int(content_positions[0]) if content_positions.numel() else n
         recomputed = int((cached & compute).sum())
         return PrefillOutcome(
             logits=logits,
             cache=stitched,
+            keys=keys,
+            values=values,
             prefix_tokens=h,
+            prefix_keys=prefix_keys,
+            loaded_chunks=frozenset(hits),
             content_tokens=int(content_positions.numel()),
             recomputed_tokens=recomputed,
             live_tokens=int(compute.sum()) - recomputed,
@@ -233,7 +221,7 @@ class Prefiller:
 
     def _select_cacheblend(
         self,
-        prompt: TokenizedPrompt,
+        ids: list[int],
         h: int,
         keys: torch.Tensor,
         values: torch.Tensor,
@@ -244,14 +232,12 @@ class Prefiller:
         ``keys``/``values`` (those layers become exact), and return the ``budget`` cached
         tokens whose K/V deviated most at ``check_layer``."""
         adapter = self.adapter
-        n = len(prompt.ids)
+        n = len(ids)
         check = min(self.settings.check_layer, adapter.num_layers - 1)
         cached_k = keys[check][:, content_positions].clone()
         cached_v = values[check][:, content_positions].clone()
-        # A cache over the first check+1 layers of the same buffers: the partial pass appends
-        # the fresh K/V of positions h..n-1 right where the stitched rows were.
         partial = adapter.cache_over(keys[: check + 1], values[: check + 1], h)
-        adapter.forward_until_layer(torch.tensor(prompt.ids[h:]), torch.arange(h, n), partial, check)
+        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
         if budget == 0:
             return content_positions[:0]
         deviation = kv_deviation(keys[check][:, content_positions], values[check][:, content_positions], cached_k, cached_v)

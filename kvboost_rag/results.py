@@ -16,6 +16,7 @@ class WarmResult(BaseModel):
         num_tokens: Tokens in the text.
         new_tokens: Tokens whose K/V was computed by this call.
         cached_tokens: Tokens whose K/V was already stored.
+        skipped_tokens: Tokens of a document beyond the context window, not warmed.
         already_warm: Nothing had to be computed.
         elapsed_ms: Wall time of the call for this text.
         prefix_hash: Key of the last prefix chunk (prefix kind).
@@ -26,6 +27,7 @@ class WarmResult(BaseModel):
     num_tokens: int
     new_tokens: int
     cached_tokens: int
+    skipped_tokens: int = 0
     already_warm: bool
     elapsed_ms: float
     prefix_hash: str | None = None

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvboost_rag.hashing import content_hash_chain, text_digest
+
 #: Characters of a document's start that index it. Shorter documents are found only when
 #: passed explicitly to ``generate(documents=...)``.
 ANCHOR_CHARS = 32
@@ -45,6 +47,30 @@ class DocumentRecord:
     def chunk_of(self, token_index: int) -> int:
         """Index of the chunk holding document token ``token_index``."""
         return token_index // self.chunk_size
+
+
+def make_record(
+    text: str, token_ids: Sequence[int], offsets: Sequence[tuple[int, int]], fingerprint: str, chunk_size: int
+) -> DocumentRecord:
+    """The record of a document tokenized alone.
+
+    Args:
+        text: The document.
+        token_ids: Its tokens (no special tokens).
+        offsets: Character span of each token within ``text``.
+        fingerprint: Model fingerprint (namespace of the chunk keys).
+        chunk_size: Tokens per chunk; the grid starts at the document's first token.
+    """
+    ids = list(token_ids)
+    keys = content_hash_chain(fingerprint, (ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)))
+    return DocumentRecord(
+        digest=text_digest(text),
+        text=text,
+        token_ids=tuple(ids),
+        offsets=tuple(tuple(o) for o in offsets),
+        chunk_keys=tuple(keys),
+        chunk_size=chunk_size,
+    )
 
 
 @dataclass

@@ -235,3 +235,85 @@ def test_empty_warm_prefix_warms_documents_alone(make_engine, docs):
     [result] = engine.warm_documents(docs[:1])
     assert result.new_tokens == result.num_tokens > 0
     assert engine.generate(rag_prompt(docs[:1]), max_new_tokens=1).content_hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"seed": "x"}, "seed"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"reuse": "yes"}, "reuse"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_bad_option_values_are_named_not_coerced(engine, kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        engine.generate("Hello there", **kwargs)
+
+
+def test_one_stop_string_is_one_stop_string(engine):
+    free = engine.generate("Hello there", max_new_tokens=12)
+    word = free.output_text[3:6]
+    assert len(word) == 3
+    cut = engine.generate("Hello there", max_new_tokens=12, stop=word)
+    assert cut.finish_reason == "stop" and word not in cut.output_text
+    assert cut.output_text == free.output_text[: free.output_text.index(word)]
+
+
+def test_options_object_and_overrides(engine):
+    from kvboost_rag.options import GenerationOptions
+
+    options = GenerationOptions(max_new_tokens=3)
+    assert engine.generate("Hello there", options).generated_tokens <= 3
+    assert engine.generate("Hello there", options, max_new_tokens=1).generated_tokens <= 1
+    with pytest.raises(InvalidInputError, match="GenerationOptions"):
+        engine.generate("Hello there", {"max_new_tokens": 3})
+
+
+@pytest.mark.parametrize("where", ["prompt", "warm", "document"])
+def test_lone_surrogates_are_invalid_input(engine, where):
+    bad = "Text with a lone surrogate \ud800 in the middle of it, long enough to be a document."
+    with pytest.raises(InvalidInputError, match="surrogate"):
+        if where == "prompt":
+            engine.generate(bad)
+        elif where == "warm":
+            engine.warm(bad)
+        else:
+            engine.warm_documents([bad])
+
+
+def test_warm_documents_rejects_one_string(engine):
+    with pytest.raises(InvalidInputError, match="not one string"):
+        engine.warm_documents("a single document passed without a list around it")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_invalid_input(tokenizer):
+    with pytest.raises(InvalidInputError, match="no cuda device"):
+        KVBoost.from_model(tiny_model("llama"), tokenizer, device="cuda")
+
+
+def test_pinned_overflow_evicts_the_oldest_pin_with_one_warning(caplog):
+    from kvboost_rag.storage import MemoryTier, StoredEntry
+
+    def entry() -> StoredEntry:
+        return StoredEntry({"keys": torch.zeros(250, dtype=torch.float32)})
+
+    tier = MemoryTier(max_bytes=2000)
+    for key in ("a", "b"):
+        tier.put(key, entry())
+        assert tier.pin(key)
+    with caplog.at_level("WARNING", logger="kvboost_rag.storage.memory"):
+        evicted = tier.put("c", entry())
+        assert evicted == ["a"] and "c" in tier and "b" in tier
+        assert tier.pin("c")
+        for i in range(50):  # every put now has to push out a pin
+            tier.put(f"x{i}", entry())
+            assert tier.pin(f"x{i}")
+        assert len(tier) == 2 and f"x{i}" in tier
+    records = [r for r in caplog.records if "pinned" in r.getMessage()]
+    assert len(records) == 1

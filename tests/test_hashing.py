@@ -3,9 +3,16 @@ from kvboost_rag.hashing import (
     content_hash_chain,
     fingerprint_of,
     prefix_hash,
-    prefix_hash_chain,
     root_hash,
 )
+
+
+def prefix_hash_chain(fingerprint, chunks):
+    keys, parent = [], root_hash(fingerprint)
+    for chunk in chunks:
+        parent = prefix_hash(parent, chunk)
+        keys.append(parent)
+    return keys
 
 
 def test_prefix_chain_depends_on_everything_before():

@@ -247,7 +247,7 @@ def test_shape_tampered_metadata_is_rejected(tmp_path):
 def test_disk_budget_evicts_least_used_first_and_never_pinned(tmp_path):
     size = len(serialize_entry(_entry(0.0), key="a0"))
     tier = DiskTier(tmp_path, max_bytes=3 * size)
-    assert tier.put("a0", _entry(0.0), pinned=True) == []
+    assert tier.put("a0", _entry(0.0)) == [] and tier.pin("a0")
     assert tier.put("a1", _entry(1.0)) == []
     assert tier.put("a2", _entry(2.0)) == []
     for _ in range(3):
@@ -267,8 +267,9 @@ def test_disk_budget_evicts_least_used_first_and_never_pinned(tmp_path):
 def test_disk_budget_full_of_pinned_entries_stores_nothing(tmp_path, caplog):
     size = len(serialize_entry(_entry(0.0), key="p0"))
     tier = DiskTier(tmp_path, max_bytes=2 * size)
-    tier.put("p0", _entry(0.0), pinned=True)
-    tier.put("p1", _entry(1.0), pinned=True)
+    tier.put("p0", _entry(0.0))
+    tier.put("p1", _entry(1.0))
+    assert tier.pin("p0") and tier.pin("p1")
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
         assert tier.put("p2", _entry(2.0)) == []
     assert "pinned" in caplog.text and "p2" not in tier and sorted(tier.keys()) == ["p0", "p1"]

@@ -46,17 +46,29 @@ class StorageTier(ABC):
         """Return the entry stored under ``key``, or ``None``."""
 
     @abstractmethod
-    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
-        """Store ``entry`` under ``key``.
+    def put(self, key: str, entry: StoredEntry) -> list[str]:
+        """Store ``entry`` under ``key`` (a pin on ``key`` is kept).
 
         Args:
             key: Hex cache key.
             entry: What to store.
-            pinned: Never evict this entry (shared beginnings such as the system prompt).
 
         Returns:
             The keys evicted to make room.
         """
+
+    def pin(self, key: str) -> bool:
+        """Keep ``key`` resident: eviction skips it until :meth:`unpin`. Writes nothing.
+
+        Tiers without eviction of their own (Redis: the server decides) ignore pins.
+
+        Returns:
+            Whether this tier holds ``key`` and pinned it.
+        """
+        return False
+
+    def unpin(self, key: str) -> None:  # noqa: B027 - optional hook
+        """Let ``key`` be evicted again (no-op where pins are ignored)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

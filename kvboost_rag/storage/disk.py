@@ -126,7 +126,7 @@ class DiskTier(StorageTier):
             pass
         return entry
 
-    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
+    def put(self, key: str, entry: StoredEntry) -> list[str]:
         header, payload = serialize_parts(entry, key=key)
         size = len(header) + len(payload)
         if size > self.max_bytes:
@@ -143,8 +143,15 @@ class DiskTier(StorageTier):
             except OSError as exc:
                 logger.warning("disk tier: cannot write %s: %s", path, exc)
                 return evicted
-            self._track(key, size, pinned=pinned or self.policy.is_pinned(key))
+            self._track(key, size)
         return evicted
+
+    def pin(self, key: str) -> bool:
+        with self._lock:
+            return key in self._sizes and self.policy.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self.policy.unpin(key)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -241,11 +248,11 @@ class DiskTier(StorageTier):
                 pass
             raise
 
-    def _track(self, key: str, size: int, *, pinned: bool = False) -> None:
+    def _track(self, key: str, size: int) -> None:
         """Index ``key`` (new or rewritten) and count one use of it."""
         self._used += size - self._sizes.get(key, 0)
         self._sizes[key] = size
-        self.policy.insert(key, pinned=pinned)
+        self.policy.insert(key)
 
     def _forget(self, key: str) -> None:
         with self._lock:

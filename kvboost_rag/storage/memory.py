@@ -6,10 +6,13 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from kvboost_rag.log_limits import RateLimitedLog
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
 
 logger = logging.getLogger(__name__)
+_too_large = RateLimitedLog(logger)
+_pins_full = RateLimitedLog(logger)
 
 
 class MemoryTier(StorageTier):
@@ -39,10 +42,10 @@ class MemoryTier(StorageTier):
             self.policy.touch(key)
         return entry
 
-    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
+    def put(self, key: str, entry: StoredEntry) -> list[str]:
         size = entry.nbytes
         if size > self.max_bytes:
-            logger.warning("entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
+            _too_large.warning("entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
             return []
         evicted: list[str] = []
         with self._lock:
@@ -53,16 +56,35 @@ class MemoryTier(StorageTier):
                 for victim in self.policy.victims(list(self._entries)):
                     if self._used + size <= self.max_bytes:
                         break
-                    self._used -= self._entries.pop(victim).nbytes
-                    self.policy.remove(victim)
-                    evicted.append(victim)
-            if self._used + size > self.max_bytes:
-                logger.warning("memory tier full of pinned entries; entry %s not stored", key[:12])
-                return evicted
+                    self._evict(victim, evicted)
+            while self._used + size > self.max_bytes:
+                # Only pinned entries are left: the pin used least recently gives way, so
+                # the newest shared beginnings stay served instead of nothing new being stored.
+                victim = self.policy.oldest_pinned(list(self._entries))
+                if victim is None:
+                    break
+                _pins_full.warning(
+                    "memory tier full of pinned entries (max_cache_bytes=%d): evicting the least recently "
+                    "used pin; raise max_cache_bytes or warm fewer shared beginnings",
+                    self.max_bytes,
+                )
+                self._evict(victim, evicted)
             self._entries[key] = entry
             self._used += size
-            self.policy.insert(key, pinned=pinned or self.policy.is_pinned(key))
+            self.policy.insert(key)
         return evicted
+
+    def pin(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries and self.policy.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self.policy.unpin(key)
+
+    def _evict(self, victim: str, evicted: list[str]) -> None:
+        self._used -= self._entries.pop(victim).nbytes
+        self.policy.remove(victim)
+        evicted.append(victim)
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -30,14 +30,31 @@ class FrequencyRecencyPolicy:
         self._pinned: set[str] = set()
         self._lock = threading.Lock()
 
-    def insert(self, key: str, *, pinned: bool = False) -> None:
-        """Record a newly stored key (counts as one use)."""
+    def insert(self, key: str) -> None:
+        """Record a newly stored key (counts as one use); a pin on it is kept."""
         with self._lock:
             self._clock += 1
             self._hits[key] = self._decayed(key) + 1.0
             self._last[key] = self._clock
-            if pinned:
-                self._pinned.add(key)
+
+    def pin(self, key: str) -> bool:
+        """Never offer ``key`` as a victim. Returns whether the key is known."""
+        with self._lock:
+            if key not in self._hits:
+                return False
+            self._pinned.add(key)
+            return True
+
+    def unpin(self, key: str) -> None:
+        """Let ``key`` be evicted again."""
+        with self._lock:
+            self._pinned.discard(key)
+
+    def oldest_pinned(self, candidates: Iterable[str]) -> str | None:
+        """The pinned key among ``candidates`` used least recently, if any."""
+        with self._lock:
+            pinned = [(self._last.get(k, 0), k) for k in candidates if k in self._pinned]
+        return min(pinned)[1] if pinned else None
 
     def touch(self, key: str) -> None:
         """Record one use of ``key`` (a cache hit)."""

@@ -120,8 +120,8 @@ class RedisTier(StorageTier):
             self.delete(key)
             return None
 
-    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
-        """Write ``entry``; ``pinned`` is ignored (the server's TTL/eviction decides).
+    def put(self, key: str, entry: StoredEntry) -> list[str]:
+        """Write ``entry``; pins are ignored here (the server's TTL/eviction decides).
 
         Returns:
             Always ``[]``: the server evicts on its own and does not report it.

@@ -44,10 +44,22 @@ class TieredStore:
             self.misses += 1
         return None
 
-    def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> None:
+    def put(self, key: str, entry: StoredEntry) -> None:
         """Write ``entry`` to every tier."""
         for tier in self.tiers:
-            self._count_evictions(tier, tier.put(key, entry, pinned=pinned))
+            self._count_evictions(tier, tier.put(key, entry))
+
+    def pin(self, key: str) -> bool:
+        """Pin ``key`` in every tier that holds it (writes nothing); whether any did."""
+        pinned = False
+        for tier in self.tiers:
+            pinned = tier.pin(key) or pinned
+        return pinned
+
+    def unpin(self, key: str) -> None:
+        """Unpin ``key`` in every tier."""
+        for tier in self.tiers:
+            tier.unpin(key)
 
     def contains(self, key: str) -> bool:
         """Whether any tier holds ``key``."""

@@ -8,40 +8,8 @@ string or an unfinished UTF-8 character, and cuts the output at the first stop s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
-
-from kvboost_rag.errors import InvalidInputError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Validated decoding parameters.
-
-    Attributes:
-        max_new_tokens: Upper bound on generated tokens (>= 1).
-        temperature: 0 for greedy decoding, else softmax temperature.
-        top_p: Nucleus sampling mass in (0, 1].
-        seed: Seed of the sampling generator (reproducible sampling).
-        stop: Strings that end the output (the output is cut before the first one).
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidInputError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -53,15 +21,15 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return generator
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Pick the next token from ``[vocab]`` logits (greedy when temperature is 0)."""
-    if params.temperature == 0:
+    if temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = sorted_probs.cumsum(-1)
-        keep = cumulative - sorted_probs < params.top_p  # always keeps the top token
+        keep = cumulative - sorted_probs < top_p  # always keeps the top token
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,169 @@
+"""The prompt plan (pure) and the one-way flow: text -> plan -> prefill -> decode -> write-back."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvboost_rag.hashing import prefix_hash, root_hash
+from kvboost_rag.plan import PromptTokens, build_plan
+from kvboost_rag.segments import DocumentRegistry, make_record
+from kvboost_rag.storage.memory import MemoryTier
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+ROOT = root_hash("fp")
+
+
+def _tokens(tokenizer, text: str) -> PromptTokens:
+    enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    return PromptTokens(text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]])
+
+
+def _registry(tokenizer, docs: list[str], chunk_size: int) -> DocumentRegistry:
+    registry = DocumentRegistry()
+    for text in docs:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        registry.register(make_record(text, enc["input_ids"], enc["offset_mapping"], "fp", chunk_size))
+    return registry
+
+
+def test_prefix_grid_is_the_hash_chain_walked_once(tokenizer):
+    tokens = _tokens(tokenizer, SYSTEM_PROMPT * 6)
+    n = len(tokens)
+    plan = build_plan(tokens, root=ROOT, chunk_size=16, registry=None)
+    assert plan.lookup_limit == n - 1 and plan.shared_end == n
+    parent = ROOT
+    for i, chunk in enumerate(plan.prefix_chunks):
+        assert (chunk.start, chunk.stop, chunk.parent) == (16 * i, 16 * (i + 1), parent)
+        assert chunk.key == prefix_hash(parent, tokens.ids[chunk.start : chunk.stop])
+        parent = chunk.key
+    assert plan.prefix_chunks[-1].stop + 16 > n - 1
+    # The stored grid shares the lookup keys and ends with the short chunk up to the end.
+    assert plan.stored_prefix[: len(plan.prefix_chunks)] == plan.prefix_chunks
+    last = plan.stored_prefix[-1]
+    assert last.stop == n and last.key == prefix_hash(last.parent, tokens.ids[last.start : n])
+    # The tail chunk is the short piece from the last grid point to the lookup limit.
+    tail = plan.prefix_tail
+    assert tail is not None and (tail.start, tail.stop) == (plan.prefix_chunks[-1].stop, n - 1)
+
+
+def test_documents_are_placed_and_aligned_in_any_order(tokenizer, docs):
+    registry = _registry(tokenizer, docs[:4], chunk_size=16)
+    prompt = rag_prompt([docs[2], docs[0], docs[3]])
+    tokens = _tokens(tokenizer, prompt)
+    plan = build_plan(tokens, root=ROOT, chunk_size=16, registry=registry)
+    assert [d.record.text for d in plan.documents] == [docs[2], docs[0], docs[3]]
+    for document in plan.documents:
+        assert document.char_start == prompt.index(document.record.text)
+        assert tokens.offsets[document.first_token][1] > document.char_start
+        assert tokens.offsets[document.first_token - 1][1] <= document.char_start
+        for j, k in zip(document.positions, document.rows):
+            assert tokens.ids[j] == document.record.token_ids[k]
+        assert len(document.positions) + document.merged_tokens == len(document.record.token_ids)
+    # Exactness (and the stored prefix) ends where the first document starts.
+    assert plan.shared_end == plan.documents[0].first_token
+    assert plan.stored_prefix[-1].stop == plan.shared_end
+    assert plan.documents_after(plan.documents[1].first_token) == list(plan.documents[1:])
+
+
+def test_chunk_span_needs_every_token_of_the_chunk_in_a_row(tokenizer, docs):
+    registry = _registry(tokenizer, docs[:1], chunk_size=8)
+    tokens = _tokens(tokenizer, rag_prompt(docs[:1]))
+    document = build_plan(tokens, root=ROOT, chunk_size=8, registry=registry).documents[0]
+    spans = [document.chunk_span(c) for c in range(len(document.record.chunk_keys))]
+    for chunk, first in enumerate(spans):
+        if first is not None:
+            lo = chunk * 8
+            hi = min(lo + 8, len(document.record.token_ids))
+            assert tokens.ids[first : first + hi - lo] == list(document.record.token_ids[lo:hi])
+    assert spans[0] == document.first_token
+    # A document cut short in the prompt has no span for the chunks it lost.
+    half = docs[0][: len(docs[0]) // 2]
+    cut = build_plan(_tokens(tokenizer, SYSTEM_PROMPT + "\n\n" + half), root=ROOT, chunk_size=8, registry=registry)
+    assert cut.documents[0].chunk_span(len(document.record.chunk_keys) - 1) is None
+
+
+def test_no_document_search_without_content_reuse(tokenizer, docs):
+    registry = _registry(tokenizer, docs[:2], chunk_size=16)
+    tokens = _tokens(tokenizer, rag_prompt(docs[:2]))
+    plan = build_plan(tokens, root=ROOT, chunk_size=16, registry=registry, content_reuse=False)
+    assert plan.documents == () and plan.shared_end == len(tokens)
+
+
+def test_warming_the_same_text_again_writes_nothing(make_engine, monkeypatch):
+    written: list[int] = []
+    original = MemoryTier.put
+
+    def counting_put(self, key, entry):
+        written.append(entry.nbytes)
+        return original(self, key, entry)
+
+    monkeypatch.setattr(MemoryTier, "put", counting_put)
+    engine = make_engine("llama")
+    first = engine.warm(SYSTEM_PROMPT * 3)
+    assert first.new_tokens == first.num_tokens and sum(written) > 0
+    before = sum(written)
+    results = [engine.warm(SYSTEM_PROMPT * 3) for _ in range(100)]
+    assert sum(written) == before
+    assert all(r.already_warm and r.new_tokens == 0 for r in results)
+
+
+def test_warmed_beginning_is_pinned_and_survives_eviction(make_engine, docs):
+    engine = make_engine("llama", max_cache_bytes=150_000)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs)  # more than the budget holds: unpinned entries are evicted
+    assert engine.cache_stats().tiers["memory"]["evictions"] > 0
+    again = engine.warm(SYSTEM_PROMPT)
+    assert again.already_warm and again.new_tokens == 0
+
+
+def test_generate_flows_one_way(make_engine, docs):
+    """Calls from the engine into other modules follow text -> plan -> prefill -> decode ->
+    write-back, and no module calls back into the engine."""
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:3])
+    prompt = rag_prompt([docs[2], docs[0], docs[1]])
+    calls: list[tuple[str, str]] = []
+
+    def module_of(frame) -> str:
+        return frame.f_globals.get("__name__", "")
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        callee = module_of(frame)
+        caller = module_of(frame.f_back) if frame.f_back is not None else ""
+        if callee.startswith("kvboost_rag.") and caller.startswith("kvboost_rag.") and callee != caller:
+            calls.append((caller, callee))
+
+    sys.setprofile(profile)
+    try:
+        result = engine.generate(prompt, max_new_tokens=4)
+    finally:
+        sys.setprofile(None)
+    assert result.content_hit_tokens > 0
+    into_engine = [c for c in calls if c[1] == "kvboost_rag.engine"]
+    assert into_engine == [], f"modules calling back into the engine: {sorted(set(into_engine))}"
+    from_engine = [callee for caller, callee in calls if caller == "kvboost_rag.engine"]
+    stages = [m.removeprefix("kvboost_rag.") for m in from_engine]
+    assert stages.count("prefill") == 1
+    plan_at = stages.index("plan")
+    prefill_at = stages.index("prefill")
+    write_back_at = len(stages) - 1 - stages[::-1].index("cache_manager")
+    assert plan_at < prefill_at < write_back_at
+    assert "model_adapter" not in stages[write_back_at:], "write-back comes after decoding"
+    assert "cache_manager" not in stages[:prefill_at], "lookups happen inside prefill only"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_document_warm_goes_through_prefill_and_hits_next_prompt(make_engine, docs, family):
+    engine = make_engine(family)
+    engine.warm(SYSTEM_PROMPT)
+    first = engine.warm_documents(docs[:2])
+    assert all(r.new_tokens == r.num_tokens and not r.already_warm for r in first)
+    again = engine.warm_documents(docs[:2])
+    assert all(r.already_warm and r.new_tokens == 0 and r.cached_tokens == r.num_tokens for r in again)
+    result = engine.generate(rag_prompt(docs[:2][::-1]), max_new_tokens=2)
+    assert result.content_hit_tokens > 0 and result.documents_found == 2
