@@ -19,6 +19,28 @@ def recompute_budget(candidates: int, ratio: float) -> int:
     return min(candidates, math.ceil(candidates * ratio))
 
 
+def adaptive_budget(deviation: torch.Tensor, scale: torch.Tensor, target: float, low: int, high: int) -> int:
+    """Fewest tokens to recompute so that the mean relative deviation left is ``<= target``.
+
+    Args:
+        deviation: ``[tokens]`` squared K/V deviation of each cached token.
+        scale: ``[tokens]`` squared norm of each token's fresh K/V (makes it relative).
+        target: Mean relative deviation allowed in the tokens left as cached.
+        low: Least number of tokens to recompute.
+        high: Largest number of tokens to recompute.
+    """
+    count = int(deviation.numel())
+    if count == 0:
+        return 0
+    relative = (deviation / scale.clamp_min(torch.finfo(torch.float32).tiny)).sort(descending=True).values
+    left = relative.sum() - torch.cumsum(relative, 0)  # left[k - 1]: deviation left after k recomputed
+    within = (left / count <= target).nonzero()
+    needed = int(within[0]) + 1 if within.numel() else count
+    if float(relative.sum()) / count <= target:
+        needed = 0
+    return max(low, min(high, needed))
+
+
 def kv_deviation(
     fresh_keys: torch.Tensor, fresh_values: torch.Tensor, cached_keys: torch.Tensor, cached_values: torch.Tensor
 ) -> torch.Tensor:
@@ -36,6 +58,11 @@ def kv_deviation(
     dk = (fresh_keys.float() - cached_keys.float()).pow(2).sum(dim=(0, 2))
     dv = (fresh_values.float() - cached_values.float()).pow(2).sum(dim=(0, 2))
     return dk + dv
+
+
+def kv_energy(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-token squared norm of K and V at one layer (``[heads, tokens, dim]`` each -> ``[tokens]``)."""
+    return keys.float().pow(2).sum(dim=(0, 2)) + values.float().pow(2).sum(dim=(0, 2))
 
 
 def select_by_deviation(positions: torch.Tensor, deviation: torch.Tensor, budget: int) -> torch.Tensor:

@@ -23,7 +23,15 @@ class KVBoostSettings(BaseModel):
             ``"cacheblend"`` recomputes the tokens whose K/V deviate most at ``check_layer``;
             ``"selective"`` recomputes the first tokens of each document (just after each seam);
             ``"none"`` does no repair.
-        recompute_ratio: Share of the document tokens served from cache that are recomputed.
+        recompute_ratio: Share of the document tokens served from cache that are recomputed,
+            or ``"auto"`` (CacheBlend only): per prompt, the most deviating tokens are
+            recomputed until the relative K/V deviation left at ``check_layer`` is below
+            ``max_deviation``, between ``min_recompute_ratio`` and ``max_recompute_ratio``.
+        max_deviation: Target of ``recompute_ratio="auto"``: mean relative K/V deviation
+            (squared deviation over squared norm of the fresh K/V at ``check_layer``) left in
+            the tokens that are not recomputed.
+        min_recompute_ratio: Least share ``"auto"`` recomputes.
+        max_recompute_ratio: Largest share ``"auto"`` recomputes.
         chunk_size: Tokens per stored chunk. Prefixes are cut on a grid of this size from the
             prompt's start; each document is cut on a grid starting at its own first token.
         kv_cache_bits: Store K/V quantized to 8 or 4 bits; ``None`` keeps the model's dtype.
@@ -58,7 +66,10 @@ class KVBoostSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     recompute_strategy: RecomputeStrategy = "cacheblend"
-    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    recompute_ratio: float | Literal["auto"] = Field(0.15, ge=0.0, le=1.0)
+    max_deviation: float = Field(0.02, gt=0.0, le=1.0)
+    min_recompute_ratio: float = Field(0.05, ge=0.0, le=1.0)
+    max_recompute_ratio: float = Field(0.5, ge=0.0, le=1.0)
     chunk_size: int = Field(128, ge=8, le=8192)
     kv_cache_bits: Literal[4, 8] | None = None
     kv_group_size: int = Field(32, ge=8, le=1024)
@@ -92,6 +103,17 @@ class KVBoostSettings(BaseModel):
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _auto_needs_cacheblend(self) -> KVBoostSettings:
+        if self.recompute_ratio == "auto" and self.recompute_strategy != "cacheblend":
+            raise ValueError(
+                f"recompute_ratio='auto' needs recompute_strategy='cacheblend' (it reads CacheBlend's "
+                f"deviation), got {self.recompute_strategy!r}: set a number instead"
+            )
+        if self.min_recompute_ratio > self.max_recompute_ratio:
+            raise ValueError("min_recompute_ratio must not exceed max_recompute_ratio")
+        return self
 
     @model_validator(mode="after")
     def _group_fits_chunk(self) -> KVBoostSettings:

@@ -430,6 +430,7 @@ class KVBoost:
             prefix_hit_tokens=outcome.prefix_tokens,
             content_hit_tokens=outcome.content_tokens,
             recomputed_tokens=outcome.recomputed_tokens,
+            recompute_ratio=outcome.recompute_ratio,
             live_tokens=outcome.live_tokens,
             boundary_merged_tokens=outcome.merged_tokens,
             documents_found=len(outcome.documents),

@@ -27,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 #: Architectures whose RoPE re-rotation is verified by the test suite.
 POSITION_INDEPENDENT_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "stablelm", "granite", "olmo", "olmo2"}
+    {
+        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+        "phi3", "stablelm", "granite", "olmo", "olmo2",
+    }
 )
 #: RoPE variants whose frequencies do not depend on sequence length.
 _FIXED_FREQUENCY_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
@@ -138,9 +141,9 @@ class BufferedCache(DynamicCache):
                 BufferedLayer(key_buffer[i : i + 1], value_buffer[i : i + 1], length, capacity) for i in range(num_layers)
             ]
 
-    def arm(self, positions: torch.Tensor) -> None:
-        """Arm every layer to scatter the next update into ``positions``."""
-        for layer in self.layers:
+    def arm(self, positions: torch.Tensor, first_layer: int = 0) -> None:
+        """Arm layers from ``first_layer`` on to scatter the next update into ``positions``."""
+        for layer in self.layers[first_layer:]:
             layer.arm(positions)
 
     def shared_view(self, start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -179,10 +182,14 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layout = self._probe_layout()
-        self._decoder_layers = self._find_decoder_layers()
+        self._decoder_layers_owner, self._decoder_layers = self._find_decoder_layers()
         self._inv_freq, self.position_independent_reason = self._find_rope()
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None) or None
         if getattr(self.config, "use_sliding_window", True) is False:
+            self.sliding_window = None
+        if "full_attention" in (getattr(self.config, "layer_types", None) or []):
+            # Interleaved local/global layers (Gemma 2/3): the local layers' attention applies
+            # their window itself; no window bounds the prompt as a whole.
             self.sliding_window = None
 
     # ----------------------------------------------------------------- properties
@@ -259,9 +266,18 @@ class ModelAdapter:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def forward_until_layer(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, last_layer: int) -> None:
-        """Run the first ``last_layer + 1`` decoder layers only, filling ``cache`` for them."""
-        def stop(*_args) -> None:
+    def forward_until_layer(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, last_layer: int
+    ) -> torch.Tensor:
+        """Run the first ``last_layer + 1`` decoder layers only, filling ``cache`` for them.
+
+        Returns:
+            ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
+        """
+        captured: list[torch.Tensor] = []
+
+        def stop(_module, _args, output) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output)
             raise _StopForward
 
         handle = self._decoder_layers[last_layer].register_forward_hook(stop)
@@ -276,6 +292,48 @@ class ModelAdapter:
         except _StopForward:
             pass
         finally:
+            handle.remove()
+        return captured[0]
+
+    @torch.inference_mode()
+    def forward_from_layer(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: BufferedCache,
+        first_layer: int,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """Like :meth:`forward` with sparse queries, but starting at decoder layer
+        ``first_layer`` from ``hidden`` (``[1, tokens, hidden]``, the output of the layer
+        before): the layers below are skipped, and their cache layers left as they are.
+
+        Returns:
+            Logits of the last input token, ``[vocab]`` float32.
+        """
+        parent, name = self._decoder_layers_owner
+        layers = self._decoder_layers
+
+        def inject(_module, args, kwargs):
+            if args:
+                return (hidden.to(args[0].dtype), *args[1:]), kwargs
+            kwargs["hidden_states"] = hidden.to(kwargs["hidden_states"].dtype)
+            return args, kwargs
+
+        # Models that look up each layer's type by its index in the loop (Gemma 3's RoPE per
+        # layer type, Qwen's masks) see the types of the layers that actually run.
+        config = getattr(parent, "config", None)
+        layer_types = getattr(config, "layer_types", None)
+        handle = layers[first_layer].register_forward_pre_hook(inject, with_kwargs=True)
+        setattr(parent, name, torch.nn.ModuleList(list(layers)[first_layer:]))
+        if layer_types:
+            config.layer_types = list(layer_types)[first_layer:]
+        try:
+            return self.forward(input_ids, position_ids, cache, sparse_queries=True)
+        finally:
+            setattr(parent, name, layers)
+            if layer_types:
+                config.layer_types = layer_types
             handle.remove()
 
     # ----------------------------------------------------------------- caches
@@ -314,15 +372,18 @@ class ModelAdapter:
         return keys, values
 
     # ----------------------------------------------------------------- RoPE
-    def rotate_keys(self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Move keys by ``delta`` positions by RoPE re-rotation.
+    def rotate_keys(
+        self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None, first_layer: int = 0
+    ) -> torch.Tensor:
+        """Move keys by ``delta`` positions by RoPE re-rotation, with each layer's frequencies.
 
         Args:
-            keys: ``[layers, heads, tokens, head_dim]``.
+            keys: ``[layers, heads, tokens, head_dim]``: layers ``first_layer`` on.
             delta: New position minus the position the keys were computed at: one int for all
                 tokens, or ``[tokens]``.
             out: Tensor to write the result into (same shape; may be a view of a larger
                 tensor). A new tensor when omitted.
+            first_layer: Model layer of ``keys[0]``.
 
         Returns:
             The rotated keys (``out`` when given).
@@ -330,7 +391,7 @@ class ModelAdapter:
         if self._inv_freq is None:
             raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
         dst = out if out is not None else torch.empty_like(keys)
-        half = self._inv_freq.shape[0]
+        half = self._inv_freq.shape[1]
         delta_t = torch.as_tensor(delta, dtype=torch.float64).view(-1, 1)
         if bool((delta_t == 0).all()):
             if dst is not keys:
@@ -338,7 +399,10 @@ class ModelAdapter:
             return dst
         # Angles in float64 (positions times frequencies lose precision in float32), the
         # rotation itself in float32.
-        angles = delta_t * self._inv_freq.view(1, -1)  # [tokens or 1, half]
+        frequencies = self._inv_freq[first_layer : first_layer + keys.shape[0]]  # [layers, half]
+        angles = delta_t.view(1, 1, -1, 1) * frequencies.view(-1, 1, 1, half)  # [layers, 1, tokens or 1, half]
+        if bool((frequencies == frequencies[:1]).all()):
+            angles = angles[:1]  # one table for all layers
         cos = angles.cos().float().to(keys.device)
         sin = angles.sin().float().to(keys.device)
         x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
@@ -362,31 +426,48 @@ class ModelAdapter:
         _, heads, _, dim = shapes.pop()
         return KVLayout(layers=len(cache.layers), kv_heads=heads, head_dim=dim)
 
-    def _find_decoder_layers(self) -> torch.nn.ModuleList:
-        candidates = [
-            module
-            for name, module in self.model.named_modules()
-            if isinstance(module, torch.nn.ModuleList) and len(module) == self.layout.layers
-        ]
-        if not candidates:
-            raise UnsupportedModelError("cannot find the decoder layers of this model")
-        return candidates[0]
+    def _find_decoder_layers(self) -> tuple[tuple[torch.nn.Module, str], torch.nn.ModuleList]:
+        """The decoder layers' ``ModuleList`` and ``(owner module, attribute name)``."""
+        modules = dict(self.model.named_modules())
+        for name, module in modules.items():
+            if isinstance(module, torch.nn.ModuleList) and len(module) == self.layout.layers:
+                owner_name, _, attribute = name.rpartition(".")
+                return (modules[owner_name], attribute), module
+        raise UnsupportedModelError("cannot find the decoder layers of this model")
 
     def _find_rope(self) -> tuple[torch.Tensor | None, str]:
+        """RoPE frequencies of every layer, ``[layers, rotary_dim / 2]`` float64.
+
+        Models with one RoPE for all layers repeat one row; models whose layer types carry
+        their own RoPE base (Gemma 3: ``sliding_attention`` / ``full_attention``) get each
+        layer's own row, from the rotary module's ``{layer_type}_inv_freq`` buffers.
+        """
         model_type = getattr(self.config, "model_type", "?")
         if model_type not in POSITION_INDEPENDENT_TYPES:
             return None, f"model type {model_type!r} has no verified RoPE re-rotation"
-        rotary = [
-            module
-            for name, module in self.model.named_modules()
-            if name.endswith("rotary_emb") and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
-        ]
+        rotary = [module for name, module in self.model.named_modules() if name.endswith("rotary_emb")]
         if len(rotary) != 1:
             return None, f"expected one rotary embedding, found {len(rotary)}"
-        rope_type = getattr(rotary[0], "rope_type", "default")
-        if rope_type not in _FIXED_FREQUENCY_ROPE:
-            return None, f"RoPE type {rope_type!r} changes frequencies with length"
-        inv_freq = rotary[0].inv_freq.detach().to(torch.float64).clone()
-        if 2 * inv_freq.shape[0] > self.layout.head_dim:
+        module = rotary[0]
+        layer_types = list(getattr(self.config, "layer_types", None) or [])
+        shared = getattr(module, "inv_freq", None)
+        if isinstance(shared, torch.Tensor):
+            rows = [shared] * self.layout.layers
+            rope_types = [getattr(module, "rope_type", "default")]
+        elif len(layer_types) == self.layout.layers and all(
+            isinstance(getattr(module, f"{t}_inv_freq", None), torch.Tensor) for t in layer_types
+        ):
+            rows = [getattr(module, f"{t}_inv_freq") for t in layer_types]
+            per_type = getattr(module, "rope_type", {})
+            rope_types = [per_type.get(t, "default") for t in layer_types] if isinstance(per_type, dict) else [per_type]
+        else:
+            return None, "the rotary embedding exposes no frequencies for every layer"
+        changing = sorted({str(t) for t in rope_types if t not in _FIXED_FREQUENCY_ROPE})
+        if changing:
+            return None, f"RoPE type {changing[0]!r} changes frequencies with length"
+        if len({row.shape for row in rows}) != 1:
+            return None, "layers rotate different numbers of dimensions"
+        inv_freq = torch.stack([row.detach().to("cpu", torch.float64) for row in rows])
+        if 2 * inv_freq.shape[1] > self.layout.head_dim:
             return None, "rotary dimension exceeds head dimension"
         return inv_freq, ""

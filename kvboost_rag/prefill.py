@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvboost_rag.blend import (
+    adaptive_budget,
     kv_deviation,
+    kv_energy,
     leading_tokens,
     recompute_budget,
     select_by_deviation,
@@ -183,10 +185,12 @@ class Prefiller:
                 values[:, :, target] = hit.block.values[:, :, source]
                 cached[target] = True
         content_positions = cached.nonzero().view(-1)
-        budget = recompute_budget(int(content_positions.numel()), self.settings.recompute_ratio)
+        ratio = self.settings.recompute_ratio
+        budget = None if ratio == "auto" else recompute_budget(int(content_positions.numel()), ratio)
         strategy = self.settings.recompute_strategy
+        shallow: _ShallowPass | None = None
         if strategy == "cacheblend":
-            recompute = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+            recompute, shallow = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
@@ -200,10 +204,22 @@ class Prefiller:
         positions = compute.nonzero().view(-1)
 
         stitched = adapter.cache_over(keys, values, n)
-        stitched.arm(positions.to(adapter.device))
-        logits = adapter.forward(torch.tensor(ids)[positions], positions, stitched, sparse_queries=True)
+        device_positions = positions.to(adapter.device)
+        if shallow is None:
+            stitched.arm(device_positions)
+            logits = adapter.forward(torch.tensor(ids)[positions], positions, stitched, sparse_queries=True)
+        else:
+            # The selection pass already computed layers 0..check exactly for these tokens:
+            # take their K/V and hidden states from it and run only the layers above.
+            first = shallow.keys.shape[0]
+            keys[:first, :, device_positions] = shallow.keys[:, :, device_positions]
+            values[:first, :, device_positions] = shallow.values[:, :, device_positions]
+            stitched.arm(device_positions, first_layer=first)
+            hidden = shallow.hidden[:, (positions - h).to(adapter.device)]
+            logits = adapter.forward_from_layer(torch.tensor(ids)[positions], positions, stitched, first, hidden)
         first_content = int(content_positions[0]) if content_positions.numel() else n
         recomputed = int((cached & compute).sum())
+        loaded = int(content_positions.numel())
         return PrefillOutcome(
             logits=logits,
             cache=stitched,
@@ -217,6 +233,7 @@ class Prefiller:
             live_tokens=int(compute.sum()) - recomputed,
             exact_until=first_content,
             strategy=strategy,
+            recompute_ratio=recomputed / loaded if loaded else 0.0,
         )
 
     def _select_cacheblend(
@@ -226,22 +243,59 @@ class Prefiller:
         keys: torch.Tensor,
         values: torch.Tensor,
         content_positions: torch.Tensor,
-        budget: int,
-    ) -> torch.Tensor:
-        """Recompute layers ``<= check_layer`` for every token after the prefix, in place in
-        ``keys``/``values`` (those layers become exact), and return the ``budget`` cached
-        tokens whose K/V deviated most at ``check_layer``."""
+        budget: int | None,
+    ) -> tuple[torch.Tensor, _ShallowPass | None]:
+        """Return the ``budget`` cached tokens whose K/V deviates most at ``check_layer``,
+        and the selection pass (exact layers ``0..check_layer`` of every token after the
+        prefix) when the blend pass can start above it.
+
+        The pass writes into scratch buffers; the stitched ``keys``/``values`` are left as
+        they are. Writing those fresh shallow layers into the cache would leave the
+        unselected tokens with exact shallow layers over stale deep ones, a mix measured worse
+        than a consistently stale cache. ``budget=None`` sizes the budget from the deviation
+        (``recompute_ratio="auto"``).
+        """
+        if budget == 0:
+            return content_positions[:0], None
         adapter = self.adapter
         n = len(ids)
         check = min(self.settings.check_layer, adapter.num_layers - 1)
-        cached_k = keys[check][:, content_positions].clone()
-        cached_v = values[check][:, content_positions].clone()
-        partial = adapter.cache_over(keys[: check + 1], values[: check + 1], h)
-        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
-        if budget == 0:
-            return content_positions[:0]
-        deviation = kv_deviation(keys[check][:, content_positions], values[check][:, content_positions], cached_k, cached_v)
-        return select_by_deviation(content_positions, deviation.cpu(), budget)
+        fresh_keys, fresh_values = adapter.buffers(n, layers=check + 1)
+        fresh_keys[:, :, :h] = keys[: check + 1, :, :h]
+        fresh_values[:, :, :h] = values[: check + 1, :, :h]
+        partial = adapter.cache_over(fresh_keys, fresh_values, h)
+        hidden = adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+        fresh_k = fresh_keys[check][:, content_positions]
+        fresh_v = fresh_values[check][:, content_positions]
+        deviation = kv_deviation(fresh_k, fresh_v, keys[check][:, content_positions], values[check][:, content_positions])
+        if budget is None:
+            count = int(content_positions.numel())
+            budget = adaptive_budget(
+                deviation,
+                kv_energy(fresh_k, fresh_v),
+                self.settings.max_deviation,
+                recompute_budget(count, self.settings.min_recompute_ratio),
+                recompute_budget(count, self.settings.max_recompute_ratio),
+            )
+        chosen = select_by_deviation(content_positions, deviation.cpu(), budget)
+        if check + 1 >= adapter.num_layers:
+            return chosen, None
+        return chosen, _ShallowPass(fresh_keys, fresh_values, hidden)
+
+
+@dataclass(frozen=True)
+class _ShallowPass:
+    """Exact layers ``0..check_layer`` of every token from ``h`` on (CacheBlend's selection pass).
+
+    Attributes:
+        keys: ``[check_layer + 1, kv_heads, prompt_tokens, head_dim]``.
+        values: Same for V.
+        hidden: ``[1, prompt_tokens - h, hidden]`` output of layer ``check_layer``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    hidden: torch.Tensor
 
 
 def _spans(rows: list[int], positions: list[int]) -> list[tuple[int, int, int]]:

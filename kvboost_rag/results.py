@@ -50,6 +50,8 @@ class GenerationResult(BaseModel):
         prefix_hit_tokens: Tokens served exactly by prefix hash.
         content_hit_tokens: Document tokens served by content hash (re-rotated).
         recomputed_tokens: Content-hit tokens recomputed by the repair.
+        recompute_ratio: ``recomputed_tokens / content_hit_tokens``: the repair budget used
+            (with ``recompute_ratio="auto"``, chosen for this prompt).
         live_tokens: Prompt tokens computed because nothing was cached for them.
         boundary_merged_tokens: Document tokens that the tokenizer merged across a document
             boundary in this prompt (computed live).
@@ -72,6 +74,7 @@ class GenerationResult(BaseModel):
     prefix_hit_tokens: int = 0
     content_hit_tokens: int = 0
     recomputed_tokens: int = 0
+    recompute_ratio: float = 0.0
     live_tokens: int = 0
     boundary_merged_tokens: int = 0
     documents_found: int = 0

@@ -18,7 +18,7 @@ from kvboost_rag.corpus import python_reference_documents
 TINY_VOCAB_SIZE = 1024
 
 #: Architectures with RoPE that support position-independent reuse, keyed by model_type.
-ROPE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "stablelm")
+ROPE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "stablelm")
 
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -94,6 +94,22 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any
     }
     per_family: dict[str, dict[str, Any]] = {
         "gemma": {"head_dim": 16},
+        # Interleaved local (sliding, small window so prompts exceed it) and global layers;
+        # Gemma 3 gives each layer type its own RoPE base.
+        "gemma2": {
+            "head_dim": 16,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        "gemma3_text": {
+            "head_dim": 16,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
         "qwen3": {"head_dim": 16},
         "stablelm": {"partial_rotary_factor": 0.25},
         "phi3": {"partial_rotary_factor": 0.5},

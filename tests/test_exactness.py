@@ -162,3 +162,31 @@ def test_sliding_window_shorter_than_prompt_never_reuses_documents(tokenizer, do
     strict.warm_documents(docs[:2])
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         strict.generate(prompt, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_rerotation_uses_each_layer_types_frequencies(tokenizer, family):
+    """Local and global layers of Gemma 3 rotate with different bases: every layer's keys
+    move to the new position exactly, and a document is served at new positions even when
+    the prompt is longer than the local layers' window."""
+    from kvboost_rag.model_adapter import ModelAdapter
+
+    model = tiny_model(family)
+    adapter = ModelAdapter(model, tokenizer)
+    assert adapter.position_independent and adapter.sliding_window is None
+    ids = torch.tensor(tokenizer("def f(x):\n    return x + 1", add_special_tokens=False).input_ids)
+    n = ids.numel()
+
+    def keys_at(offset: int) -> torch.Tensor:
+        cache = adapter.new_cache(n)
+        adapter.forward_until_layer(ids, torch.arange(offset, offset + n), cache, adapter.num_layers - 1)
+        return torch.stack([layer.keys[0] for layer in cache.layers])
+
+    before, after = keys_at(3), keys_at(700)
+    # Deeper layers depend on positions through attention too; compare layer by layer on
+    # the first token, whose output attends to itself only.
+    for layer in range(adapter.num_layers):
+        moved = adapter.rotate_keys(before[layer : layer + 1, :, :1], 697, first_layer=layer)
+        assert torch.allclose(moved, after[layer : layer + 1, :, :1], atol=1e-4), f"layer {layer}"
+    if family == "gemma3_text":
+        assert not torch.equal(adapter._inv_freq[0], adapter._inv_freq[1])
