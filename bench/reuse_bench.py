@@ -1,11 +1,17 @@
 """Reuse benchmark: TTFT and quality of each repair strategy against full prefill.
 
-Embedded model (or ``--model PATH``), a system prompt plus ``--docs`` Python reference
-documents in shuffled order per prompt, greedy decoding. Every method is timed the same way
-(wall time from the call to the first token) in the same run, and compared with full
-prefill of the same prompt: first-token KL, top-1 agreement, greedy-output agreement.
+Embedded model (or ``--model PATH``). Each prompt asks one question of ``bench/qa.json``
+over the document that answers it plus distractors, all in shuffled order: plain completion
+prompts, or (``--chat``) the model's chat template with the instructions in the system turn
+and the documents plus the question in the user turn. Documents are prewarmed behind the
+system prompt. Every method is timed the same way (wall time from the call to the first
+token) in the same run and compared with full prefill of the same prompt: first-token KL,
+top-1 agreement, greedy 32-token agreement (share of the output before the first difference,
+and the share of outputs identical), QA exact match, and how many prompts came out worse
+than no repair at all.
 
-Run: ``python bench/reuse_bench.py`` (add ``--quick`` for fewer prompts).
+Run: ``python bench/reuse_bench.py --threads 2`` (``--quick`` for fewer prompts; ``--chat``;
+``--docs 16 --doc-chars 3000`` for long prompts).
 """
 
 from __future__ import annotations
@@ -14,45 +20,71 @@ import argparse
 import logging
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kvboost_rag import KVBoost
-from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.correctness import first_token_kl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rag_bench import cut_documents, exact_match, load_qa, usable_items  # noqa: E402
+
+from kvboost_rag import KVBoost  # noqa: E402
+from kvboost_rag.correctness import first_token_kl  # noqa: E402
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below. Quote the relevant rule, keep the answer short, and say so "
     "when the documents do not contain the answer."
 )
-QUESTIONS = [
-    "What does the documentation say about the scope of names?",
-    "How does Python evaluate this construct, step by step?",
-    "Which exceptions can be raised here, and when?",
-    "Summarize the key rule in one sentence.",
-    "Give a short example that follows these rules.",
-    "What is the difference between the two forms described?",
-]
-METHODS = [
-    ("none", 0.0),
-    ("selective", 0.15),
-    ("cacheblend", 0.05),
-    ("cacheblend", 0.15),
-    ("cacheblend", 0.30),
+#: (row name, settings): every repair measured, with no repair and EPIC's LegoLink (recompute
+#: the first 16 tokens of each reused document) as named baselines.
+METHODS: list[tuple[str, dict]] = [
+    ("none", {"recompute_strategy": "none", "recompute_ratio": 0.0, "keep_document_start": 0}),
+    ("legolink 16", {"recompute_strategy": "none", "recompute_ratio": 0.0, "keep_document_start": 16}),
+    ("selective 15%", {"recompute_strategy": "selective", "recompute_ratio": 0.15, "keep_document_start": 0}),
+    ("cacheblend 5%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.05, "keep_document_start": 0}),
+    ("cacheblend 15%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0}),
+    ("cacheblend 30%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.30, "keep_document_start": 0}),
 ]
 
 
-def build_prompts(docs: list[str], count: int, per_prompt: int, seed: int) -> list[tuple[str, list[str]]]:
-    """Prompts of the system prompt + ``per_prompt`` shuffled documents + a question."""
+def build_prompts(
+    count: int, per_prompt: int, doc_chars: int, seed: int, render_chat=None
+) -> tuple[list[tuple[str, list[str], tuple[str, ...]]], list[str]]:
+    """QA prompts: the answering document plus ``per_prompt - 1`` distractors, shuffled.
+
+    Args:
+        render_chat: ``messages -> prompt`` for chat-template prompts; ``None`` for plain ones.
+
+    Returns:
+        ``(prompt, documents, answers)`` triples and the document pool to prewarm.
+    """
     rng = random.Random(seed)
+    docs = cut_documents(doc_chars)
+    items = usable_items(load_qa(), docs)
+    # Distractors that fill the cut, so the prompt length follows --docs x --doc-chars.
+    long_docs = sorted(d for d in set(docs.values()) if len(d) >= 0.8 * doc_chars)
+    pool = long_docs if len(long_docs) >= per_prompt else sorted(set(docs.values()))
     prompts = []
     for i in range(count):
-        chosen = rng.sample(docs, per_prompt)
+        item = items[i % len(items)]
+        answer_doc = docs[item.topic]
+        chosen = [answer_doc, *rng.sample([d for d in pool if d != answer_doc], per_prompt - 1)]
+        rng.shuffle(chosen)
         context = "\n\n".join(chosen)
-        prompts.append((f"{SYSTEM_PROMPT}\n\n{context}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:", chosen))
-    return prompts
+        if render_chat is None:
+            prompt = f"{SYSTEM_PROMPT}\n\n{context}\n\nQuestion: {item.question}\nAnswer:"
+        else:
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"{context}\n\nQuestion: {item.question}"},
+            ]
+            prompt = render_chat(messages)
+        prompts.append((prompt, chosen, item.answers))
+    used = sorted({d for _, chosen, _ in prompts for d in chosen})
+    return prompts, used
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -66,91 +98,106 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local model folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--docs", type=int, default=6, help="documents per prompt")
-    parser.add_argument("--doc-chars", type=int, default=1500, help="characters per document")
+    parser.add_argument("--doc-chars", type=int, default=1500, help="characters per document (at most)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="3 prompts, 16 new tokens")
+    parser.add_argument("--chat", action="store_true", help="chat-template prompts (documents in the user turn)")
+    parser.add_argument("--check-layer", type=int, default=None, help="override settings.check_layer")
+    parser.add_argument("--methods", default=None, help="comma-separated row names to run (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.quick:
         args.prompts, args.new_tokens = 3, 16
     if args.threads:
         torch.set_num_threads(args.threads)
+    methods = METHODS
+    if args.methods:
+        wanted = [m.strip() for m in args.methods.split(",")]
+        methods = [m for m in METHODS if m[0] in wanted]
 
-    engine = KVBoost.from_pretrained(args.model, warm_prefix=SYSTEM_PROMPT + "\n\n", show_progress=False)
-    device = engine.model.device
-    pool = python_reference_documents(max_chars=args.doc_chars)[: max(12, args.docs * 2)]
-    prompts = build_prompts(pool, args.prompts, args.docs, args.seed)
+    settings = {"show_progress": False}
+    if args.check_layer is not None:
+        settings["check_layer"] = args.check_layer
+    engine = KVBoost.from_pretrained(args.model, **settings)
+    if args.chat:
+        beginning = engine.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], add_generation_prompt=False)
+    else:
+        beginning = SYSTEM_PROMPT + "\n\n"
+    render = engine.apply_chat_template if args.chat else None
+    prompts, pool = build_prompts(args.prompts, args.docs, args.doc_chars, args.seed, render)
 
     start = time.perf_counter()
-    engine.warm(SYSTEM_PROMPT)
+    engine.warm(beginning)  # documents are warmed behind the latest warmed beginning
     engine.warm_documents(pool)
     warm_s = time.perf_counter() - start
     engine.generate(prompts[0][0], max_new_tokens=2)  # first-call overheads out of the timings
 
     rows: dict[str, dict[str, list[float]]] = {}
+    worse_than_none: dict[str, int] = {}
 
     def record(name: str, **values: float) -> None:
         for key, value in values.items():
             rows.setdefault(name, {}).setdefault(key, []).append(value)
 
     prompt_tokens = []
-    for prompt, _ in prompts:
+    for prompt, _, answers in prompts:
         full = engine.generate(prompt, max_new_tokens=args.new_tokens, reuse=False, return_logits=True)
         prompt_tokens.append(full.prompt_tokens)
-        record("full prefill", ttft=full.ttft_ms, reuse=0.0, kl=0.0, top1=1.0, greedy=1.0)
-        for strategy, ratio in METHODS:
-            engine.settings.recompute_strategy = strategy
-            engine.settings.recompute_ratio = ratio
+        record(
+            "full prefill", ttft=full.ttft_ms, reuse=0.0, kl=0.0, top1=1.0, greedy=1.0, identical=1.0,
+            exact=float(exact_match(full.output_text, answers)), ratio=0.0,
+        )
+        none_kl = None
+        for name, method in methods:
+            for key, value in method.items():
+                setattr(engine.settings, key, value)
             res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
+            kl = first_token_kl(full.first_token_logits, res.first_token_logits)
+            if name == "none":
+                none_kl = kl
+            elif none_kl is not None and kl > none_kl:
+                worse_than_none[name] = worse_than_none.get(name, 0) + 1
             record(
-                f"{strategy} {int(ratio * 100)}%" if strategy != "none" else "none",
+                name,
                 ttft=res.ttft_ms,
                 reuse=res.kv_reuse_ratio,
-                kl=first_token_kl(full.first_token_logits, res.first_token_logits),
+                kl=kl,
                 top1=float(full.first_token_logits.argmax() == res.first_token_logits.argmax()),
                 greedy=agreement(full.token_ids, res.token_ids),
+                identical=float(full.token_ids == res.token_ids),
+                exact=float(exact_match(res.output_text, answers)),
+                ratio=res.recomputed_tokens / max(res.content_hit_tokens, 1),
             )
 
-    # Documents in the order they were warmed as one shared beginning: an exact prefix hit.
-    ordered_prefix = f"{SYSTEM_PROMPT}\n\n" + "\n\n".join(prompts[0][1]) + "\n\n"
-    engine.warm(ordered_prefix)
-    for question in QUESTIONS[: args.prompts]:
-        prompt = f"{ordered_prefix}Question: {question}\nAnswer:"
-        full = engine.generate(prompt, max_new_tokens=args.new_tokens, reuse=False, return_logits=True)
-        res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
-        record("full prefill (ordered)", ttft=full.ttft_ms, reuse=0.0, kl=0.0, top1=1.0, greedy=1.0)
-        record(
-            "prefix hit (ordered)",
-            ttft=res.ttft_ms,
-            reuse=res.kv_reuse_ratio,
-            kl=first_token_kl(full.first_token_logits, res.first_token_logits),
-            top1=float(full.first_token_logits.argmax() == res.first_token_logits.argmax()),
-            greedy=float(full.token_ids == res.token_ids),
-        )
-
     base = statistics.median(rows["full prefill"]["ttft"])
-    base_ordered = statistics.median(rows["full prefill (ordered)"]["ttft"])
     print(
-        f"\nmodel={engine.model_name} device={device} threads={torch.get_num_threads()} "
+        f"\nmodel={engine.model_name} device={engine.model.device} threads={torch.get_num_threads()} "
         f"prompts={args.prompts} prompt_tokens(median)={int(statistics.median(prompt_tokens))} "
-        f"docs/prompt={args.docs} warm={warm_s:.1f}s ({len(pool)} docs)\n"
+        f"(min {min(prompt_tokens)}, max {max(prompt_tokens)}) docs/prompt={args.docs} "
+        f"doc_chars<={args.doc_chars} chat={args.chat} check_layer={engine.settings.check_layer} "
+        f"warm={warm_s:.1f}s ({len(pool)} docs)\n"
     )
-    print("| method | median TTFT ms | speedup | reuse | mean KL | median KL | top-1 | greedy agree |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| method | median TTFT ms | speedup | reuse | recomputed | mean KL | median KL | top-1 | "
+        "greedy agree | identical | exact match | KL > none |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, vals in rows.items():
-        ref = base_ordered if "ordered" in name else base
         ttft = statistics.median(vals["ttft"])
         print(
-            f"| {name} | {ttft:.0f} | {ref / ttft:.2f}x | {statistics.mean(vals['reuse']):.2f} | "
+            f"| {name} | {ttft:.0f} | {base / ttft:.2f}x | {statistics.mean(vals['reuse']):.2f} | "
+            f"{statistics.mean(vals['ratio']):.2f} | "
             f"{statistics.mean(vals['kl']):.4f} | {statistics.median(vals['kl']):.4f} | "
-            f"{statistics.mean(vals['top1']):.2f} | {statistics.mean(vals['greedy']):.2f} |"
+            f"{statistics.mean(vals['top1']):.2f} | {statistics.mean(vals['greedy']):.2f} | "
+            f"{statistics.mean(vals['identical']):.2f} | {statistics.mean(vals['exact']):.2f} | "
+            f"{worse_than_none.get(name, 0) if name != 'full prefill' else '-'} |"
         )
 
 
