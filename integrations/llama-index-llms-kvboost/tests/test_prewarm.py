@@ -1,10 +1,12 @@
-"""KVBoostPrewarm, the retrieval-end warmer and the background queue on a tiny engine."""
+"""KVBoostPrewarm and the retrieval-end warmer on a tiny engine.
+
+The background queue itself is tested in the engine suite (tests/test_background_warmer.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 from llama_index.core import Document, VectorStoreIndex
@@ -14,7 +16,6 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, TextNode
 from llama_index.llms.kvboost import (
-    BackgroundWarmer,
     KVBoostLLM,
     KVBoostPrewarm,
     node_prompt_text,
@@ -121,33 +122,6 @@ def test_pipeline_cache_never_skips_a_fresh_prewarm(tiny_engine: KVBoost) -> Non
     first, second = KVBoostPrewarm(engine=tiny_engine), KVBoostPrewarm(engine=tiny_engine)
     assert get_transformation_hash(nodes, first) == get_transformation_hash(nodes, first)
     assert get_transformation_hash(nodes, first) != get_transformation_hash(nodes, second)
-
-
-def test_background_warmer_waits_for_answers_to_finish(tiny_engine: KVBoost) -> None:
-    warmer = BackgroundWarmer(tiny_engine, idle_seconds=0.0)
-    text = node_prompt_text(_nodes()[0])
-    try:
-        warmer.answer_started()
-        assert warmer.submit([text, text]) == 1
-        time.sleep(0.3)
-        assert warmer.pending == 1 and not tiny_engine.is_document_warm(text)
-        warmer.answer_finished()
-        assert warmer.wait_idle(timeout=30)
-        assert warmer.warmed_documents == 1 and tiny_engine.is_document_warm(text)
-    finally:
-        warmer.close()
-
-
-def test_claim_hands_contained_documents_to_the_answer(tiny_engine: KVBoost) -> None:
-    warmer = BackgroundWarmer(tiny_engine, idle_seconds=60.0)
-    try:
-        warmer.submit(["first document text", "second document text"])
-        assert warmer.claim("prompt with first document text inside") == ["first document text"]
-        assert warmer.pending == 1 and warmer.claimed_documents == 1
-    finally:
-        warmer.close()
-    with pytest.raises(ValueError):
-        BackgroundWarmer(tiny_engine, idle_seconds=-1)
 
 
 def test_retrieval_warmer_warms_retrieved_nodes_in_background(tiny_engine: KVBoost, hash_embedding) -> None:

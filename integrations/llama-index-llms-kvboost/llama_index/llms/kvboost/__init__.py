@@ -1,6 +1,5 @@
 """LlamaIndex integration of kvboost-rag: an LLM that reuses K/V, and prewarm at ingest."""
 
-from llama_index.llms.kvboost.background import BackgroundWarmer
 from llama_index.llms.kvboost.base import KVBoostLLM
 from llama_index.llms.kvboost.prewarm import (
     KVBoostPrewarm,
@@ -8,6 +7,8 @@ from llama_index.llms.kvboost.prewarm import (
     node_prompt_text,
 )
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+from kvboost_rag.background_warmer import BackgroundWarmer
 
 __all__ = [
     "BackgroundWarmer",

@@ -33,7 +33,6 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from llama_index.llms.kvboost.background import BackgroundWarmer
 from llama_index.llms.kvboost.formatting import (
     chat_shared_beginning,
     message_dicts,
@@ -41,6 +40,7 @@ from llama_index.llms.kvboost.formatting import (
 )
 
 from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.background_warmer import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer

@@ -17,8 +17,9 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
-from llama_index.llms.kvboost.background import BackgroundWarmer
 from llama_index.llms.kvboost.prewarm import node_prompt_text
+
+from kvboost_rag.background_warmer import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.core.instrumentation.dispatcher import Dispatcher
