@@ -10,11 +10,14 @@ from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from langchain_kvboost._engine import resolve_engine
+from kvboost_rag.engine_registry import ArgumentNames, resolve_engine
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: How these classes name the engine sources, so the resolver's errors name the fix.
+_ENGINE_ARGUMENTS = ArgumentNames(model_path="model", settings="engine_kwargs")
 
 #: Key of the run config metadata (``config={"metadata": {...}}``) holding explicit documents.
 DOCUMENTS_METADATA_KEY = "documents"
@@ -121,7 +124,9 @@ class KVBoostParams(BaseModel):
 
     @model_validator(mode="after")
     def _attach_engine(self) -> KVBoostParams:
-        self.engine = resolve_engine(self.engine, self.model, self.engine_kwargs)
+        self.engine = resolve_engine(
+            self.engine, model_path=self.model, settings=self.engine_kwargs, names=_ENGINE_ARGUMENTS
+        )
         return self
 
     @property

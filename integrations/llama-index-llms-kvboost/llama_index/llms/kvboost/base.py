@@ -41,6 +41,7 @@ from llama_index.llms.kvboost.formatting import (
 
 from kvboost_rag.async_stream import iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.engine_registry import resolve_engine
 
 if TYPE_CHECKING:
     from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
@@ -153,7 +154,9 @@ class KVBoostLLM(CustomLLM):
 
         Args:
             engine: A ready ``KVBoost`` engine.
-            model_path: Local HuggingFace model folder to load (instead of ``engine``).
+            model_path: Local HuggingFace model folder to load (instead of ``engine``). Engines
+                built from a folder (or the default model) are shared per process by folder
+                and ``engine_settings``, with the LangChain classes too.
             model: A loaded causal LM (with ``tokenizer``; instead of ``engine``).
             tokenizer: The fast tokenizer of ``model``.
             engine_settings: ``KVBoostSettings`` fields for an engine built here
@@ -173,7 +176,9 @@ class KVBoostLLM(CustomLLM):
             ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
-        resolved = _build_engine(engine, model_path, model, tokenizer, engine_settings)
+        resolved = resolve_engine(
+            engine, model_path=model_path, model=model, tokenizer=tokenizer, settings=engine_settings
+        )
         model_max = int(resolved.context_window)
         window = model_max if context_window is None else int(context_window)
         if window > model_max:
@@ -515,35 +520,6 @@ class _Formatter:
 
     def __repr__(self) -> str:
         return f"<KVBoostLLM {self._description}>"
-
-
-def _build_engine(
-    engine: KVBoost | None,
-    model_path: str | None,
-    model: Any | None,
-    tokenizer: Any | None,
-    engine_settings: dict[str, Any] | None,
-) -> KVBoost:
-    """The engine from exactly one source: an engine, a folder, a model, or the default."""
-    sources = [
-        name for name, value in (("engine", engine), ("model_path", model_path), ("model", model)) if value is not None
-    ]
-    if len(sources) > 1:
-        raise ValueError(f"pass only one of engine=, model_path=, model= (got {', '.join(sources)})")
-    if (model is None) != (tokenizer is None):
-        raise ValueError("model= and tokenizer= go together")
-    if engine is not None:
-        if engine_settings:
-            raise ValueError("engine_settings apply to an engine built here; configure the given engine instead")
-        return engine
-    from kvboost_rag import KVBoost
-
-    settings = dict(engine_settings or {})
-    if model is not None:
-        return KVBoost.from_model(model, tokenizer, **settings)
-    if model_path is not None:
-        return KVBoost.from_pretrained(str(model_path), **settings)
-    return KVBoost.from_pretrained(**settings)
 
 
 def _as_chat(response: CompletionResponse) -> ChatResponse:

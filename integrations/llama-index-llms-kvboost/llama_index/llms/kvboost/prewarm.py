@@ -19,6 +19,8 @@ from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
+from kvboost_rag.engine_registry import engine_of
+
 if TYPE_CHECKING:
     from llama_index.llms.kvboost.base import KVBoostLLM
 
@@ -138,10 +140,11 @@ class KVBoostPrewarm(TransformComponent):
         Raises:
             ValueError: Neither or both of ``llm`` and ``engine`` given, or
                 ``max_document_tokens`` above the model's context window.
+            TypeError: ``engine`` is not a ``KVBoost`` (or ``llm`` holds none).
         """
         if (llm is None) == (engine is None):
             raise ValueError("KVBoostPrewarm needs exactly one of llm= (a KVBoostLLM) or engine= (a KVBoost)")
-        resolved = engine if engine is not None else llm.engine  # type: ignore[union-attr]
+        resolved = engine_of(engine if engine is not None else llm)
         if max_document_tokens is not None:
             limit = max_document_tokens
         elif llm is not None:
