@@ -38,14 +38,13 @@ from llama_index.llms.kvboost.formatting import (
     message_dicts,
     text_shared_beginning,
 )
+from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 from kvboost_rag.async_stream import iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
 from kvboost_rag.engine_registry import resolve_engine
 
 if TYPE_CHECKING:
-    from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
-
     from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
@@ -273,8 +272,6 @@ class KVBoostLLM(CustomLLM):
         Returns:
             The attached handler (call ``detach()`` to stop it).
         """
-        from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
-
         return KVBoostRetrievalWarmer(llm=self, idle_seconds=idle_seconds).attach()
 
     def attach_background_warmer(self, warmer: BackgroundWarmer) -> None:

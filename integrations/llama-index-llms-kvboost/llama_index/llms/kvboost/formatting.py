@@ -1,4 +1,7 @@
-"""Prompt rendering helpers: chat messages to text, and the shared beginning of a prompt.
+"""Prompt rendering: chat messages and nodes to prompt text, and the shared beginning of a prompt.
+
+This module imports no other module of the package: prewarm and retrieval (which need
+``node_prompt_text``) and base (which needs the rest) import it.
 
 The shared beginning is the part of a rendered prompt that many prompts have in common (the
 chat template's system turn, or the system prompt of a completion prompt). Warmed with
@@ -12,6 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.schema import BaseNode, MetadataMode
 
 from kvboost_rag.shared_beginning import TokenIds, longest_shared_beginning, on_token_boundary
 
@@ -110,3 +114,18 @@ def text_shared_beginning(system_prompt: str | None, prompt: str, token_ids: Tok
     if not system_prompt:
         return None
     return on_token_boundary(system_prompt + "\n\n", prompt, token_ids)
+
+
+def node_prompt_text(node: BaseNode) -> str:
+    """The text of ``node`` as response synthesizers put it in prompts.
+
+    Synthesizers read ``node.get_content(metadata_mode=MetadataMode.LLM)`` and strip each
+    chunk before joining, so the stripped text is what a prompt contains.
+
+    Args:
+        node: A LlamaIndex node.
+
+    Returns:
+        The stripped LLM-mode content (empty for nodes without text).
+    """
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()

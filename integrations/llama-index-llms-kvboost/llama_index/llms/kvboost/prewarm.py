@@ -13,17 +13,16 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
-from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.schema import BaseNode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
+from llama_index.llms.kvboost.formatting import node_prompt_text
 
 from kvboost_rag.engine_registry import engine_of
 
 if TYPE_CHECKING:
-    from llama_index.llms.kvboost.base import KVBoostLLM
-
     from kvboost_rag import KVBoost
 
 logger = logging.getLogger(__name__)
@@ -32,19 +31,14 @@ logger = logging.getLogger(__name__)
 AUTO_PROGRESS_MIN_NODES = 64
 
 
-def node_prompt_text(node: BaseNode) -> str:
-    """The text of ``node`` as response synthesizers put it in prompts.
+class LLMWithEngine(Protocol):
+    """What the prewarm transform needs of an LLM (``KVBoostLLM`` has it)."""
 
-    Synthesizers read ``node.get_content(metadata_mode=MetadataMode.LLM)`` and strip each
-    chunk before joining, so the stripped text is what a prompt contains.
+    @property
+    def engine(self) -> KVBoost: ...
 
-    Args:
-        node: A LlamaIndex node.
-
-    Returns:
-        The stripped LLM-mode content (empty for nodes without text).
-    """
-    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+    context_window: int
+    max_new_tokens: int
 
 
 class PrewarmStats(BaseModel):
@@ -124,7 +118,7 @@ class KVBoostPrewarm(TransformComponent):
 
     def __init__(
         self,
-        llm: KVBoostLLM | None = None,
+        llm: LLMWithEngine | None = None,
         engine: KVBoost | None = None,
         max_document_tokens: int | None = None,
         **kwargs: Any,
