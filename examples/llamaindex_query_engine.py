@@ -172,7 +172,7 @@ def run(
         "lookup, re-rotation and CacheBlend repair; 'HF generate' is transformers generate with one "
         "new token on the same prompt. 'same': reuse answer identical to full prefill's."
     )
-    print(f"Warming the system turn, once, took {warm_ms_total:.0f} ms (during query 1, before its TTFT clock).")
+    print(f"Warming the system turn, once, took {warm_ms_total:.0f} ms (during query 1, counted in its TTFT).")
 
 
 def main() -> None:

@@ -240,9 +240,11 @@ def generation_info(result: Any, extra_ttft_ms: float = 0.0) -> dict[str, Any]:
     Args:
         result: The engine's ``GenerationResult``.
         extra_ttft_ms: Time spent in this call before the engine call (warming a new system
-            prompt), added to ``ttft_ms`` so it stays the wall time to the first token.
+            prompt), added to ``ttft_ms`` and ``total_ms`` so they stay the wall times to the
+            first token and of the call.
     """
     info = {name: getattr(result, name) for name in GENERATION_INFO_FIELDS}
     if extra_ttft_ms:
         info["ttft_ms"] = float(info["ttft_ms"]) + extra_ttft_ms
+        info["total_ms"] = float(info["total_ms"]) + extra_ttft_ms
     return info

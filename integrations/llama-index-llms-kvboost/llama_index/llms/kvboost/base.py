@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -61,11 +59,6 @@ _CALL_KEYWORDS = {
     "stop": "stop",
     "reuse": "reuse",
 }
-
-#: Distinct shared beginnings remembered as warm (the engine pins each one it warms).
-MAX_REMEMBERED_PREFIXES = 64
-
-
 
 
 class KVBoostLLM(CustomLLM):
@@ -131,8 +124,6 @@ class KVBoostLLM(CustomLLM):
     _has_chat_template: bool = PrivateAttr(default=False)
     _custom_messages_to_prompt: bool = PrivateAttr(default=False)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
-    _warm_prefixes: OrderedDict = PrivateAttr(default_factory=OrderedDict)
-    _prefix_lock: Any = PrivateAttr(default_factory=threading.Lock)
     _warmers: list = PrivateAttr(default_factory=list)
 
     def __init__(
@@ -259,9 +250,7 @@ class KVBoostLLM(CustomLLM):
         Returns:
             The engine's ``WarmResult``.
         """
-        result = self._engine.warm(text)
-        self._remember_prefix(text)
-        return result
+        return self._engine.warm(text)
 
     def enable_retrieval_warming(self, idle_seconds: float = 0.5) -> KVBoostRetrievalWarmer:
         """Register a retrieval-end handler that warms retrieved nodes not yet warm.
@@ -346,29 +335,23 @@ class KVBoostLLM(CustomLLM):
             params[_CALL_KEYWORDS[key]] = value
         return params
 
-    def _remember_prefix(self, text: str) -> None:
-        with self._prefix_lock:
-            self._warm_prefixes[text] = None
-            self._warm_prefixes.move_to_end(text)
-            while len(self._warm_prefixes) > MAX_REMEMBERED_PREFIXES:
-                self._warm_prefixes.popitem(last=False)
+    def _warm_shared_beginning(self, text: str) -> float:
+        """Warm ``text`` (free when it is warm already: the engine only pins it).
 
-    def _ensure_prefix_warm(self, text: str) -> float:
-        """Warm ``text`` once; returns the milliseconds spent (0 when it was warm)."""
+        Returns:
+            The milliseconds spent computing K/V, 0 when nothing was computed.
+        """
         from kvboost_rag import KVBoostError
 
-        with self._prefix_lock:
-            if text in self._warm_prefixes:
-                self._warm_prefixes.move_to_end(text)
-                return 0.0
         try:
             result = self._engine.warm(text)
         except KVBoostError as exc:
             logger.warning("could not warm the shared beginning (%d chars): %s", len(text), exc)
             return 0.0
-        self._remember_prefix(text)
-        logger.debug("warmed shared beginning: %d tokens, already warm: %s", result.num_tokens, result.already_warm)
-        return 0.0 if result.already_warm else float(result.elapsed_ms)
+        if result.already_warm:
+            return 0.0
+        logger.debug("warmed a new shared beginning of %d tokens in %.0f ms", result.num_tokens, result.elapsed_ms)
+        return float(result.elapsed_ms)
 
     @contextmanager
     def _answer(self, prompt: str) -> Iterator[list[str]]:
@@ -383,7 +366,16 @@ class KVBoostLLM(CustomLLM):
                 warmer.answer_finished()
 
     def _raw(self, result: GenerationResult, prefix_warm_ms: float) -> dict[str, Any]:
+        """The response's ``raw``: usage and the engine's figures.
+
+        ``ttft_ms`` and ``total_ms`` include ``prefix_warm_ms``, the time this call spent
+        computing a new shared beginning before generating (0 when it was warm already), so
+        they stay the wall times the caller saw, as the LangChain classes report them.
+        """
         metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
+        if prefix_warm_ms:
+            metrics["ttft_ms"] = float(metrics["ttft_ms"]) + prefix_warm_ms
+            metrics["total_ms"] = float(metrics["total_ms"]) + prefix_warm_ms
         usage = {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.generated_tokens,
@@ -396,7 +388,7 @@ class KVBoostLLM(CustomLLM):
     def _generate(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponse:
         params = self._call_params(overrides)
         with self._answer(prompt) as documents:
-            warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+            warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
             result = self._engine.generate(prompt, documents=documents or None, **params)
         logger.debug(
             "generated %d tokens: ttft %.1f ms, reuse %.2f",
@@ -411,7 +403,7 @@ class KVBoostLLM(CustomLLM):
 
         def gen() -> CompletionResponseGen:
             with self._answer(prompt) as documents:
-                warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+                warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
                 stream = self._engine.stream(prompt, documents=documents or None, **params)
                 text = ""
                 try:
