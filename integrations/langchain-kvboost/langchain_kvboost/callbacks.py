@@ -1,6 +1,6 @@
 """Warm the documents a retriever returned, after the answer, so the next query hits.
 
-For corpora that were not prewarmed at ingest: attach ``KVBoostRetrieverWarmer`` to a chain's
+For corpora that were not prewarmed at ingest: attach ``KVBoostRetrievalWarmer`` to a chain's
 callbacks and every document the retriever returns is queued once the run that retrieved it
 has finished. The queue is a ``kvboost_rag.background_warmer.BackgroundWarmer`` (the one the
 LlamaIndex integration uses too): it warms on a worker thread only while no answer this
@@ -20,12 +20,20 @@ from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
 from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.deprecation import renamed_module_attribute, warn_deprecated
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)
 
+#: Old public names of this module and the names that replaced them.
+RENAMED = {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"}
 
-class KVBoostRetrieverWarmer(BaseCallbackHandler):
+
+def __getattr__(name: str) -> Any:
+    return renamed_module_attribute(__name__, name, RENAMED, globals())
+
+
+class KVBoostRetrievalWarmer(BaseCallbackHandler):
     """Callback handler that warms retrieved documents which are not warm yet.
 
     Documents are queued at ``on_retriever_end`` and handed to a background warmer once the
@@ -43,7 +51,7 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
     Example:
         .. code-block:: python
 
-            warmer = KVBoostRetrieverWarmer(chat)
+            warmer = KVBoostRetrievalWarmer(chat)
             chain.invoke(question, config={"callbacks": [warmer]})
             warmer.wait_idle()   # only needed when you want to be sure it is done
     """
@@ -219,7 +227,8 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
         return self._warmer.wait_idle(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Same as :meth:`wait_idle` (the name the LlamaIndex handler uses too)."""
+        """Deprecated name of :meth:`wait_idle` (the name both integrations use)."""
+        warn_deprecated("KVBoostRetrievalWarmer.wait()", "KVBoostRetrievalWarmer.wait_idle()")
         return self.wait_idle(timeout)
 
     def close(self, timeout: float | None = None) -> None:

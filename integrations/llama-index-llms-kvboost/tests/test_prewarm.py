@@ -1,4 +1,4 @@
-"""KVBoostPrewarm and the retrieval-end warmer on a tiny engine.
+"""KVBoostPrewarmer and the retrieval-end warmer on a tiny engine.
 
 The background queue itself is tested in the engine suite (tests/test_background_warmer.py).
 """
@@ -17,7 +17,7 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, TextNode
 from llama_index.llms.kvboost import (
     KVBoostLLM,
-    KVBoostPrewarm,
+    KVBoostPrewarmer,
     node_prompt_text,
 )
 
@@ -40,7 +40,7 @@ def test_prewarm_warms_the_llm_text_and_returns_nodes_unchanged(tiny_engine: KVB
     llm = KVBoostLLM(engine=tiny_engine)
     nodes = _nodes()
     before = [node.model_dump() for node in nodes]
-    prewarm = KVBoostPrewarm(llm=llm)
+    prewarm = KVBoostPrewarmer(llm=llm)
     out = prewarm(nodes)
     assert out is nodes and [node.model_dump() for node in out] == before
     texts = {node_prompt_text(node) for node in nodes}
@@ -54,7 +54,7 @@ def test_prewarm_warms_the_llm_text_and_returns_nodes_unchanged(tiny_engine: KVB
 
 
 def test_second_prewarm_skips_warm_nodes(tiny_engine: KVBoost) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     nodes = _nodes()
     prewarm(nodes)
     first_ms = prewarm.last_stats.elapsed_ms
@@ -74,7 +74,7 @@ def test_empty_duplicate_and_oversized_nodes(tiny_engine: KVBoost, caplog: pytes
         TextNode(text="A short node about the pass statement, long enough to anchor."),
         TextNode(text=long_text),
     ]
-    prewarm = KVBoostPrewarm(engine=tiny_engine, max_document_tokens=64)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine, max_document_tokens=64)
     with caplog.at_level(logging.WARNING, logger="llama_index.llms.kvboost.prewarm"):
         out = prewarm(nodes)
     assert out is nodes
@@ -87,15 +87,15 @@ def test_empty_duplicate_and_oversized_nodes(tiny_engine: KVBoost, caplog: pytes
 
 def test_prewarm_construction_errors(tiny_engine: KVBoost) -> None:
     with pytest.raises(ValueError, match="exactly one of"):
-        KVBoostPrewarm()
+        KVBoostPrewarmer()
     with pytest.raises(ValueError, match="exceeds the model's context window"):
-        KVBoostPrewarm(engine=tiny_engine, max_document_tokens=tiny_engine.context_window + 1)
+        KVBoostPrewarmer(engine=tiny_engine, max_document_tokens=tiny_engine.context_window + 1)
     llm = KVBoostLLM(engine=tiny_engine, context_window=1024, max_new_tokens=100)
-    assert KVBoostPrewarm(llm=llm).max_document_tokens == 924
+    assert KVBoostPrewarmer(llm=llm).max_document_tokens == 924
 
 
 def test_async_prewarm(tiny_engine: KVBoost) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     nodes = _nodes()
     out = asyncio.run(prewarm.acall(nodes))
     assert out is nodes
@@ -103,7 +103,7 @@ def test_async_prewarm(tiny_engine: KVBoost) -> None:
 
 
 def test_ingestion_pipeline_and_index_insert_warm_nodes(tiny_engine: KVBoost, hash_embedding) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     splitter = SentenceSplitter(chunk_size=96, chunk_overlap=0)
     nodes = IngestionPipeline(transformations=[splitter, prewarm]).run(documents=_documents()[:3])
     assert nodes and all(tiny_engine.is_document_warm(node_prompt_text(n)) for n in nodes)
@@ -119,7 +119,7 @@ def test_ingestion_pipeline_and_index_insert_warm_nodes(tiny_engine: KVBoost, ha
 
 def test_pipeline_cache_never_skips_a_fresh_prewarm(tiny_engine: KVBoost) -> None:
     nodes = _nodes()[:2]
-    first, second = KVBoostPrewarm(engine=tiny_engine), KVBoostPrewarm(engine=tiny_engine)
+    first, second = KVBoostPrewarmer(engine=tiny_engine), KVBoostPrewarmer(engine=tiny_engine)
     assert get_transformation_hash(nodes, first) == get_transformation_hash(nodes, first)
     assert get_transformation_hash(nodes, first) != get_transformation_hash(nodes, second)
 

@@ -2,7 +2,7 @@
 
 It answers like ``HuggingFaceLLM`` but runs through a ``kvboost_rag.KVBoost`` engine: the
 shared beginning of prompts (system turn) is served by prefix hash, retrieved documents that
-were warmed (``KVBoostPrewarm``) are served by content hash wherever they land.
+were warmed (``KVBoostPrewarmer``) are served by content hash wherever they land.
 """
 
 from __future__ import annotations

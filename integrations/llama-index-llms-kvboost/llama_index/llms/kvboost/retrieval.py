@@ -1,6 +1,6 @@
 """Warming retrieved nodes from LlamaIndex instrumentation (retrieval end events).
 
-Nodes that reach a query but were never prewarmed (inserted without ``KVBoostPrewarm``,
+Nodes that reach a query but were never prewarmed (inserted without ``KVBoostPrewarmer``,
 or evicted since) are queued when a retriever returns them. The answer about to be
 generated takes the ones its prompt contains whole and has the engine store them from its own
 prefill; the rest are warmed in the background once no answer is running. Either way the
