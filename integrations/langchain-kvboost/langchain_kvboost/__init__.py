@@ -3,18 +3,25 @@
 - :class:`KVBoostLLM`: text-completion LLM (replaces ``HuggingFacePipeline``).
 - :class:`ChatKVBoost`: chat model (replaces ``ChatHuggingFace``).
 - :class:`KVBoostPrewarmer` / :class:`PrewarmingVectorStore`: warm documents at ingest.
-- :class:`KVBoostRetrieverWarmer`: warm retrieved documents after each answer.
+- :class:`KVBoostRetrievalWarmer`: warm retrieved documents after each answer.
+
+The names are the ones the LlamaIndex integration uses for the same parts
+(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``); the old name
+``KVBoostRetrieverWarmer`` still works and warns once (``DeprecationWarning``).
 
 Importing this package is light; torch and transformers load with the first engine.
 """
 
 from importlib import metadata
+from typing import Any
 
 from langchain_kvboost._common import DOCUMENTS_METADATA_KEY
-from langchain_kvboost.callbacks import KVBoostRetrieverWarmer
+from langchain_kvboost.callbacks import KVBoostRetrievalWarmer
 from langchain_kvboost.chat_models import ChatKVBoost
 from langchain_kvboost.llms import KVBoostLLM
 from langchain_kvboost.prewarm import KVBoostPrewarmer, PrewarmingVectorStore
+
+from kvboost_rag.deprecation import renamed_module_attribute
 
 try:
     __version__ = metadata.version("langchain-kvboost")
@@ -26,7 +33,14 @@ __all__ = [
     "ChatKVBoost",
     "KVBoostLLM",
     "KVBoostPrewarmer",
-    "KVBoostRetrieverWarmer",
+    "KVBoostRetrievalWarmer",
     "PrewarmingVectorStore",
     "__version__",
 ]
+
+#: Old public names and the names that replaced them.
+RENAMED = {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_module_attribute(__name__, name, RENAMED, globals())

@@ -10,11 +10,18 @@ from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from langchain_kvboost._engine import resolve_engine
+from kvboost_rag.deprecation import warn_deprecated
+from kvboost_rag.engine_registry import ArgumentNames, resolve_engine
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Packages between user code and the validator that warns about a deprecated argument.
+_FRAMEWORK_PACKAGES = ("langchain_kvboost", "langchain_core", "pydantic")
+
+#: How these classes name the engine sources, so the resolver's errors name the fix.
+_ENGINE_ARGUMENTS = ArgumentNames(model_path="model")
 
 #: Key of the run config metadata (``config={"metadata": {...}}``) holding explicit documents.
 DOCUMENTS_METADATA_KEY = "documents"
@@ -68,15 +75,16 @@ class KVBoostParams(BaseModel):
 
     engine: Any = Field(default=None, exclude=True)
     """A ready ``kvboost_rag.KVBoost``. When unset, one is built from ``model`` and
-    ``engine_kwargs`` (and shared with other objects built from the same two)."""
+    ``engine_settings`` (and shared with other objects built from the same two)."""
 
     model: str | None = None
     """Path of a local HuggingFace model folder; ``None`` uses the embedded default model
     (SmolLM2-135M-Instruct)."""
 
-    engine_kwargs: dict[str, Any] | None = None
+    engine_settings: dict[str, Any] | None = None
     """``kvboost_rag.KVBoostSettings`` fields for an engine built here, e.g.
-    ``{"recompute_ratio": 0.1, "disk_cache_dir": "kv"}``."""
+    ``{"recompute_ratio": 0.1, "disk_cache_dir": "kv"}``. ``engine_kwargs`` is the deprecated
+    old name of this parameter."""
 
     max_new_tokens: int = Field(default=256, ge=1)
     """Most tokens to generate. ``max_tokens`` is accepted as another name for it."""
@@ -112,6 +120,20 @@ class KVBoostParams(BaseModel):
             values.pop(name)
         if dropped:
             logger.debug("%s runs locally; ignoring %s", cls.__name__, ", ".join(dropped))
+        if "engine_kwargs" in values:
+            warn_deprecated(
+                f"{cls.__name__}(engine_kwargs=...)",
+                f"{cls.__name__}(engine_settings=...)",
+                skip_packages=_FRAMEWORK_PACKAGES,
+            )
+            old = values.pop("engine_kwargs")
+            if values.get("engine_settings") is not None and old is not None and old != values["engine_settings"]:
+                raise ValueError(
+                    "engine_kwargs and engine_settings conflict: engine_kwargs is the old name of "
+                    "engine_settings; set only engine_settings."
+                )
+            if values.get("engine_settings") is None:
+                values["engine_settings"] = old
         if "max_tokens" in values:
             budget = _pick_max_new_tokens(values)
             values.pop("max_tokens")
@@ -121,8 +143,16 @@ class KVBoostParams(BaseModel):
 
     @model_validator(mode="after")
     def _attach_engine(self) -> KVBoostParams:
-        self.engine = resolve_engine(self.engine, self.model, self.engine_kwargs)
+        self.engine = resolve_engine(
+            self.engine, model_path=self.model, settings=self.engine_settings, names=_ENGINE_ARGUMENTS
+        )
         return self
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any] | None:
+        """Deprecated name of ``engine_settings``."""
+        warn_deprecated(f"{type(self).__name__}.engine_kwargs", f"{type(self).__name__}.engine_settings")
+        return self.engine_settings
 
     @property
     def max_tokens(self) -> int:
@@ -235,9 +265,11 @@ def generation_info(result: Any, extra_ttft_ms: float = 0.0) -> dict[str, Any]:
     Args:
         result: The engine's ``GenerationResult``.
         extra_ttft_ms: Time spent in this call before the engine call (warming a new system
-            prompt), added to ``ttft_ms`` so it stays the wall time to the first token.
+            prompt), added to ``ttft_ms`` and ``total_ms`` so they stay the wall times to the
+            first token and of the call.
     """
     info = {name: getattr(result, name) for name in GENERATION_INFO_FIELDS}
     if extra_ttft_ms:
         info["ttft_ms"] = float(info["ttft_ms"]) + extra_ttft_ms
+        info["total_ms"] = float(info["total_ms"]) + extra_ttft_ms
     return info

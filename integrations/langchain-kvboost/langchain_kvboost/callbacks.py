@@ -1,14 +1,15 @@
 """Warm the documents a retriever returned, after the answer, so the next query hits.
 
-For corpora that were not prewarmed at ingest: attach ``KVBoostRetrieverWarmer`` to a chain's
-callbacks and every document the retriever returns is warmed in a background thread once the
-run that retrieved it has finished, so warming never competes with the answer being computed.
+For corpora that were not prewarmed at ingest: attach ``KVBoostRetrievalWarmer`` to a chain's
+callbacks and every document the retriever returns is queued once the run that retrieved it
+has finished. The queue is a ``kvboost_rag.background_warmer.BackgroundWarmer`` (the one the
+LlamaIndex integration uses too): it warms on a worker thread only while no answer this
+handler sees is running, one document at a time, so warming never competes with an answer.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -18,40 +19,73 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
+from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.deprecation import renamed_module_attribute, warn_deprecated
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)
 
+#: Old public names of this module and the names that replaced them.
+RENAMED = {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"}
 
-class KVBoostRetrieverWarmer(BaseCallbackHandler):
+
+def __getattr__(name: str) -> Any:
+    return renamed_module_attribute(__name__, name, RENAMED, globals())
+
+
+class KVBoostRetrievalWarmer(BaseCallbackHandler):
     """Callback handler that warms retrieved documents which are not warm yet.
 
-    Documents are queued at ``on_retriever_end`` and warmed by one background thread once the
+    Documents are queued at ``on_retriever_end`` and handed to a background warmer once the
     outermost run this handler saw around the retriever has ended (the whole chain, when the
-    handler is passed in the chain's config). Attached to a retriever alone, it warms as soon
-    as the retriever returns.
+    handler is passed in the chain's config). Attached to a retriever alone, it queues them as
+    soon as the retriever returns. The warmer starts once no LLM run this handler sees is in
+    flight and none has been for ``idle_seconds``.
 
     Args:
         llm: The ``KVBoostLLM`` / ``ChatKVBoost`` the chain answers with, or its engine.
         document_prompt: How the chain renders each document into the prompt; must match.
+        idle_seconds: Quiet time after the last answer (or retrieval) before warming starts.
+        max_pending: Most documents queued; the oldest are dropped beyond it.
 
     Example:
         .. code-block:: python
 
-            warmer = KVBoostRetrieverWarmer(chat)
+            warmer = KVBoostRetrievalWarmer(chat)
             chain.invoke(question, config={"callbacks": [warmer]})
-            warmer.wait()   # only needed when you want to be sure it is done
+            warmer.wait_idle()   # only needed when you want to be sure it is done
     """
 
-    def __init__(self, llm: Any, *, document_prompt: BasePromptTemplate | str | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        document_prompt: BasePromptTemplate | str | None = None,
+        idle_seconds: float = 0.5,
+        max_pending: int = 4096,
+    ) -> None:
         self._prewarmer = KVBoostPrewarmer(llm, document_prompt=document_prompt)
+        self._warmer = BackgroundWarmer(self._prewarmer.engine, idle_seconds=idle_seconds, max_pending=max_pending)
         self._lock = threading.Lock()
         self._parents: dict[UUID, UUID | None] = {}
         self._pending: dict[UUID, list[str]] = {}
-        self._queue: queue.Queue[list[str] | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self.warmed_documents = 0
+        self._answers: set[UUID] = set()
+        self._queued = 0
+
+    @property
+    def warmer(self) -> BackgroundWarmer:
+        """The background queue (counters ``warmed_documents``, ``failed_documents``...)."""
+        return self._warmer
+
+    @property
+    def warmed_documents(self) -> int:
         """Documents this handler has warmed so far (already-warm ones not counted)."""
+        return self._warmer.warmed_documents
+
+    @property
+    def queued_documents(self) -> int:
+        """Retrieved document texts queued so far."""
+        return self._queued
 
     # -- run tree -------------------------------------------------------------------------
 
@@ -86,6 +120,20 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
     ) -> None:
         self._started(run_id, parent_run_id)
 
+    def _answer_started(self, run_id: UUID) -> None:
+        with self._lock:
+            if run_id in self._answers:
+                return
+            self._answers.add(run_id)
+        self._warmer.answer_started()
+
+    def _answer_finished(self, run_id: UUID) -> None:
+        with self._lock:
+            if run_id not in self._answers:
+                return
+            self._answers.discard(run_id)
+        self._warmer.answer_finished()
+
     def on_llm_start(
         self,
         serialized: Any,
@@ -96,6 +144,7 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         self._started(run_id, parent_run_id)
+        self._answer_started(run_id)
 
     def on_chat_model_start(
         self,
@@ -107,6 +156,7 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         self._started(run_id, parent_run_id)
+        self._answer_started(run_id)
 
     def on_retriever_start(
         self,
@@ -126,9 +176,11 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
         self._ended(run_id)
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._answer_finished(run_id)
         self._ended(run_id)
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._answer_finished(run_id)
         self._ended(run_id)
 
     def on_retriever_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -157,29 +209,13 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
     # -- background warming ---------------------------------------------------------------
 
     def _enqueue(self, texts: list[str]) -> None:
+        added = self._warmer.submit(texts)
         with self._lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(
-                    target=self._work, name="kvboost-retriever-warmer", daemon=True
-                )
-                self._worker.start()
-        self._queue.put(texts)
+            self._queued += added
+        if added:
+            logger.debug("queued %d retrieved document(s) for warming", added)
 
-    def _work(self) -> None:
-        while True:
-            texts = self._queue.get()
-            try:
-                if texts is None:
-                    return
-                # Documents already warm are skipped by the engine without computing anything.
-                results = self._prewarmer.warm_texts(texts)
-                self.warmed_documents += sum(1 for r in results if not r.already_warm)
-            except Exception:  # a failed warm must never break the chain that triggered it
-                logger.exception("Background warming of %d retrieved documents failed", len(texts or []))
-            finally:
-                self._queue.task_done()
-
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every queued document has been warmed.
 
         Args:
@@ -188,21 +224,17 @@ class KVBoostRetrieverWarmer(BaseCallbackHandler):
         Returns:
             Whether the queue drained in time.
         """
-        if timeout is None:
-            self._queue.join()
-            return True
-        done = threading.Event()
+        return self._warmer.wait_idle(timeout)
 
-        def join() -> None:
-            self._queue.join()
-            done.set()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Deprecated name of :meth:`wait_idle` (the name both integrations use)."""
+        warn_deprecated("KVBoostRetrievalWarmer.wait()", "KVBoostRetrievalWarmer.wait_idle()")
+        return self.wait_idle(timeout)
 
-        threading.Thread(target=join, daemon=True).start()
-        return done.wait(timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued work and stop the background thread; later retrievals are ignored.
 
-    def close(self) -> None:
-        """Finish the queued work and stop the background thread."""
-        worker = self._worker
-        if worker is not None and worker.is_alive():
-            self._queue.put(None)
-            worker.join()
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits as long as it takes.
+        """
+        self._warmer.close(timeout=timeout, drain=True)

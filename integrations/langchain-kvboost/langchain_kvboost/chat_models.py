@@ -18,6 +18,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field
 
 from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.shared_beginning import on_token_boundary
 from langchain_kvboost._common import KVBoostParams, generation_info
 
 logger = logging.getLogger(__name__)
@@ -142,21 +143,22 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         return str(self.engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
 
     def _system_prefix(self, dicts: list[dict[str, str]], prompt: str) -> str | None:
-        """Rendering of the leading system messages when it is a clean prefix of ``prompt``."""
+        """Rendering of the leading system messages when it ends on a token boundary of ``prompt``.
+
+        Trailing whitespace the tokenizer joins to what follows is dropped (see
+        ``kvboost_rag.shared_beginning``); ``None`` when there are no leading system messages
+        or their rendering is not a clean prefix of ``prompt`` under this template.
+        """
         leading = 0
         while leading < len(dicts) and dicts[leading]["role"] == "system":
             leading += 1
         if leading == 0:
             return None
         prefix = self._render(dicts[:leading], add_generation_prompt=False)
-        if not prefix or not prompt.startswith(prefix):
-            logger.debug("System rendering is not a prefix of the prompt under this template; not warming it")
-            return None
-        prefix_ids = self.engine.token_ids(prefix)
-        if list(self.engine.token_ids(prompt)[: len(prefix_ids)]) != list(prefix_ids):
-            logger.debug("System rendering's tokens merge with what follows; not warming it")
-            return None
-        return prefix
+        shared = on_token_boundary(prefix, prompt, self.engine.token_ids)
+        if shared is None:
+            logger.debug("System rendering is not a clean token prefix of the prompt; not warming it")
+        return shared
 
     def _prepare(self, messages: Sequence[BaseMessage], reuse: bool) -> tuple[str, float, int]:
         """Render ``messages`` and warm their system prefix.

@@ -26,7 +26,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
 from langchain_core.vectorstores import VectorStore
 
-from langchain_kvboost._engine import engine_of
+from kvboost_rag.engine_registry import engine_of
 
 if TYPE_CHECKING:
     from kvboost_rag import WarmResult

@@ -26,7 +26,7 @@ from llama_index.core.response_synthesizers.refine import (
     DEFAULT_RESPONSE_PADDING_SIZE as DEFAULT_REFINE_PADDING,
 )
 from llama_index.core.schema import NodeWithScore
-from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm, node_prompt_text
+from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer, node_prompt_text
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
@@ -44,7 +44,7 @@ def rag(hash_embedding) -> Iterator[dict[str, Any]]:
     llm = KVBoostLLM(engine=engine, max_new_tokens=MAX_NEW_TOKENS)
     topics = python_reference_topics()
     documents = [Document(text=topics[name][:500], metadata={"topic": name}) for name in TOPICS]
-    prewarm = KVBoostPrewarm(llm=llm)
+    prewarm = KVBoostPrewarmer(llm=llm)
     index = VectorStoreIndex.from_documents(
         documents,
         transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=0), prewarm],

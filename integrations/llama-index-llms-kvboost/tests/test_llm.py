@@ -237,3 +237,26 @@ def test_bad_input_gives_clear_errors(tiny_parts) -> None:
         llm.complete("word " * 400, formatted=True)
     with pytest.raises(ValueError, match="at least one message"):
         llm.chat([])
+
+
+def test_shared_beginning_is_warmed_on_every_call_and_counted_in_ttft_once(tiny_engine: KVBoost) -> None:
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4)
+    calls: list[bool] = []
+    real_warm = tiny_engine.warm
+
+    def recording_warm(text: str):
+        result = real_warm(text)
+        calls.append(result.already_warm)
+        return result
+
+    tiny_engine.warm = recording_warm  # type: ignore[method-assign]
+    try:
+        first = llm.chat(_messages("What is a tuple?")).raw
+        second = llm.chat(_messages("What is a set?")).raw
+    finally:
+        del tiny_engine.warm
+    # No bookkeeping of what was warmed: the engine is asked each time, and a repeat is free.
+    assert calls == [False, True]
+    assert first["shared_beginning_warm_ms"] > 0 and second["shared_beginning_warm_ms"] == 0.0
+    assert first["ttft_ms"] >= first["shared_beginning_warm_ms"]
+    assert first["total_ms"] >= first["ttft_ms"]

@@ -1,10 +1,12 @@
-"""KVBoostPrewarm, the retrieval-end warmer and the background queue on a tiny engine."""
+"""KVBoostPrewarmer and the retrieval-end warmer on a tiny engine.
+
+The background queue itself is tested in the engine suite (tests/test_background_warmer.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 from llama_index.core import Document, VectorStoreIndex
@@ -14,9 +16,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, TextNode
 from llama_index.llms.kvboost import (
-    BackgroundWarmer,
     KVBoostLLM,
-    KVBoostPrewarm,
+    KVBoostPrewarmer,
     node_prompt_text,
 )
 
@@ -39,7 +40,7 @@ def test_prewarm_warms_the_llm_text_and_returns_nodes_unchanged(tiny_engine: KVB
     llm = KVBoostLLM(engine=tiny_engine)
     nodes = _nodes()
     before = [node.model_dump() for node in nodes]
-    prewarm = KVBoostPrewarm(llm=llm)
+    prewarm = KVBoostPrewarmer(llm=llm)
     out = prewarm(nodes)
     assert out is nodes and [node.model_dump() for node in out] == before
     texts = {node_prompt_text(node) for node in nodes}
@@ -53,7 +54,7 @@ def test_prewarm_warms_the_llm_text_and_returns_nodes_unchanged(tiny_engine: KVB
 
 
 def test_second_prewarm_skips_warm_nodes(tiny_engine: KVBoost) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     nodes = _nodes()
     prewarm(nodes)
     first_ms = prewarm.last_stats.elapsed_ms
@@ -73,7 +74,7 @@ def test_empty_duplicate_and_oversized_nodes(tiny_engine: KVBoost, caplog: pytes
         TextNode(text="A short node about the pass statement, long enough to anchor."),
         TextNode(text=long_text),
     ]
-    prewarm = KVBoostPrewarm(engine=tiny_engine, max_document_tokens=64)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine, max_document_tokens=64)
     with caplog.at_level(logging.WARNING, logger="llama_index.llms.kvboost.prewarm"):
         out = prewarm(nodes)
     assert out is nodes
@@ -86,15 +87,15 @@ def test_empty_duplicate_and_oversized_nodes(tiny_engine: KVBoost, caplog: pytes
 
 def test_prewarm_construction_errors(tiny_engine: KVBoost) -> None:
     with pytest.raises(ValueError, match="exactly one of"):
-        KVBoostPrewarm()
+        KVBoostPrewarmer()
     with pytest.raises(ValueError, match="exceeds the model's context window"):
-        KVBoostPrewarm(engine=tiny_engine, max_document_tokens=tiny_engine.context_window + 1)
+        KVBoostPrewarmer(engine=tiny_engine, max_document_tokens=tiny_engine.context_window + 1)
     llm = KVBoostLLM(engine=tiny_engine, context_window=1024, max_new_tokens=100)
-    assert KVBoostPrewarm(llm=llm).max_document_tokens == 924
+    assert KVBoostPrewarmer(llm=llm).max_document_tokens == 924
 
 
 def test_async_prewarm(tiny_engine: KVBoost) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     nodes = _nodes()
     out = asyncio.run(prewarm.acall(nodes))
     assert out is nodes
@@ -102,7 +103,7 @@ def test_async_prewarm(tiny_engine: KVBoost) -> None:
 
 
 def test_ingestion_pipeline_and_index_insert_warm_nodes(tiny_engine: KVBoost, hash_embedding) -> None:
-    prewarm = KVBoostPrewarm(engine=tiny_engine)
+    prewarm = KVBoostPrewarmer(engine=tiny_engine)
     splitter = SentenceSplitter(chunk_size=96, chunk_overlap=0)
     nodes = IngestionPipeline(transformations=[splitter, prewarm]).run(documents=_documents()[:3])
     assert nodes and all(tiny_engine.is_document_warm(node_prompt_text(n)) for n in nodes)
@@ -118,36 +119,9 @@ def test_ingestion_pipeline_and_index_insert_warm_nodes(tiny_engine: KVBoost, ha
 
 def test_pipeline_cache_never_skips_a_fresh_prewarm(tiny_engine: KVBoost) -> None:
     nodes = _nodes()[:2]
-    first, second = KVBoostPrewarm(engine=tiny_engine), KVBoostPrewarm(engine=tiny_engine)
+    first, second = KVBoostPrewarmer(engine=tiny_engine), KVBoostPrewarmer(engine=tiny_engine)
     assert get_transformation_hash(nodes, first) == get_transformation_hash(nodes, first)
     assert get_transformation_hash(nodes, first) != get_transformation_hash(nodes, second)
-
-
-def test_background_warmer_waits_for_answers_to_finish(tiny_engine: KVBoost) -> None:
-    warmer = BackgroundWarmer(tiny_engine, idle_seconds=0.0)
-    text = node_prompt_text(_nodes()[0])
-    try:
-        warmer.answer_started()
-        assert warmer.submit([text, text]) == 1
-        time.sleep(0.3)
-        assert warmer.pending == 1 and not tiny_engine.is_document_warm(text)
-        warmer.answer_finished()
-        assert warmer.wait_idle(timeout=30)
-        assert warmer.warmed_documents == 1 and tiny_engine.is_document_warm(text)
-    finally:
-        warmer.close()
-
-
-def test_claim_hands_contained_documents_to_the_answer(tiny_engine: KVBoost) -> None:
-    warmer = BackgroundWarmer(tiny_engine, idle_seconds=60.0)
-    try:
-        warmer.submit(["first document text", "second document text"])
-        assert warmer.claim("prompt with first document text inside") == ["first document text"]
-        assert warmer.pending == 1 and warmer.claimed_documents == 1
-    finally:
-        warmer.close()
-    with pytest.raises(ValueError):
-        BackgroundWarmer(tiny_engine, idle_seconds=-1)
 
 
 def test_retrieval_warmer_warms_retrieved_nodes_in_background(tiny_engine: KVBoost, hash_embedding) -> None:

@@ -1,4 +1,4 @@
-"""KVBoostRetrieverWarmer on a tiny random-weight model."""
+"""KVBoostRetrievalWarmer on a tiny random-weight model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
-from langchain_kvboost import KVBoostLLM, KVBoostRetrieverWarmer
+from langchain_kvboost import KVBoostLLM, KVBoostRetrievalWarmer
 
 from kvboost_rag.corpus import python_reference_documents
 
@@ -30,7 +30,7 @@ class StateAtLLMStart(BaseCallbackHandler):
     (``engine.is_document_warm`` is not used here: it registers the text it checks.)
     """
 
-    def __init__(self, engine: Any, warmer: KVBoostRetrieverWarmer) -> None:
+    def __init__(self, engine: Any, warmer: KVBoostRetrievalWarmer) -> None:
         self.engine = engine
         self.warmer = warmer
         self.seen: tuple[int, int] | None = None
@@ -60,11 +60,11 @@ def test_retrieved_documents_are_warmed_after_the_chain_ends(engine: Any, embedd
     # Before: the documents are unknown to the engine, so a prompt holding them hits nothing.
     assert llm.generate([swapped_prompt("First look.")]).generations[0][0].generation_info["content_hit_tokens"] == 0
 
-    warmer = KVBoostRetrieverWarmer(llm)
+    warmer = KVBoostRetrievalWarmer(llm)
     probe = StateAtLLMStart(engine, warmer)
     chain.invoke(question, config={"callbacks": [warmer, probe]})
     assert probe.seen == (0, 0), "warming must not run before the answer"
-    assert warmer.wait(timeout=30)
+    assert warmer.wait_idle(timeout=30)
     assert all(engine.is_document_warm(t) for t in retrieved)
     assert warmer.warmed_documents == 2
 
@@ -75,22 +75,22 @@ def test_retrieved_documents_are_warmed_after_the_chain_ends(engine: Any, embedd
 
 
 def test_warms_right_away_when_only_the_retriever_is_observed(engine: Any, embeddings: Any) -> None:
-    warmer = KVBoostRetrieverWarmer(engine)
+    warmer = KVBoostRetrievalWarmer(engine)
     retriever = _store(embeddings).as_retriever(search_kwargs={"k": 3})
     docs = retriever.invoke(TEXTS[5][:60], config={"callbacks": [warmer]})
-    assert warmer.wait(timeout=30)
+    assert warmer.wait_idle(timeout=30)
     assert all(engine.is_document_warm(d.page_content) for d in docs)
     # A second retrieval of warm documents computes nothing new.
     before = warmer.warmed_documents
     retriever.invoke(TEXTS[5][:60], config={"callbacks": [warmer]})
-    assert warmer.wait(timeout=30)
+    assert warmer.wait_idle(timeout=30)
     assert warmer.warmed_documents == before == 3
     warmer.close()
 
 
 def test_document_prompt_is_applied(engine: Any, embeddings: Any) -> None:
-    warmer = KVBoostRetrieverWarmer(engine, document_prompt="Source text:\n{page_content}")
+    warmer = KVBoostRetrievalWarmer(engine, document_prompt="Source text:\n{page_content}")
     docs = _store(embeddings).as_retriever(search_kwargs={"k": 1}).invoke(TEXTS[7][:60], config={"callbacks": [warmer]})
-    assert warmer.wait(timeout=30)
+    assert warmer.wait_idle(timeout=30)
     assert engine.is_document_warm("Source text:\n" + docs[0].page_content)
     warmer.close()

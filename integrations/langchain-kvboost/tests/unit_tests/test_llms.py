@@ -208,10 +208,10 @@ def test_model_folder_loads_once_and_is_shared(tmp_path: Any) -> None:
 
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
-    llm = KVBoostLLM(model=str(tmp_path), max_new_tokens=4, engine_kwargs={"chunk_size": 16})
-    chat = ChatKVBoost(model=str(tmp_path), engine_kwargs={"chunk_size": 16})
+    llm = KVBoostLLM(model=str(tmp_path), max_new_tokens=4, engine_settings={"chunk_size": 16})
+    chat = ChatKVBoost(model=str(tmp_path), engine_settings={"chunk_size": 16})
     assert llm.engine is chat.engine
-    assert KVBoostLLM(model=str(tmp_path), engine_kwargs={"chunk_size": 32}).engine is not llm.engine
+    assert KVBoostLLM(model=str(tmp_path), engine_settings={"chunk_size": 32}).engine is not llm.engine
     assert isinstance(llm.invoke(PROMPT), str)
 
 

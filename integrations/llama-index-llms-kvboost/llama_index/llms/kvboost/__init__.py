@@ -1,19 +1,36 @@
-"""LlamaIndex integration of kvboost-rag: an LLM that reuses K/V, and prewarm at ingest."""
+"""LlamaIndex integration of kvboost-rag: an LLM that reuses K/V, and prewarm at ingest.
 
-from llama_index.llms.kvboost.background import BackgroundWarmer
+- :class:`KVBoostLLM`: the LLM (replaces ``HuggingFaceLLM``).
+- :class:`KVBoostPrewarmer`: ingest transform that warms every node.
+- :class:`KVBoostRetrievalWarmer`: warms retrieved nodes that were never prewarmed.
+
+The names are the ones the LangChain integration uses for the same parts
+(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``); the old name
+``KVBoostPrewarm`` still works and warns once (``DeprecationWarning``).
+"""
+
+from typing import Any
+
 from llama_index.llms.kvboost.base import KVBoostLLM
-from llama_index.llms.kvboost.prewarm import (
-    KVBoostPrewarm,
-    PrewarmStats,
-    node_prompt_text,
-)
+from llama_index.llms.kvboost.formatting import node_prompt_text
+from llama_index.llms.kvboost.prewarm import KVBoostPrewarmer, PrewarmStats
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+
+from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.deprecation import renamed_module_attribute
 
 __all__ = [
     "BackgroundWarmer",
     "KVBoostLLM",
-    "KVBoostPrewarm",
+    "KVBoostPrewarmer",
     "KVBoostRetrievalWarmer",
     "PrewarmStats",
     "node_prompt_text",
 ]
+
+#: Old public names and the names that replaced them.
+RENAMED = {"KVBoostPrewarm": "KVBoostPrewarmer"}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_module_attribute(__name__, name, RENAMED, globals())

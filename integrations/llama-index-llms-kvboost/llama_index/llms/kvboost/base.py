@@ -2,15 +2,13 @@
 
 It answers like ``HuggingFaceLLM`` but runs through a ``kvboost_rag.KVBoost`` engine: the
 shared beginning of prompts (system turn) is served by prefix hash, retrieved documents that
-were warmed (``KVBoostPrewarm``) are served by content hash wherever they land.
+were warmed (``KVBoostPrewarmer``) are served by content hash wherever they land.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -33,18 +31,18 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from llama_index.llms.kvboost.background import BackgroundWarmer
 from llama_index.llms.kvboost.formatting import (
     chat_shared_beginning,
     message_dicts,
     text_shared_beginning,
 )
+from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.engine_registry import resolve_engine
 
 if TYPE_CHECKING:
-    from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
-
     from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
@@ -61,11 +59,6 @@ _CALL_KEYWORDS = {
     "stop": "stop",
     "reuse": "reuse",
 }
-
-#: Distinct shared beginnings remembered as warm (the engine pins each one it warms).
-MAX_REMEMBERED_PREFIXES = 64
-
-
 
 
 class KVBoostLLM(CustomLLM):
@@ -131,8 +124,6 @@ class KVBoostLLM(CustomLLM):
     _has_chat_template: bool = PrivateAttr(default=False)
     _custom_messages_to_prompt: bool = PrivateAttr(default=False)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
-    _warm_prefixes: OrderedDict = PrivateAttr(default_factory=OrderedDict)
-    _prefix_lock: Any = PrivateAttr(default_factory=threading.Lock)
     _warmers: list = PrivateAttr(default_factory=list)
 
     def __init__(
@@ -153,7 +144,9 @@ class KVBoostLLM(CustomLLM):
 
         Args:
             engine: A ready ``KVBoost`` engine.
-            model_path: Local HuggingFace model folder to load (instead of ``engine``).
+            model_path: Local HuggingFace model folder to load (instead of ``engine``). Engines
+                built from a folder (or the default model) are shared per process by folder
+                and ``engine_settings``, with the LangChain classes too.
             model: A loaded causal LM (with ``tokenizer``; instead of ``engine``).
             tokenizer: The fast tokenizer of ``model``.
             engine_settings: ``KVBoostSettings`` fields for an engine built here
@@ -173,7 +166,9 @@ class KVBoostLLM(CustomLLM):
             ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
-        resolved = _build_engine(engine, model_path, model, tokenizer, engine_settings)
+        resolved = resolve_engine(
+            engine, model_path=model_path, model=model, tokenizer=tokenizer, settings=engine_settings
+        )
         model_max = int(resolved.context_window)
         window = model_max if context_window is None else int(context_window)
         if window > model_max:
@@ -255,9 +250,7 @@ class KVBoostLLM(CustomLLM):
         Returns:
             The engine's ``WarmResult``.
         """
-        result = self._engine.warm(text)
-        self._remember_prefix(text)
-        return result
+        return self._engine.warm(text)
 
     def enable_retrieval_warming(self, idle_seconds: float = 0.5) -> KVBoostRetrievalWarmer:
         """Register a retrieval-end handler that warms retrieved nodes not yet warm.
@@ -268,8 +261,6 @@ class KVBoostLLM(CustomLLM):
         Returns:
             The attached handler (call ``detach()`` to stop it).
         """
-        from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
-
         return KVBoostRetrievalWarmer(llm=self, idle_seconds=idle_seconds).attach()
 
     def attach_background_warmer(self, warmer: BackgroundWarmer) -> None:
@@ -344,29 +335,23 @@ class KVBoostLLM(CustomLLM):
             params[_CALL_KEYWORDS[key]] = value
         return params
 
-    def _remember_prefix(self, text: str) -> None:
-        with self._prefix_lock:
-            self._warm_prefixes[text] = None
-            self._warm_prefixes.move_to_end(text)
-            while len(self._warm_prefixes) > MAX_REMEMBERED_PREFIXES:
-                self._warm_prefixes.popitem(last=False)
+    def _warm_shared_beginning(self, text: str) -> float:
+        """Warm ``text`` (free when it is warm already: the engine only pins it).
 
-    def _ensure_prefix_warm(self, text: str) -> float:
-        """Warm ``text`` once; returns the milliseconds spent (0 when it was warm)."""
+        Returns:
+            The milliseconds spent computing K/V, 0 when nothing was computed.
+        """
         from kvboost_rag import KVBoostError
 
-        with self._prefix_lock:
-            if text in self._warm_prefixes:
-                self._warm_prefixes.move_to_end(text)
-                return 0.0
         try:
             result = self._engine.warm(text)
         except KVBoostError as exc:
             logger.warning("could not warm the shared beginning (%d chars): %s", len(text), exc)
             return 0.0
-        self._remember_prefix(text)
-        logger.debug("warmed shared beginning: %d tokens, already warm: %s", result.num_tokens, result.already_warm)
-        return 0.0 if result.already_warm else float(result.elapsed_ms)
+        if result.already_warm:
+            return 0.0
+        logger.debug("warmed a new shared beginning of %d tokens in %.0f ms", result.num_tokens, result.elapsed_ms)
+        return float(result.elapsed_ms)
 
     @contextmanager
     def _answer(self, prompt: str) -> Iterator[list[str]]:
@@ -381,7 +366,16 @@ class KVBoostLLM(CustomLLM):
                 warmer.answer_finished()
 
     def _raw(self, result: GenerationResult, prefix_warm_ms: float) -> dict[str, Any]:
+        """The response's ``raw``: usage and the engine's figures.
+
+        ``ttft_ms`` and ``total_ms`` include ``prefix_warm_ms``, the time this call spent
+        computing a new shared beginning before generating (0 when it was warm already), so
+        they stay the wall times the caller saw, as the LangChain classes report them.
+        """
         metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
+        if prefix_warm_ms:
+            metrics["ttft_ms"] = float(metrics["ttft_ms"]) + prefix_warm_ms
+            metrics["total_ms"] = float(metrics["total_ms"]) + prefix_warm_ms
         usage = {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.generated_tokens,
@@ -394,7 +388,7 @@ class KVBoostLLM(CustomLLM):
     def _generate(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponse:
         params = self._call_params(overrides)
         with self._answer(prompt) as documents:
-            warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+            warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
             result = self._engine.generate(prompt, documents=documents or None, **params)
         logger.debug(
             "generated %d tokens: ttft %.1f ms, reuse %.2f",
@@ -409,7 +403,7 @@ class KVBoostLLM(CustomLLM):
 
         def gen() -> CompletionResponseGen:
             with self._answer(prompt) as documents:
-                warm_ms = self._ensure_prefix_warm(shared) if shared and params["reuse"] else 0.0
+                warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
                 stream = self._engine.stream(prompt, documents=documents or None, **params)
                 text = ""
                 try:
@@ -515,35 +509,6 @@ class _Formatter:
 
     def __repr__(self) -> str:
         return f"<KVBoostLLM {self._description}>"
-
-
-def _build_engine(
-    engine: KVBoost | None,
-    model_path: str | None,
-    model: Any | None,
-    tokenizer: Any | None,
-    engine_settings: dict[str, Any] | None,
-) -> KVBoost:
-    """The engine from exactly one source: an engine, a folder, a model, or the default."""
-    sources = [
-        name for name, value in (("engine", engine), ("model_path", model_path), ("model", model)) if value is not None
-    ]
-    if len(sources) > 1:
-        raise ValueError(f"pass only one of engine=, model_path=, model= (got {', '.join(sources)})")
-    if (model is None) != (tokenizer is None):
-        raise ValueError("model= and tokenizer= go together")
-    if engine is not None:
-        if engine_settings:
-            raise ValueError("engine_settings apply to an engine built here; configure the given engine instead")
-        return engine
-    from kvboost_rag import KVBoost
-
-    settings = dict(engine_settings or {})
-    if model is not None:
-        return KVBoost.from_model(model, tokenizer, **settings)
-    if model_path is not None:
-        return KVBoost.from_pretrained(str(model_path), **settings)
-    return KVBoost.from_pretrained(**settings)
 
 
 def _as_chat(response: CompletionResponse) -> ChatResponse:

@@ -1,8 +1,12 @@
-"""Prompt rendering helpers: chat messages to text, and the shared beginning of a prompt.
+"""Prompt rendering: chat messages and nodes to prompt text, and the shared beginning of a prompt.
+
+This module imports no other module of the package: prewarm and retrieval (which need
+``node_prompt_text``) and base (which needs the rest) import it.
 
 The shared beginning is the part of a rendered prompt that many prompts have in common (the
-chat template's system turn, or the system prompt of a completion prompt). Warmed once with
+chat template's system turn, or the system prompt of a completion prompt). Warmed with
 ``KVBoost.warm``, it is served by prefix hash on every later prompt that starts with it.
+Whether a candidate ends on a token boundary is decided by ``kvboost_rag.shared_beginning``.
 """
 
 from __future__ import annotations
@@ -11,17 +15,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.schema import BaseNode, MetadataMode
+
+from kvboost_rag.shared_beginning import TokenIds, longest_shared_beginning, on_token_boundary
 
 logger = logging.getLogger(__name__)
 
 #: Stands in for the first non-system message's content when locating where it starts.
 SENTINEL = "KVBOOST-SENTINEL-5d1f0c7a"
-
-#: Characters after a candidate beginning that are tokenized to check the token boundary.
-BOUNDARY_PROBE_CHARS = 64
-
-#: Trailing whitespace characters dropped at most to find a token boundary.
-MAX_TRIMMED_WHITESPACE = 4
 
 #: LlamaIndex roles that chat templates know under another name.
 _ROLE_ALIASES = {
@@ -33,7 +34,6 @@ _ROLE_ALIASES = {
 Renderer = Callable[[Sequence[ChatMessage], bool], str]
 """``render(messages, add_generation_prompt) -> prompt`` for one formatting scheme."""
 
-TokenIds = Callable[[str], list[int]]
 
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
@@ -54,36 +54,6 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 
 def _is_system(message: ChatMessage) -> bool:
     return message.role in (MessageRole.SYSTEM, MessageRole.DEVELOPER)
-
-
-def _token_boundary_holds(candidate: str, prompt: str, token_ids: TokenIds) -> bool:
-    """Whether ``prompt`` tokenizes to ``candidate``'s tokens followed by more tokens.
-
-    A tokenizer may merge the last characters of ``candidate`` with the first characters
-    after it; then the warmed tokens would not be a token prefix of the prompt and the prefix
-    hash would miss. BPE merges are local, so a short probe past the boundary is enough.
-    """
-    head = token_ids(candidate)
-    probe = token_ids(prompt[: len(candidate) + BOUNDARY_PROBE_CHARS])
-    return bool(head) and probe[: len(head)] == head
-
-
-def _on_token_boundary(candidate: str, prompt: str, token_ids: TokenIds) -> str | None:
-    r"""``candidate``, or it with trailing whitespace trimmed, whichever ends on a token boundary.
-
-    Byte-level tokenizers split a run of newlines differently when a word follows
-    (``"\n\n"`` alone is one token, before ``"Context"`` it may be two), so dropping the
-    trailing whitespace usually restores a clean boundary.
-    """
-    trimmed = 0
-    while candidate and trimmed <= MAX_TRIMMED_WHITESPACE:
-        if prompt.startswith(candidate) and _token_boundary_holds(candidate, prompt, token_ids):
-            return candidate
-        if not candidate[-1].isspace():
-            break
-        candidate = candidate[:-1]
-        trimmed += 1
-    return None
 
 
 def chat_shared_beginning(
@@ -124,13 +94,7 @@ def chat_shared_beginning(
         if cut > 0:
             candidates.append(rendered[:cut])
 
-    for candidate in sorted(candidates, key=len, reverse=True):
-        if candidate and len(candidate) < len(prompt) and prompt.startswith(candidate):
-            found = _on_token_boundary(candidate, prompt, token_ids)
-            if found:
-                return found
-            logger.debug("shared beginning candidate rejected: tokens merge across its end")
-    return None
+    return longest_shared_beginning(candidates, prompt, token_ids)
 
 
 def text_shared_beginning(system_prompt: str | None, prompt: str, token_ids: TokenIds) -> str | None:
@@ -149,7 +113,19 @@ def text_shared_beginning(system_prompt: str | None, prompt: str, token_ids: Tok
     """
     if not system_prompt:
         return None
-    candidate = system_prompt + "\n\n"
-    if len(prompt) > len(candidate) and prompt.startswith(candidate):
-        return _on_token_boundary(candidate, prompt, token_ids)
-    return None
+    return on_token_boundary(system_prompt + "\n\n", prompt, token_ids)
+
+
+def node_prompt_text(node: BaseNode) -> str:
+    """The text of ``node`` as response synthesizers put it in prompts.
+
+    Synthesizers read ``node.get_content(metadata_mode=MetadataMode.LLM)`` and strip each
+    chunk before joining, so the stripped text is what a prompt contains.
+
+    Args:
+        node: A LlamaIndex node.
+
+    Returns:
+        The stripped LLM-mode content (empty for nodes without text).
+    """
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()

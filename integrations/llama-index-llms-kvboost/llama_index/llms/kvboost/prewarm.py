@@ -1,6 +1,6 @@
 """Prewarm at ingest: a transform that has the model read every node once.
 
-``KVBoostPrewarm`` goes last in ``IngestionPipeline(transformations=[...])`` or
+``KVBoostPrewarmer`` goes last in ``IngestionPipeline(transformations=[...])`` or
 ``VectorStoreIndex.from_documents(..., transformations=[...])`` (after the splitter). It warms
 the exact text a response synthesizer will later put in prompts, so that text is served
 from cache by content hash wherever it lands in a prompt and in whatever order.
@@ -13,36 +13,40 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
-from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.schema import BaseNode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
+from llama_index.llms.kvboost.formatting import node_prompt_text
+
+from kvboost_rag.deprecation import renamed_module_attribute
+from kvboost_rag.engine_registry import engine_of
 
 if TYPE_CHECKING:
-    from llama_index.llms.kvboost.base import KVBoostLLM
-
     from kvboost_rag import KVBoost
 
 logger = logging.getLogger(__name__)
+
+#: Old public names of this module and the names that replaced them.
+RENAMED = {"KVBoostPrewarm": "KVBoostPrewarmer"}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_module_attribute(__name__, name, RENAMED, globals())
 
 #: Node counts from which progress is shown when ``show_progress`` is left unset.
 AUTO_PROGRESS_MIN_NODES = 64
 
 
-def node_prompt_text(node: BaseNode) -> str:
-    """The text of ``node`` as response synthesizers put it in prompts.
+class LLMWithEngine(Protocol):
+    """What the prewarm transform needs of an LLM (``KVBoostLLM`` has it)."""
 
-    Synthesizers read ``node.get_content(metadata_mode=MetadataMode.LLM)`` and strip each
-    chunk before joining, so the stripped text is what a prompt contains.
+    @property
+    def engine(self) -> KVBoost: ...
 
-    Args:
-        node: A LlamaIndex node.
-
-    Returns:
-        The stripped LLM-mode content (empty for nodes without text).
-    """
-    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+    context_window: int
+    max_new_tokens: int
 
 
 class PrewarmStats(BaseModel):
@@ -71,7 +75,7 @@ class PrewarmStats(BaseModel):
     elapsed_ms: float = 0.0
 
 
-class KVBoostPrewarm(TransformComponent):
+class KVBoostPrewarmer(TransformComponent):
     """Ingest transform that warms each node's prompt text in the KVBoost cache.
 
     Nodes come back unchanged (same objects, same order). Node texts already warm are
@@ -82,12 +86,12 @@ class KVBoostPrewarm(TransformComponent):
         ```python
         from llama_index.core import VectorStoreIndex
         from llama_index.core.node_parser import SentenceSplitter
-        from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarm
+        from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer
 
         llm = KVBoostLLM()
         index = VectorStoreIndex.from_documents(
             documents,
-            transformations=[SentenceSplitter(chunk_size=256), KVBoostPrewarm(llm=llm)],
+            transformations=[SentenceSplitter(chunk_size=256), KVBoostPrewarmer(llm=llm)],
         )
         ```
     """
@@ -122,7 +126,7 @@ class KVBoostPrewarm(TransformComponent):
 
     def __init__(
         self,
-        llm: KVBoostLLM | None = None,
+        llm: LLMWithEngine | None = None,
         engine: KVBoost | None = None,
         max_document_tokens: int | None = None,
         **kwargs: Any,
@@ -138,10 +142,11 @@ class KVBoostPrewarm(TransformComponent):
         Raises:
             ValueError: Neither or both of ``llm`` and ``engine`` given, or
                 ``max_document_tokens`` above the model's context window.
+            TypeError: ``engine`` is not a ``KVBoost`` (or ``llm`` holds none).
         """
         if (llm is None) == (engine is None):
-            raise ValueError("KVBoostPrewarm needs exactly one of llm= (a KVBoostLLM) or engine= (a KVBoost)")
-        resolved = engine if engine is not None else llm.engine  # type: ignore[union-attr]
+            raise ValueError("KVBoostPrewarmer needs exactly one of llm= (a KVBoostLLM) or engine= (a KVBoost)")
+        resolved = engine_of(engine if engine is not None else llm)
         if max_document_tokens is not None:
             limit = max_document_tokens
         elif llm is not None:
@@ -160,7 +165,7 @@ class KVBoostPrewarm(TransformComponent):
     @classmethod
     def class_name(cls) -> str:
         """Class name used in serialization."""
-        return "KVBoostPrewarm"
+        return "KVBoostPrewarmer"
 
     @property
     def engine(self) -> KVBoost:
@@ -231,7 +236,7 @@ class KVBoostPrewarm(TransformComponent):
                 stats.oversized += 1
                 logger.warning(
                     "prewarm: node %s has %d tokens, more than max_document_tokens=%d; not warmed. "
-                    "Split documents smaller before KVBoostPrewarm (e.g. SentenceSplitter(chunk_size=%d)).",
+                    "Split documents smaller before KVBoostPrewarmer (e.g. SentenceSplitter(chunk_size=%d)).",
                     node.node_id,
                     n_tokens,
                     self.max_document_tokens,

@@ -1,6 +1,6 @@
 """Warming retrieved nodes from LlamaIndex instrumentation (retrieval end events).
 
-Nodes that reach a query but were never prewarmed (inserted without ``KVBoostPrewarm``,
+Nodes that reach a query but were never prewarmed (inserted without ``KVBoostPrewarmer``,
 or evicted since) are queued when a retriever returns them. The answer about to be
 generated takes the ones its prompt contains whole and has the engine store them from its own
 prefill; the rest are warmed in the background once no answer is running. Either way the
@@ -10,21 +10,40 @@ current answer is not delayed, and the next query that retrieves them hits by co
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
-from llama_index.llms.kvboost.background import BackgroundWarmer
-from llama_index.llms.kvboost.prewarm import node_prompt_text
+from llama_index.llms.kvboost.formatting import node_prompt_text
+
+from kvboost_rag.background_warmer import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.core.instrumentation.dispatcher import Dispatcher
-    from llama_index.llms.kvboost.base import KVBoostLLM
+
+    from kvboost_rag import KVBoost
 
 logger = logging.getLogger(__name__)
+
+
+class AnsweringLLM(Protocol):
+    """What the retrieval warmer needs of an LLM (``KVBoostLLM`` has it).
+
+    The LLM reports its answers to attached warmers (``answer_started`` / ``claim`` /
+    ``answer_finished``), so background warming never competes with an answer.
+    """
+
+    @property
+    def engine(self) -> KVBoost: ...
+
+    context_window: int
+
+    def attach_background_warmer(self, warmer: BackgroundWarmer) -> None: ...
+
+    def detach_background_warmer(self, warmer: BackgroundWarmer) -> None: ...
 
 
 class KVBoostRetrievalWarmer(BaseEventHandler):
@@ -54,7 +73,7 @@ class KVBoostRetrievalWarmer(BaseEventHandler):
     _dispatcher: Any = PrivateAttr(default=None)
     _queued: int = PrivateAttr(default=0)
 
-    def __init__(self, llm: KVBoostLLM, idle_seconds: float = 0.5, max_document_tokens: int | None = None) -> None:
+    def __init__(self, llm: AnsweringLLM, idle_seconds: float = 0.5, max_document_tokens: int | None = None) -> None:
         """Build the handler for ``llm`` (not yet attached to a dispatcher).
 
         Args:

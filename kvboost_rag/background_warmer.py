@@ -3,12 +3,19 @@
 The engine runs one model call at a time, so a warm running while an answer is being
 generated would hold the answer up. :class:`BackgroundWarmer` therefore
 
+* keeps one bounded, de-duplicated queue of document texts (the oldest are dropped beyond
+  ``max_pending``; a text already queued is not queued twice);
 * hands queued documents that an answer's prompt already contains to that answer
-  (``claim``), which passes them to ``generate(documents=...)``: the engine stores their K/V
-  from the prefill the answer does anyway, at no extra model cost;
+  (:meth:`BackgroundWarmer.claim`), which passes them to ``generate(documents=...)``: the
+  engine stores their K/V from the prefill the answer does anyway, at no extra model cost;
 * warms what is left only while no answer is in flight and none has been for
   ``idle_seconds``, one document at a time, so an answer that starts meanwhile waits for at
-  most one document's warm.
+  most one document's warm;
+* closes cleanly: :meth:`BackgroundWarmer.close` either finishes the queue or drops it, and
+  waits for a warm in progress.
+
+It needs only the engine's public API (``warm_documents``), so both framework integrations
+use it: the LangChain retrieval callback and the LlamaIndex retrieval event handler.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvboost_rag import KVBoost
+    from kvboost_rag.engine import KVBoost
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +40,23 @@ class BackgroundWarmer:
         engine: The engine to warm documents on.
         idle_seconds: Quiet time after the last answer (or submission) before warming starts.
         max_pending: Queue bound; the oldest entries are dropped beyond it.
+
+    Raises:
+        ValueError: ``idle_seconds`` is negative or ``max_pending`` below 1.
+
+    Example:
+        .. code-block:: python
+
+            warmer = BackgroundWarmer(engine)
+            warmer.submit(retrieved_texts)
+            warmer.answer_started()            # no warm starts while an answer runs
+            try:
+                docs = warmer.claim(prompt)
+                engine.generate(prompt, documents=docs or None)
+            finally:
+                warmer.answer_finished()
+            warmer.wait_idle(timeout=30)
+            warmer.close()
     """
 
     def __init__(self, engine: KVBoost, idle_seconds: float = 0.5, max_pending: int = 4096) -> None:
@@ -51,8 +75,18 @@ class BackgroundWarmer:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.warmed_documents = 0
+        """Documents whose K/V this warmer computed (already-warm ones not counted)."""
         self.claimed_documents = 0
+        """Documents handed to an answer's prompt by :meth:`claim`."""
         self.failed_documents = 0
+        """Documents the engine refused (logged as warnings)."""
+        self.dropped_documents = 0
+        """Documents dropped because the queue was full."""
+
+    @property
+    def engine(self) -> KVBoost:
+        """The engine documents are warmed on."""
+        return self._engine
 
     @property
     def pending(self) -> int:
@@ -60,25 +94,34 @@ class BackgroundWarmer:
         with self._cond:
             return len(self._pending)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (later submissions are ignored)."""
+        with self._cond:
+            return self._closed
+
     def submit(self, texts: Iterable[str]) -> int:
         """Queue documents for warming.
+
+        Empty and whitespace-only texts are skipped, and so are texts already queued.
 
         Args:
             texts: Document texts exactly as prompts will contain them.
 
         Returns:
-            How many were newly queued.
+            How many were newly queued (0 once closed).
         """
         added = 0
         with self._cond:
             if self._closed:
                 return 0
             for text in texts:
-                if text and text not in self._pending:
+                if text and not text.isspace() and text not in self._pending:
                     self._pending[text] = None
                     added += 1
             while len(self._pending) > self._max_pending:
                 dropped, _ = self._pending.popitem(last=False)
+                self.dropped_documents += 1
                 logger.debug("background warm queue full; dropped a %d-char document", len(dropped))
             self._last_activity = time.monotonic()
             if added:
@@ -100,6 +143,8 @@ class BackgroundWarmer:
             for text in claimed:
                 del self._pending[text]
             self.claimed_documents += len(claimed)
+            if claimed:
+                self._cond.notify_all()
         return claimed
 
     def answer_started(self) -> None:
@@ -133,21 +178,30 @@ class BackgroundWarmer:
                 self._cond.wait(remaining)
         return True
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Stop the worker; queued documents are dropped.
+    def close(self, timeout: float | None = 5.0, drain: bool = False) -> None:
+        """Stop the worker. Later submissions are ignored.
 
         Args:
-            timeout: Seconds to wait for a warm in progress to finish.
+            timeout: Seconds to wait for the worker (for the queue too, with ``drain``);
+                ``None`` waits as long as it takes.
+            drain: Warm what is still queued first (under the usual idle rule) instead of
+                dropping it.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if drain:
+            self.wait_idle(timeout)
         with self._cond:
             self._closed = True
+            if self._pending:
+                logger.debug("background warmer closed with %d document(s) still queued", len(self._pending))
             self._pending.clear()
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _ensure_worker(self) -> None:
+        """Start the worker thread unless it runs. Caller holds the lock."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kvboost-background-warm", daemon=True)
             self._thread.start()
@@ -173,14 +227,17 @@ class BackgroundWarmer:
             text = self._next_text()
             if text is None:
                 return
+            computed = failed = False
             try:
-                if not self._engine.is_document_warm(text):
-                    self._engine.warm_documents([text], show_progress=False)
-                    self.warmed_documents += 1
+                # A document already warm costs the engine a lookup, nothing more.
+                results = self._engine.warm_documents([text], show_progress=False)
+                computed = any(not result.already_warm for result in results)
             except Exception:  # noqa: BLE001 - a failed warm must never reach the answer path
-                self.failed_documents += 1
+                failed = True
                 logger.warning("background warm of a %d-char document failed", len(text), exc_info=True)
             finally:
                 with self._cond:
+                    self.warmed_documents += int(computed)
+                    self.failed_documents += int(failed)
                     self._warming = False
                     self._cond.notify_all()
