@@ -8,7 +8,7 @@ and what it accepts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -66,7 +66,7 @@ class KVBoostSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     recompute_strategy: RecomputeStrategy = "cacheblend"
-    recompute_ratio: float | Literal["auto"] = Field(0.15, ge=0.0, le=1.0)
+    recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
     max_deviation: float = Field(0.02, gt=0.0, le=1.0)
     min_recompute_ratio: float = Field(0.05, ge=0.0, le=1.0)
     max_recompute_ratio: float = Field(0.5, ge=0.0, le=1.0)

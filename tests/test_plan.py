@@ -167,3 +167,35 @@ def test_document_warm_goes_through_prefill_and_hits_next_prompt(make_engine, do
     assert all(r.already_warm and r.new_tokens == 0 and r.cached_tokens == r.num_tokens for r in again)
     result = engine.generate(rag_prompt(docs[:2][::-1]), max_new_tokens=2)
     assert result.content_hit_tokens > 0 and result.documents_found == 2
+
+
+def test_adaptive_budget_recomputes_until_the_deviation_left_is_small():
+    import torch
+
+    from kvboost_rag.blend import adaptive_budget
+
+    deviation = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    scale = torch.ones(8)
+    # Total 16 over 8 tokens: recomputing the top k leaves (16 - top-k sum) / 8.
+    assert adaptive_budget(deviation, scale, target=2.0, low=0, high=8) == 0
+    assert adaptive_budget(deviation, scale, target=1.0, low=0, high=8) == 1
+    assert adaptive_budget(deviation, scale, target=0.5, low=0, high=8) == 2
+    assert adaptive_budget(deviation, scale, target=0.1, low=0, high=8) == 5
+    assert adaptive_budget(deviation, scale, target=0.1, low=0, high=3) == 3
+    assert adaptive_budget(deviation, scale, target=2.0, low=2, high=8) == 2
+    # Relative: the same deviation on a token with 4x the norm counts a quarter.
+    assert adaptive_budget(torch.tensor([4.0, 1.0]), torch.tensor([4.0, 1.0]), 0.5, 0, 2) == 1
+
+
+def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs):
+    budgets = []
+    for target in (0.5, 0.05, 0.0001):
+        engine = make_engine("llama", recompute_ratio="auto", max_deviation=target, min_recompute_ratio=0.0)
+        engine.warm(SYSTEM_PROMPT)
+        engine.warm_documents(docs[:4])
+        result = engine.generate(rag_prompt([docs[3], docs[1], docs[0], docs[2]]), max_new_tokens=1)
+        assert result.content_hit_tokens > 0
+        assert result.recompute_ratio == pytest.approx(result.recomputed_tokens / result.content_hit_tokens)
+        assert 0.0 <= result.recompute_ratio <= 0.5 + 1e-9
+        budgets.append(result.recomputed_tokens)
+    assert budgets[0] <= budgets[1] <= budgets[2] and budgets[0] < budgets[2]
