@@ -61,6 +61,9 @@ class DiskTier(StorageTier):
         fsync: Flush each file to stable storage before it is moved into place. Without it a
             power loss can leave an empty or partial file, which the checksum then turns into a
             miss.
+        secret_key: Authenticate entries with HMAC-SHA256 under this key; entries without a
+            valid MAC under it are misses and are deleted
+            (:mod:`kvboost_rag.storage.serialization`).
 
     Pinned entries are pinned for this process only; pins are not stored on disk.
     """
@@ -74,6 +77,7 @@ class DiskTier(StorageTier):
         policy: FrequencyRecencyPolicy | None = None,
         *,
         fsync: bool = False,
+        secret_key: bytes | None = None,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -82,6 +86,7 @@ class DiskTier(StorageTier):
         self.max_bytes = max_bytes
         self.policy = policy or FrequencyRecencyPolicy()
         self.fsync = fsync
+        self._secret_key = secret_key
         self._sizes: dict[str, int] = {}
         self._used = 0
         self._last_scan = 0.0
@@ -106,7 +111,7 @@ class DiskTier(StorageTier):
             logger.warning("disk tier: cannot read %s: %s", path, exc)
             return None
         try:
-            entry = deserialize_parts(header, payload, expected_key=key)
+            entry = deserialize_parts(header, payload, expected_key=key, secret_key=self._secret_key)
         except CorruptPayloadError as exc:
             logger.warning("disk tier: corrupt entry %s (%s); deleting it", path.name, exc)
             self._remove_if_same(path, identity)
@@ -127,7 +132,7 @@ class DiskTier(StorageTier):
         return entry
 
     def put(self, key: str, entry: StoredEntry, *, pinned: bool = False) -> list[str]:
-        header, payload = serialize_parts(entry, key=key)
+        header, payload = serialize_parts(entry, key=key, secret_key=self._secret_key)
         size = len(header) + len(payload)
         if size > self.max_bytes:
             logger.warning("disk tier: entry %s (%d bytes) exceeds the budget (%d); not stored", key[:12], size, self.max_bytes)

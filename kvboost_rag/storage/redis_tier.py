@@ -10,6 +10,10 @@ a get a miss and a put a skipped write, logs a warning (at most one per
 ``warn_interval_seconds``, with the count of failures in between), and pauses the tier for
 ``backoff_seconds`` so a dead server does not cost a connect timeout on every call. Nothing
 here raises to the caller.
+
+A shared server is written to by other processes: with ``secret_key`` every entry is
+authenticated with HMAC-SHA256, and one without a valid MAC under that key is a miss and is
+deleted.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class RedisTier(StorageTier):
         backoff_seconds: After a connection failure, seconds during which the tier answers
             misses and skips writes without contacting the server.
         warn_interval_seconds: At most one connection warning per this many seconds.
+        secret_key: Authenticate entries with HMAC-SHA256 under this key; entries without a
+            valid MAC under it are misses and are deleted.
 
     Raises:
         ImportError: The ``redis`` package is not installed.
@@ -76,6 +82,7 @@ class RedisTier(StorageTier):
         socket_timeout: float = 2.0,
         backoff_seconds: float = 5.0,
         warn_interval_seconds: float = 30.0,
+        secret_key: bytes | None = None,
     ) -> None:
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be positive or None, got {ttl_seconds}")
@@ -90,6 +97,7 @@ class RedisTier(StorageTier):
         self.key_prefix = key_prefix
         self.backoff_seconds = backoff_seconds
         self.warn_interval_seconds = warn_interval_seconds
+        self._secret_key = secret_key
         # One immediate retry covers a pooled connection the server closed; no sleeping.
         self._client = redis.Redis.from_url(
             url,
@@ -114,7 +122,7 @@ class RedisTier(StorageTier):
         if data is None:
             return None
         try:
-            return deserialize_entry(data, expected_key=key)
+            return deserialize_entry(data, expected_key=key, secret_key=self._secret_key)
         except CorruptPayloadError as exc:
             logger.warning("redis tier: corrupt entry %s (%s); deleting it", key[:12], exc)
             self.delete(key)
@@ -126,7 +134,7 @@ class RedisTier(StorageTier):
         Returns:
             Always ``[]``: the server evicts on its own and does not report it.
         """
-        data = serialize_entry(entry, key=key)
+        data = serialize_entry(entry, key=key, secret_key=self._secret_key)
         self._call("set", lambda: self._client.set(self._name(key), data, ex=self.ttl_seconds))
         return []
 
