@@ -1,4 +1,4 @@
-"""Rate-limited warnings."""
+"""Rate-limited warnings, and tiers that do not flood the log with repeats."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 import pytest
 
 from kvboost_rag.log_limits import MAX_KINDS, RateLimitedLogger
+from kvboost_rag.storage import DiskTier
+from kvboost_rag.storage.disk import SUFFIX
 
 LOGGER = logging.getLogger("kvboost_rag.tests.log_limits")
 
@@ -54,3 +56,14 @@ def test_memory_is_bounded():
 def test_negative_interval_is_rejected():
     with pytest.raises(ValueError, match="interval_seconds"):
         RateLimitedLogger(LOGGER, interval_seconds=-1)
+
+
+def test_a_thousand_corrupt_disk_entries_log_a_handful_of_warnings(tmp_path, caplog):
+    tier = DiskTier(tmp_path, max_bytes=10**7)
+    for i in range(1000):
+        (tmp_path / f"k{i}{SUFFIX}").write_bytes(b"not an entry %d" % i)
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage"):
+        assert all(tier.get(f"k{i}") is None for i in range(1000))
+    assert not list(tmp_path.glob(f"*{SUFFIX}"))  # every one deleted
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(warnings) <= 3
