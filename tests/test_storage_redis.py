@@ -278,6 +278,17 @@ def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
         store.close()
 
 
+def test_a_thousand_corrupt_values_log_a_handful_of_warnings(tier, raw, caplog):
+    pipe = raw.pipeline(transaction=False)
+    for i in range(1000):
+        pipe.set(f"{tier.key_prefix}k{i}", b"garbage %d" % i)
+    pipe.execute()
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+        assert all(tier.get(f"k{i}") is None for i in range(1000))
+    assert list(tier.keys()) == []
+    assert 1 <= len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 3
+
+
 def test_server_going_away_and_coming_back(caplog):
     server = _start_redis()
     tier = RedisTier(server.url, key_prefix="kvboost-test:restart:", backoff_seconds=0.2, socket_timeout=0.5)
