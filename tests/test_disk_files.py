@@ -95,6 +95,18 @@ def test_file_larger_than_its_header_declares_is_not_read_whole(tmp_path):
     assert tier.get("aa") is None and not path.exists()
 
 
+def test_file_larger_than_the_budget_is_not_read_but_kept(tmp_path, monkeypatch):
+    DiskTier(tmp_path, max_bytes=10**6).put("aa", _entry())  # a process with a larger budget
+    small = DiskTier(tmp_path, max_bytes=200)
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    assert small.get("aa") is None
+    assert reads == [] and (tmp_path / f"aa{SUFFIX}").exists()
+    monkeypatch.undo()
+    assert DiskTier(tmp_path, max_bytes=10**6).get("aa") is not None
+
+
 def test_cache_dir_that_is_a_file_is_an_invalid_input(tmp_path):
     path = tmp_path / "not-a-folder"
     path.write_text("x")

@@ -74,6 +74,10 @@ class _NotRegularFile(Exception):
     """The path of an entry is a link, FIFO, device or folder, not a regular file."""
 
 
+class _LargerThanBudget(Exception):
+    """An entry file (written by a process with a larger budget) exceeds this tier's budget."""
+
+
 class DiskTier(StorageTier):
     """Entries stored as files under ``directory``.
 
@@ -133,6 +137,14 @@ class DiskTier(StorageTier):
             entry = self._read(path, key)
         except FileNotFoundError:
             self._forget(key)
+            return None
+        except _LargerThanBudget:
+            self._warnings.warning(
+                "larger-than-budget",
+                "disk tier: %s is larger than this tier's budget (%d bytes); not read",
+                path.name,
+                self.max_bytes,
+            )
             return None
         except _NotRegularFile:
             self._warnings.warning("not-regular", "disk tier: %s is not a regular file; removing it", path.name)
@@ -241,6 +253,7 @@ class DiskTier(StorageTier):
         Raises:
             FileNotFoundError: No such file.
             _NotRegularFile: A link, FIFO, device or folder sits at ``path``.
+            _LargerThanBudget: The file is larger than ``max_bytes`` (left in place).
             CorruptPayloadError: The file is damaged (and has been deleted).
             OSError: Any other read error.
         """
@@ -258,6 +271,8 @@ class DiskTier(StorageTier):
             identity = os.fstat(fd)
             if not stat.S_ISREG(identity.st_mode):
                 raise _NotRegularFile
+            if identity.st_size > self.max_bytes:
+                raise _LargerThanBudget
             try:
                 header = _read_exact(fd, HEADER_SIZE)
                 length = payload_length(header)
@@ -265,8 +280,6 @@ class DiskTier(StorageTier):
                     raise CorruptPayloadError(
                         f"file has {identity.st_size} bytes, its header declares {HEADER_SIZE + length} (truncated or padded)"
                     )
-                if identity.st_size > self.max_bytes:
-                    raise CorruptPayloadError(f"file has {identity.st_size} bytes, more than the tier's budget")
                 payload = _read_exact(fd, length)
                 entry = deserialize_parts(header, payload, expected_key=key, secret_key=self._secret_key)
             except CorruptPayloadError:
