@@ -8,8 +8,8 @@ Named parameters include adapter weights (an unmerged LoRA's ``lora_A``/``lora_B
 fine-tune or an adapter never reads the base model's K/V.
 
 The sums are taken over the values' bytes read as 32-bit integers, modulo ``2**32``
-(``sum(words)`` and ``sum(words * words)``): modular integer addition is exact and does not
-depend on the order of the reduction, so the same weights give the same fingerprint on CPU
+(``sum(words)`` and ``sum(words * words)``, in int32 arithmetic, which wraps on every torch
+backend): modular integer addition is exact and does not depend on the order of the reduction, so the same weights give the same fingerprint on CPU
 and on any GPU (a float sum's last bits depend on how the device splits the reduction), and
 changing any single value changes the first sum. Each tensor is read in bounded chunks on its
 own device; nothing is copied to the CPU but the sample.
