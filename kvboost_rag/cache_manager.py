@@ -22,14 +22,14 @@ import torch
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
-from kvboost_rag.log_limits import RateLimitedLog
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
 from kvboost_rag.segments import DocumentRecord, DocumentRegistry
 from kvboost_rag.storage import TieredStore
 
 logger = logging.getLogger(__name__)
-_corrupt = RateLimitedLog(logger)
+_warnings = RateLimitedLogger(logger)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class CacheManager:
                 dtype=self._dtype,
             )
         except CorruptEntryError as exc:
-            _corrupt.warning("dropping corrupt cache entry %s: %s", key[:12], exc)
+            _warnings.warning("corrupt-entry", "dropping corrupt cache entry %s: %s", key[:12], exc)
             self.store.delete(key)
             self._count({"corrupt_entries": 1})
             return None

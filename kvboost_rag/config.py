@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 RecomputeStrategy = Literal["cacheblend", "selective", "none"]
+#: Shortest accepted ``cache_secret_key`` (a short secret can be guessed offline from one entry).
+MIN_SECRET_KEY_CHARS = 16
 
 
 class KVBoostSettings(BaseModel):
@@ -43,6 +45,12 @@ class KVBoostSettings(BaseModel):
         redis_url: ``redis://host:port/db`` of a shared Redis tier; ``None`` disables it.
         redis_ttl_seconds: Expiry of entries written to Redis; ``None`` leaves eviction to the
             server.
+        cache_secret_key: Secret (at least 16 characters) that authenticates disk and Redis
+            entries with HMAC-SHA256. Set it when other processes or users can write to the
+            cache folder or the Redis server: entries without a valid MAC under this key
+            (written without it, with another key, or crafted) are misses and are deleted.
+            Every process sharing those tiers needs the same key. ``None``: entries carry a
+            plain checksum (protects against damage, not against a writer).
         device: Torch device the model runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``...);
             ``None`` keeps the model where it is (``from_pretrained`` then picks CUDA when
             available).
@@ -78,6 +86,7 @@ class KVBoostSettings(BaseModel):
     max_disk_bytes: int = Field(20 * 1024**3, gt=0)
     redis_url: str | None = None
     redis_ttl_seconds: int | None = Field(None, gt=0)
+    cache_secret_key: SecretStr | None = None
     device: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     warm_prefix: str | None = None
@@ -102,6 +111,13 @@ class KVBoostSettings(BaseModel):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("cache_secret_key")
+    @classmethod
+    def _long_enough_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_SECRET_KEY_CHARS:
+            raise ValueError(f"cache_secret_key must have at least {MIN_SECRET_KEY_CHARS} characters")
         return value
 
     @model_validator(mode="after")

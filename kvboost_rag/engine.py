@@ -22,7 +22,7 @@ from kvboost_rag.errors import (
     UnsupportedModelError,
 )
 from kvboost_rag.hashing import root_hash, text_digest
-from kvboost_rag.log_limits import RateLimitedLog
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.outcome import PrefillOutcome
@@ -39,8 +39,7 @@ from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecor
 from kvboost_rag.storage import build_store
 
 logger = logging.getLogger(__name__)
-_window_exceeded = RateLimitedLog(logger)
-_long_document = RateLimitedLog(logger)
+_warnings = RateLimitedLogger(logger)
 
 #: Text documents are warmed behind when no ``warm_prefix`` is set, so a document's first
 #: tokens are not computed at position 0 (where they would act as attention sinks).
@@ -326,7 +325,8 @@ class KVBoost:
         size = record.chunk_size
         usable = max(0, min(n, self.context_window - len(lead) - 1))
         if usable < n:
-            _long_document.warning(
+            _warnings.warning(
+                "long-document",
                 "a document of %d tokens does not fit the context window after the document context; "
                 "warming its first %d tokens",
                 n,
@@ -497,7 +497,7 @@ class KVBoost:
             )
             if self.settings.strict:
                 raise UnsupportedModelError(message)
-            _window_exceeded.warning(message)
+            _warnings.warning("window-exceeded", message)
             return False
         return True
 

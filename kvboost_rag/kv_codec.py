@@ -2,19 +2,37 @@
 
 A :class:`KVBlock` is the K/V of a run of tokens for every layer, with the position its first
 token had when it was computed (needed to re-rotate keys to a new position). The codec turns a
-block into a :class:`~kvboost_rag.storage.base.StoredEntry` (optionally quantized) and back,
-checking shapes so a malformed entry is rejected instead of served.
+block into a :class:`~kvboost_rag.storage.base.StoredEntry` (optionally quantized) and back.
+Decoding treats the entry as untrusted input: metadata, tensor dtypes and shapes, and the
+range of the K/V are validated, and any problem raises :class:`CorruptEntryError`, which the
+cache manager turns into a miss that deletes the entry.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
+from kvboost_rag import quant
 from kvboost_rag.storage.base import StoredEntry
 
 FORMAT_VERSION = "1"
+#: Largest absolute K/V value accepted from a stored entry: the largest finite float16. A
+#: float16 model cannot produce more, and real K/V of any dtype stay far below it (tens to
+#: hundreds, a few thousand in outlier key channels); crafted values beyond it would turn into
+#: infinities in 16-bit attention.
+MAX_ABS_KV = 65504.0
+#: Largest accepted start position or token count (positions are int32 in attention masks).
+MAX_POSITION = 2**31 - 1
+#: Largest accepted quantization group size.
+MAX_GROUP_SIZE = 1 << 16
+#: Quantization bits an entry may declare (0: not quantized).
+ALLOWED_BITS = frozenset({0, *quant.SUPPORTED_BITS})
+_STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_METADATA_FIELDS = frozenset({"format", "fingerprint", "start_position", "dtype", "shape", "bits"})
+_UINT_RE = re.compile(r"[0-9]{1,20}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -86,8 +104,6 @@ def encode_block(block: KVBlock, *, fingerprint: str, bits: int | None = None, g
         tensors["keys"] = block.keys.detach().to("cpu").contiguous()
         tensors["values"] = block.values.detach().to("cpu").contiguous()
     else:
-        from kvboost_rag import quant
-
         tensors.update(quant.quantize_kv(block.keys.detach().cpu(), block.values.detach().cpu(), bits, group_size))
         metadata["group_size"] = str(group_size)
     return StoredEntry(tensors=tensors, metadata=metadata)
@@ -103,6 +119,11 @@ def decode_block(
 ) -> KVBlock:
     """Turn a stored entry back into a block, validating everything.
 
+    Entries are untrusted input (a shared tier may hold bytes anyone wrote with a valid
+    checksum): metadata is checked against an allowlist, tensors against the dtypes and
+    shapes the metadata and the model's layout imply, and K/V must be finite and within
+    :data:`MAX_ABS_KV`. Quantized entries are moved to ``device`` before dequantizing.
+
     Args:
         entry: What a tier returned.
         fingerprint: The model fingerprint the caller expects.
@@ -111,44 +132,109 @@ def decode_block(
         dtype: Dtype of the returned K/V (default: the stored dtype).
 
     Raises:
-        CorruptEntryError: Wrong fingerprint, format, shapes or missing tensors.
+        CorruptEntryError: For every problem with the entry (never another exception type,
+            except out-of-memory errors, which are not the entry's fault).
     """
+    try:
+        return _decode(entry, fingerprint, expected_layout, device, dtype)
+    except CorruptEntryError:
+        raise
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as exc:
+        raise CorruptEntryError(f"cannot decode entry: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(
+    entry: StoredEntry,
+    fingerprint: str,
+    expected_layout: tuple[int, int, int],
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+) -> KVBlock:
     meta = entry.metadata
+    if not isinstance(meta, dict) or not isinstance(entry.tensors, dict):
+        raise CorruptEntryError("entry metadata and tensors must be mappings")
     if meta.get("format") != FORMAT_VERSION:
-        raise CorruptEntryError(f"unknown entry format {meta.get('format')!r}")
+        raise CorruptEntryError(f"unknown entry format {_shown(meta.get('format'))}")
     if meta.get("fingerprint") != fingerprint:
         raise CorruptEntryError("entry belongs to another model fingerprint")
-    try:
-        start = int(meta["start_position"])
-        shape = tuple(int(d) for d in meta["shape"].split(","))
-        bits = int(meta.get("bits", "0"))
-        stored_dtype = getattr(torch, meta["dtype"])
-        token_ids = entry.tensors["token_ids"]
-    except (KeyError, ValueError, AttributeError) as exc:
-        raise CorruptEntryError(f"malformed entry metadata: {exc}") from exc
-    layers, heads, head_dim = expected_layout
-    if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (layers, heads, head_dim):
-        raise CorruptEntryError(f"entry shape {shape} does not fit layout {expected_layout}")
-    if token_ids.dim() != 1 or token_ids.shape[0] != shape[2]:
+    bits = _allowed_int(meta, "bits", ALLOWED_BITS)
+    required = _METADATA_FIELDS | ({"group_size"} if bits else set())
+    if set(meta) != required:
+        raise CorruptEntryError(f"entry metadata fields {sorted(meta)} differ from {sorted(required)}")
+    stored_dtype = _STORED_DTYPES.get(meta["dtype"])
+    if stored_dtype is None:
+        raise CorruptEntryError(f"entry dtype {_shown(meta['dtype'])} is not one of {sorted(_STORED_DTYPES)}")
+    start = _int_field(meta, "start_position", 0, MAX_POSITION)
+    shape = _shape_field(meta["shape"], expected_layout)
+    names = {"token_ids", "keys", "values"} if bits == 0 else {"token_ids", *quant.TENSOR_NAMES}
+    if set(entry.tensors) != names or not all(isinstance(t, torch.Tensor) for t in entry.tensors.values()):
+        raise CorruptEntryError(f"entry tensors {sorted(entry.tensors)} differ from {sorted(names)}")
+    token_ids = entry.tensors["token_ids"]
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        raise CorruptEntryError(f"token_ids must be a 1-D int64 tensor, got {token_ids.dtype} {tuple(token_ids.shape)}")
+    if token_ids.shape[0] != shape[2]:
         raise CorruptEntryError("token_ids length does not match the K/V length")
+    if token_ids.numel() and int(token_ids.min()) < 0:
+        raise CorruptEntryError("token_ids must not be negative")
     if bits == 0:
-        try:
-            keys, values = entry.tensors["keys"], entry.tensors["values"]
-        except KeyError as exc:
-            raise CorruptEntryError(f"missing tensor {exc}") from exc
+        keys, values = entry.tensors["keys"], entry.tensors["values"]
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tensor.dtype != stored_dtype or tuple(tensor.shape) != shape:
+                raise CorruptEntryError(
+                    f"{name} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
+                    f"header says {meta['dtype']} {shape}"
+                )
+        keys, values = keys.to(device), values.to(device)
     else:
-        from kvboost_rag import quant
-
-        try:
-            keys, values = quant.dequantize_kv(entry.tensors, bits, int(meta["group_size"]), shape, stored_dtype)
-        except (KeyError, ValueError, RuntimeError) as exc:
-            raise CorruptEntryError(f"cannot dequantize entry: {exc}") from exc
-    if tuple(keys.shape) != shape or tuple(values.shape) != shape:
-        raise CorruptEntryError(f"tensor shapes {tuple(keys.shape)}/{tuple(values.shape)} differ from header {shape}")
+        group_size = _int_field(meta, "group_size", 1, MAX_GROUP_SIZE)
+        on_device = {name: entry.tensors[name].to(device) for name in quant.TENSOR_NAMES}
+        keys, values = quant.dequantize_kv(on_device, bits, group_size, shape, stored_dtype)
+        if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+            raise CorruptEntryError(f"dequantized shapes differ from header {shape}")
+    for name, tensor in (("keys", keys), ("values", values)):
+        if not bool((tensor.abs() <= MAX_ABS_KV).all()):
+            raise CorruptEntryError(f"{name} hold non-finite values or values beyond +-{MAX_ABS_KV:g}")
     target = dtype or stored_dtype
     return KVBlock(
-        keys=keys.to(device=device, dtype=target),
-        values=values.to(device=device, dtype=target),
-        token_ids=token_ids.to(torch.int64),
+        keys=keys.to(dtype=target),
+        values=values.to(dtype=target),
+        token_ids=token_ids,
         start_position=start,
     )
+
+
+def _shown(value: object) -> str:
+    """A short, printable rendering of an untrusted metadata value for messages."""
+    return ascii(value)[:40]
+
+
+def _int_field(meta: dict[str, str], name: str, low: int, high: int) -> int:
+    """A metadata field holding a plain decimal integer within ``[low, high]``."""
+    text = meta.get(name)
+    if not isinstance(text, str) or not _UINT_RE.fullmatch(text):
+        raise CorruptEntryError(f"entry field {name} = {_shown(text)} is not a non-negative integer")
+    value = int(text)
+    if not low <= value <= high:
+        raise CorruptEntryError(f"entry field {name} = {value} is outside [{low}, {high}]")
+    return value
+
+
+def _allowed_int(meta: dict[str, str], name: str, allowed: frozenset[int]) -> int:
+    value = _int_field(meta, name, 0, max(allowed))
+    if value not in allowed:
+        raise CorruptEntryError(f"entry field {name} = {value} is not one of {sorted(allowed)}")
+    return value
+
+
+def _shape_field(text: str, expected_layout: tuple[int, int, int]) -> tuple[int, int, int, int]:
+    """``layers,kv_heads,tokens,head_dim`` that fits ``expected_layout``."""
+    parts = text.split(",") if isinstance(text, str) else []
+    if len(parts) != 4 or not all(_UINT_RE.fullmatch(p) for p in parts):
+        raise CorruptEntryError(f"entry shape {_shown(text)} is not four non-negative integers")
+    shape = tuple(int(p) for p in parts)
+    layers, heads, head_dim = expected_layout
+    if (shape[0], shape[1], shape[3]) != (layers, heads, head_dim) or shape[2] > MAX_POSITION:
+        raise CorruptEntryError(f"entry shape {shape} does not fit layout {expected_layout}")
+    return shape  # type: ignore[return-value]

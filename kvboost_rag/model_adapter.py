@@ -11,7 +11,6 @@ Position-independent reuse relies on keys being rotated by RoPE with fixed frequ
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
@@ -20,7 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
-from kvboost_rag.hashing import fingerprint_of
+from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.kv_codec import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -213,16 +212,9 @@ class ModelAdapter:
         return int(getattr(self.tokenizer, "model_max_length", 2048))
 
     def fingerprint(self, extra: list[str]) -> str:
-        """Fingerprint of model config, weights sample, dtype, tokenizer and ``extra`` settings."""
-        config_json = json.dumps(self.model.config.to_dict(), sort_keys=True, default=str)
-        sample = []
-        with torch.no_grad():
-            for param in (self.model.get_input_embeddings().weight, next(iter(self._decoder_layers[-1].parameters()))):
-                flat = param.detach().reshape(-1)[:4096].to("cpu", torch.float32)
-                sample.append(flat.numpy().tobytes())
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        tokenizer_json = backend.to_str() if backend is not None else repr(self.tokenizer.get_vocab())
-        return fingerprint_of([config_json, str(self.dtype), tokenizer_json, *sample, *extra])
+        """Fingerprint of the model (config, every weight and buffer), dtype, tokenizer and
+        ``extra`` settings; see :func:`kvboost_rag.fingerprint.model_fingerprint`."""
+        return model_fingerprint(self.model, self.tokenizer, self.dtype, extra)
 
     # ----------------------------------------------------------------- forward passes
     @torch.inference_mode()

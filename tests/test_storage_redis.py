@@ -251,6 +251,44 @@ def test_build_store_with_a_live_redis(redis_url, tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("writer_key", [None, b"another-secret-key-b"], ids=["no-key", "other-key"])
+def test_secret_key_rejects_and_deletes_entries_not_authenticated_with_it(redis_url, tier, raw, writer_key):
+    key = b"the-shared-secret-key"
+    if writer_key is not None:
+        RedisTier(redis_url, key_prefix=tier.key_prefix, secret_key=writer_key).put("k1", _block_entry())
+    else:
+        tier.put("k1", _block_entry())
+    keyed = RedisTier(redis_url, key_prefix=tier.key_prefix, secret_key=key)
+    assert keyed.get("k1") is None
+    assert raw.exists(tier.key_prefix + "k1") == 0
+    keyed.put("k1", _block_entry())
+    assert keyed.get("k1") is not None
+    assert deserialize_entry(raw.get(tier.key_prefix + "k1"), expected_key="k1", secret_key=key).metadata
+
+
+def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
+    store = build_store(KVBoostSettings(redis_url=redis_url, cache_secret_key="the-shared-secret-key"))
+    redis_tier = store.tiers[1]
+    try:
+        store.put("doc3", _entry(1.0))
+        data = raw.get(redis_tier.key_prefix + "doc3")
+        assert deserialize_entry(data, expected_key="doc3", secret_key=b"the-shared-secret-key").metadata
+    finally:
+        redis_tier.delete("doc3")
+        store.close()
+
+
+def test_a_thousand_corrupt_values_log_a_handful_of_warnings(tier, raw, caplog):
+    pipe = raw.pipeline(transaction=False)
+    for i in range(1000):
+        pipe.set(f"{tier.key_prefix}k{i}", b"garbage %d" % i)
+    pipe.execute()
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+        assert all(tier.get(f"k{i}") is None for i in range(1000))
+    assert list(tier.keys()) == []
+    assert 1 <= len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 3
+
+
 def test_server_going_away_and_coming_back(caplog):
     server = _start_redis()
     tier = RedisTier(server.url, key_prefix="kvboost-test:restart:", backoff_seconds=0.2, socket_timeout=0.5)

@@ -33,16 +33,20 @@ def build_store(settings: KVBoostSettings) -> TieredStore:
 
     Args:
         settings: Uses ``max_cache_bytes``, ``disk_cache_dir``, ``max_disk_bytes``,
-            ``redis_url`` and ``redis_ttl_seconds``.
+            ``redis_url``, ``redis_ttl_seconds`` and ``cache_secret_key`` (which authenticates
+            disk and Redis entries; the in-process memory tier needs none).
 
     Raises:
         ImportError: ``redis_url`` is set but the ``redis`` package is missing.
+        InvalidInputError: ``disk_cache_dir`` is an existing file.
     """
+    secret = settings.cache_secret_key
+    secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
     tiers: list[StorageTier] = [MemoryTier(settings.max_cache_bytes)]
     if settings.disk_cache_dir is not None:
-        tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes))
+        tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes, secret_key=secret_key))
     if settings.redis_url is not None:
         from kvboost_rag.storage.redis_tier import RedisTier
 
-        tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_seconds))
+        tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_seconds, secret_key=secret_key))
     return TieredStore(tiers)

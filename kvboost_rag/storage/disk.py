@@ -12,25 +12,36 @@ restart finds every entry written before and evicts the least recently used firs
 processes may add or remove files at any time: a get always looks at the file itself, and the
 index is re-synchronised with the directory on puts (at most every ``RESCAN_SECONDS``) and
 before evicting, so processes sharing a directory keep it near one budget.
+
+Files in the directory are untrusted: an entry is read only from a regular file opened without
+following links (a symlink, FIFO or device named like an entry is a miss and is removed), no
+more than its header declares (and never more than the tier's budget) is read, and warnings
+never quote file contents. Repeated warnings are rate-limited
+(:class:`~kvboost_rag.log_limits.RateLimitedLogger`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
 from kvboost_rag.storage.serialization import (
     HEADER_SIZE,
     CorruptPayloadError,
     deserialize_parts,
+    payload_length,
     serialize_parts,
 )
 
@@ -47,6 +58,24 @@ RESCAN_SECONDS = 1.0
 STALE_TEMP_SECONDS = 3600.0
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z_-]{1,200}$")
+# Open without following a final symlink and without blocking on a FIFO (POSIX; 0 elsewhere).
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+# errno of opening a symlink with O_NOFOLLOW (Linux: ELOOP; FreeBSD: EMLINK; NetBSD: EFTYPE).
+_SYMLINK_ERRNOS = frozenset({errno.ELOOP, errno.EMLINK, getattr(errno, "EFTYPE", errno.ELOOP)})
+
+
+class _NotRegularFile(Exception):
+    """The path of an entry is a link, FIFO, device or folder, not a regular file."""
+
+
+class _LargerThanBudget(Exception):
+    """An entry file (written by a process with a larger budget) exceeds this tier's budget."""
 
 
 class DiskTier(StorageTier):
@@ -61,8 +90,15 @@ class DiskTier(StorageTier):
         fsync: Flush each file to stable storage before it is moved into place. Without it a
             power loss can leave an empty or partial file, which the checksum then turns into a
             miss.
+        secret_key: Authenticate entries with HMAC-SHA256 under this key; entries without a
+            valid MAC under it are misses and are deleted
+            (:mod:`kvboost_rag.storage.serialization`).
 
     Pinned entries are pinned for this process only; pins are not stored on disk.
+
+    Raises:
+        ValueError: ``max_bytes`` is not positive.
+        InvalidInputError: ``directory`` (or a folder on its path) is an existing file.
     """
 
     name = "disk"
@@ -74,14 +110,17 @@ class DiskTier(StorageTier):
         policy: FrequencyRecencyPolicy | None = None,
         *,
         fsync: bool = False,
+        secret_key: bytes | None = None,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_directory()
         self.max_bytes = max_bytes
         self.policy = policy or FrequencyRecencyPolicy()
         self.fsync = fsync
+        self._secret_key = secret_key
+        self._warnings = RateLimitedLogger(logger)
         self._sizes: dict[str, int] = {}
         self._used = 0
         self._last_scan = 0.0
@@ -95,53 +134,58 @@ class DiskTier(StorageTier):
     def get(self, key: str) -> StoredEntry | None:
         path = self._path(key)
         try:
-            with open(path, "rb") as handle:
-                identity = os.fstat(handle.fileno())
-                header = handle.read(HEADER_SIZE)
-                payload = handle.read()
+            entry = self._read(path, key)
         except FileNotFoundError:
             self._forget(key)
             return None
-        except OSError as exc:
-            logger.warning("disk tier: cannot read %s: %s", path, exc)
+        except _LargerThanBudget:
+            self._warnings.warning(
+                "larger-than-budget",
+                "disk tier: %s is larger than this tier's budget (%d bytes); not read",
+                path.name,
+                self.max_bytes,
+            )
             return None
-        try:
-            entry = deserialize_parts(header, payload, expected_key=key)
-        except CorruptPayloadError as exc:
-            logger.warning("disk tier: corrupt entry %s (%s); deleting it", path.name, exc)
-            self._remove_if_same(path, identity)
+        except _NotRegularFile:
+            self._warnings.warning("not-regular", "disk tier: %s is not a regular file; removing it", path.name)
+            self._remove_if_not_regular(path)
             self._forget(key)
+            return None
+        except CorruptPayloadError as exc:
+            self._warnings.warning("corrupt", "disk tier: corrupt entry %s (%s); deleting it", path.name, exc)
+            self._forget(key)
+            return None
+        except OSError as exc:
+            self._warnings.warning("read", "disk tier: cannot read %s: %s", path.name, exc.strerror or type(exc).__name__)
             return None
         with self._lock:
             if key in self._sizes:
                 self.policy.touch(key)
             else:  # written by another process; index it unless it was evicted meanwhile
                 try:
-                    self._track(key, path.stat().st_size)
+                    self._track(key, path.stat(follow_symlinks=False).st_size)
                 except FileNotFoundError:
                     pass
-        try:
-            os.utime(path)  # recency survives a restart
-        except OSError:
-            pass
         return entry
 
     def put(self, key: str, entry: StoredEntry) -> list[str]:
-        header, payload = serialize_parts(entry, key=key)
+        header, payload = serialize_parts(entry, key=key, secret_key=self._secret_key)
         size = len(header) + len(payload)
         if size > self.max_bytes:
-            logger.warning("disk tier: entry %s (%d bytes) exceeds the budget (%d); not stored", key[:12], size, self.max_bytes)
+            self._warnings.warning(
+                "too-large", "disk tier: entry %s (%d bytes) exceeds the budget (%d); not stored", key[:12], size, self.max_bytes
+            )
             return []
         path = self._path(key)
         with self._lock:
             evicted = self._make_room(key, size)
             if evicted is None:
-                logger.warning("disk tier full of pinned entries; entry %s not stored", key[:12])
+                self._warnings.warning("full", "disk tier full of pinned entries; entry %s not stored", key[:12])
                 return []
             try:
                 self._write_atomically(path, header, payload)
             except OSError as exc:
-                logger.warning("disk tier: cannot write %s: %s", path, exc)
+                self._warnings.warning("write", "disk tier: cannot write %s: %s", path, exc)
                 return evicted
             self._track(key, size)
         return evicted
@@ -166,7 +210,10 @@ class DiskTier(StorageTier):
         """Whether a file exists for ``key`` (cheap: its checksum is verified by :meth:`get`)."""
         if not isinstance(key, str) or not _KEY_RE.match(key):
             return False
-        return self._path(key).is_file()
+        try:
+            return stat.S_ISREG(self._path(key).stat(follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def keys(self) -> Iterator[str]:
         return iter([key for key, _, _ in self._list_files()])
@@ -197,6 +244,73 @@ class DiskTier(StorageTier):
             self._rescan()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _make_directory(self) -> None:
+        fix = "point disk_cache_dir at a folder, or at a path where one can be created"
+        if self.directory.exists() and not self.directory.is_dir():
+            raise InvalidInputError(f"disk_cache_dir {self.directory} is a file, not a folder: {fix}")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise InvalidInputError(f"disk_cache_dir {self.directory} cannot be created ({exc.strerror}): {fix}") from exc
+
+    def _read(self, path: Path, key: str) -> StoredEntry:
+        """Read and verify the entry file at ``path``.
+
+        Raises:
+            FileNotFoundError: No such file.
+            _NotRegularFile: A link, FIFO, device or folder sits at ``path``.
+            _LargerThanBudget: The file is larger than ``max_bytes`` (left in place).
+            CorruptPayloadError: The file is damaged (and has been deleted).
+            OSError: Any other read error.
+        """
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # do not even open devices or FIFOs
+            raise _NotRegularFile
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if exc.errno in _SYMLINK_ERRNOS:  # replaced by a link since the lstat
+                raise _NotRegularFile from exc
+            raise
+        try:
+            identity = os.fstat(fd)
+            if not stat.S_ISREG(identity.st_mode):
+                raise _NotRegularFile
+            if identity.st_size > self.max_bytes:
+                raise _LargerThanBudget
+            try:
+                header = _read_exact(fd, HEADER_SIZE)
+                length = payload_length(header)
+                if HEADER_SIZE + length != identity.st_size:
+                    raise CorruptPayloadError(
+                        f"file has {identity.st_size} bytes, its header declares {HEADER_SIZE + length} (truncated or padded)"
+                    )
+                payload = _read_exact(fd, length)
+                entry = deserialize_parts(header, payload, expected_key=key, secret_key=self._secret_key)
+            except CorruptPayloadError:
+                self._remove_if_same(path, identity)
+                raise
+            if os.utime in os.supports_fd:
+                try:
+                    os.utime(fd)  # recency survives a restart
+                except OSError:
+                    pass
+            return entry
+        finally:
+            os.close(fd)
+
+    def _remove_if_not_regular(self, path: Path) -> None:
+        """Delete the link, FIFO or device at ``path`` (never what a link points to)."""
+        try:
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._warnings.warning("delete", "disk tier: cannot delete %s: %s", path.name, exc.strerror)
 
     def _path(self, key: str) -> Path:
         if not _KEY_RE.match(key):
@@ -290,22 +404,23 @@ class DiskTier(StorageTier):
                 if not _KEY_RE.match(key):
                     continue
                 try:
-                    stat = item.stat()
+                    info = item.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                found.append((key, stat.st_size, stat.st_mtime))
+                if stat.S_ISREG(info.st_mode):  # links, FIFOs and devices are never entries
+                    found.append((key, info.st_size, info.st_mtime))
         return found
 
     def _remove_if_same(self, path: Path, identity: os.stat_result) -> None:
         """Delete ``path`` unless another writer replaced it since it was read."""
         try:
-            current = os.stat(path)
+            current = os.lstat(path)
             if (current.st_ino, current.st_dev) == (identity.st_ino, identity.st_dev):
                 path.unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("disk tier: cannot delete corrupt %s: %s", path, exc)
+            self._warnings.warning("delete", "disk tier: cannot delete corrupt %s: %s", path.name, exc.strerror)
 
     def _remove_stale_temp_files(self) -> None:
         cutoff = time.time() - STALE_TEMP_SECONDS
@@ -315,3 +430,20 @@ class DiskTier(StorageTier):
                     item.unlink()
             except OSError:
                 continue
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    """Read exactly ``size`` bytes from ``fd``.
+
+    Raises:
+        CorruptPayloadError: The file ends first.
+    """
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = os.read(fd, min(remaining, 1 << 24))
+        if not chunk:
+            raise CorruptPayloadError(f"file ends {remaining} bytes early")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)

@@ -6,13 +6,12 @@ import logging
 import threading
 from collections.abc import Iterator
 
-from kvboost_rag.log_limits import RateLimitedLog
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
 
 logger = logging.getLogger(__name__)
-_too_large = RateLimitedLog(logger)
-_pins_full = RateLimitedLog(logger)
+_warnings = RateLimitedLogger(logger)
 
 
 class MemoryTier(StorageTier):
@@ -45,7 +44,7 @@ class MemoryTier(StorageTier):
     def put(self, key: str, entry: StoredEntry) -> list[str]:
         size = entry.nbytes
         if size > self.max_bytes:
-            _too_large.warning("entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
+            _warnings.warning("too-large", "entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
             return []
         evicted: list[str] = []
         with self._lock:
@@ -63,7 +62,8 @@ class MemoryTier(StorageTier):
                 victim = self.policy.oldest_pinned(list(self._entries))
                 if victim is None:
                     break
-                _pins_full.warning(
+                _warnings.warning(
+                    "pins-full",
                     "memory tier full of pinned entries (max_cache_bytes=%d): evicting the least recently "
                     "used pin; raise max_cache_bytes or warm fewer shared beginnings",
                     self.max_bytes,

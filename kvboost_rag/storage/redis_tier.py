@@ -9,7 +9,11 @@ Redis is an accelerator, never a dependency of an answer: a connection error or 
 a get a miss and a put a skipped write, logs a warning (at most one per
 ``warn_interval_seconds``, with the count of failures in between), and pauses the tier for
 ``backoff_seconds`` so a dead server does not cost a connect timeout on every call. Nothing
-here raises to the caller.
+here raises to the caller. Corrupt entries are deleted, with warnings rate-limited the same way.
+
+A shared server is written to by other processes: with ``secret_key`` every entry is
+authenticated with HMAC-SHA256, and one without a valid MAC under that key is a miss and is
+deleted.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.serialization import (
     CorruptPayloadError,
@@ -58,7 +63,10 @@ class RedisTier(StorageTier):
             server as unavailable.
         backoff_seconds: After a connection failure, seconds during which the tier answers
             misses and skips writes without contacting the server.
-        warn_interval_seconds: At most one connection warning per this many seconds.
+        warn_interval_seconds: At most one warning of each kind (connection, server error,
+            corrupt entry) per this many seconds.
+        secret_key: Authenticate entries with HMAC-SHA256 under this key; entries without a
+            valid MAC under it are misses and are deleted.
 
     Raises:
         ImportError: The ``redis`` package is not installed.
@@ -76,6 +84,7 @@ class RedisTier(StorageTier):
         socket_timeout: float = 2.0,
         backoff_seconds: float = 5.0,
         warn_interval_seconds: float = 30.0,
+        secret_key: bytes | None = None,
     ) -> None:
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be positive or None, got {ttl_seconds}")
@@ -90,6 +99,8 @@ class RedisTier(StorageTier):
         self.key_prefix = key_prefix
         self.backoff_seconds = backoff_seconds
         self.warn_interval_seconds = warn_interval_seconds
+        self._secret_key = secret_key
+        self._warnings = RateLimitedLogger(logger, warn_interval_seconds, noun="failures")
         # One immediate retry covers a pooled connection the server closed; no sleeping.
         self._client = redis.Redis.from_url(
             url,
@@ -101,8 +112,6 @@ class RedisTier(StorageTier):
         self._redis_error = redis.exceptions.RedisError
         self._lock = threading.Lock()
         self._down_until = 0.0
-        self._last_warning = float("-inf")
-        self._suppressed = 0
         self._usage: tuple[float, int] | None = None
         #: Calls that found the server unavailable (including calls skipped while backing off).
         self.errors = 0
@@ -114,9 +123,9 @@ class RedisTier(StorageTier):
         if data is None:
             return None
         try:
-            return deserialize_entry(data, expected_key=key)
+            return deserialize_entry(data, expected_key=key, secret_key=self._secret_key)
         except CorruptPayloadError as exc:
-            logger.warning("redis tier: corrupt entry %s (%s); deleting it", key[:12], exc)
+            self._warnings.warning("corrupt", "redis tier: corrupt entry %s (%s); deleting it", key[:12], exc)
             self.delete(key)
             return None
 
@@ -126,7 +135,7 @@ class RedisTier(StorageTier):
         Returns:
             Always ``[]``: the server evicts on its own and does not report it.
         """
-        data = serialize_entry(entry, key=key)
+        data = serialize_entry(entry, key=key, secret_key=self._secret_key)
         self._call("set", lambda: self._client.set(self._name(key), data, ex=self.ttl_seconds))
         return []
 
@@ -209,24 +218,19 @@ class RedisTier(StorageTier):
             with self._lock:
                 self.errors += 1
                 self._down_until = time.monotonic() + self.backoff_seconds
-            self._warn(f"redis tier unavailable ({op} at {self._safe_url()}): {exc}; serving without it for {self.backoff_seconds:g} s")
+            self._warnings.warning(
+                "unavailable",
+                "redis tier unavailable (%s at %s): %s; serving without it for %g s",
+                op,
+                self._safe_url(),
+                exc,
+                self.backoff_seconds,
+            )
         except self._redis_error as exc:
             with self._lock:
                 self.errors += 1
-            self._warn(f"redis tier: {op} failed: {exc}")
+            self._warnings.warning("error", "redis tier: %s failed: %s", op, exc)
         return None
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_warning < self.warn_interval_seconds:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed = self._suppressed, 0
-            self._last_warning = now
-        if suppressed:
-            message += f" ({suppressed} similar failures not logged)"
-        logger.warning(message)
 
     def _safe_url(self) -> str:
         """The URL without credentials."""
