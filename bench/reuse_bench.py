@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rag_bench import cut_documents, exact_match, load_qa, usable_items  # noqa: E402
+from rag_bench import cut_documents, exact_match, load_qa, usable_items
 
-from kvboost_rag import KVBoost  # noqa: E402
-from kvboost_rag.correctness import first_token_kl  # noqa: E402
+from kvboost_rag import KVBoost
+from kvboost_rag.correctness import first_token_kl
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
@@ -47,6 +47,11 @@ METHODS: list[tuple[str, dict]] = [
     ("cacheblend 5%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.05, "keep_document_start": 0}),
     ("cacheblend 15%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0}),
     ("cacheblend 30%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.30, "keep_document_start": 0}),
+    ("cacheblend auto", {"recompute_strategy": "cacheblend", "recompute_ratio": "auto", "keep_document_start": 0}),
+    (
+        "cacheblend 15%, 1 stage",
+        {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0, "blend_stages": 1},
+    ),
 ]
 
 
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     warm_s = time.perf_counter() - start
     engine.generate(prompts[0][0], max_new_tokens=2)  # first-call overheads out of the timings
 
+    # Each row sets what it names; everything else stays at the engine's settings.
+    defaults = {key: getattr(engine.settings, key) for _, method in methods for key in method}
     rows: dict[str, dict[str, list[float]]] = {}
     worse_than_none: dict[str, int] = {}
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         none_kl = None
         for name, method in methods:
-            for key, value in method.items():
+            for key, value in {**defaults, **method}.items():
                 setattr(engine.settings, key, value)
             res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
             kl = first_token_kl(full.first_token_logits, res.first_token_logits)

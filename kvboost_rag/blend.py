@@ -95,3 +95,41 @@ def leading_tokens(runs: Sequence[torch.Tensor], count: int) -> torch.Tensor:
     if count <= 0 or not runs:
         return torch.empty(0, dtype=torch.long)
     return torch.cat([run[:count] for run in runs]).unique(sorted=True)
+
+
+def stage_sizes(budget: int, span_lengths: Sequence[int], candidates: int) -> list[int]:
+    """Set size of each gradual-filtering stage, largest first, averaging ``budget`` per layer.
+
+    Sizes fall linearly (two stages of equal spans: 1.5x then 0.5x the budget), scaled so that
+    the token-layers computed equal recomputing ``budget`` tokens in every layer. Sizes are
+    capped at ``candidates``; what a cap cuts goes to the later stages, so a budget of every
+    candidate recomputes every candidate in every layer.
+
+    Args:
+        budget: Tokens to recompute per layer on average.
+        span_lengths: Layers in each stage's span.
+        candidates: Tokens that can be chosen.
+    """
+    budget = min(budget, candidates)
+    stages = len(span_lengths)
+    if budget <= 0:
+        return [0] * max(stages, 1)
+    if stages <= 1:
+        return [budget]
+    weights = [(2 * (stages - k) - 1) / stages for k in range(stages)]
+    scale = sum(span_lengths) / sum(w * length for w, length in zip(weights, span_lengths))
+    sizes = [min(candidates, max(1, round(budget * scale * w))) for w in weights]
+    missing = budget * sum(span_lengths) - sum(size * length for size, length in zip(sizes, span_lengths))
+    for k in range(1, stages):
+        if missing <= 0:
+            break
+        added = min(missing // span_lengths[k], sizes[k - 1] - sizes[k])
+        sizes[k] += added
+        missing -= added * span_lengths[k]
+    return sizes
+
+
+def layer_spans(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split layers ``0..num_layers-1`` into ``stages`` contiguous ``(first, last)`` spans."""
+    edges = [round(num_layers * k / stages) for k in range(stages + 1)]
+    return [(edges[k], edges[k + 1] - 1) for k in range(stages) if edges[k + 1] > edges[k]]

@@ -31,7 +31,8 @@ class KVBoostSettings(BaseModel):
             ``max_deviation``, between ``min_recompute_ratio`` and ``max_recompute_ratio``.
         max_deviation: Target of ``recompute_ratio="auto"``: mean relative K/V deviation
             (squared deviation over squared norm of the fresh K/V at ``check_layer``) left in
-            the tokens that are not recomputed.
+            the tokens that are not recomputed. The default recomputes about 10-15% of the
+            document tokens of typical RAG prompts on SmolLM2-135M at ``check_layer=1``.
         min_recompute_ratio: Least share ``"auto"`` recomputes.
         max_recompute_ratio: Largest share ``"auto"`` recomputes.
         chunk_size: Tokens per stored chunk. Prefixes are cut on a grid of this size from the
@@ -61,7 +62,13 @@ class KVBoostSettings(BaseModel):
             passed to ``warm()``, or a short neutral lead-in before any. Documents warmed
             behind one text still hit under any other (the repair handles the difference).
         check_layer: Layer whose K/V deviation picks the tokens CacheBlend recomputes. Layers
-            up to and including it are recomputed for every token during selection.
+            up to and including it are computed for every token during selection (into
+            scratch buffers: the cache keeps the cached K/V of the tokens not chosen).
+        blend_stages: CacheBlend's gradual filtering: the chosen tokens run the layers in this
+            many equal spans, and after each span only those whose K/V deviated most at its
+            last layer go on (set sizes fall linearly, two stages: 1.5x then 0.5x the budget,
+            so the compute equals ``recompute_ratio`` in every layer). ``1``: the chosen
+            tokens run every layer.
         keep_document_start: Tokens at the start of each cached document that are always
             recomputed (they carried the attention sink when the document was warmed).
         strict: Raise instead of falling back to prefix-only reuse on models where
@@ -75,7 +82,7 @@ class KVBoostSettings(BaseModel):
 
     recompute_strategy: RecomputeStrategy = "cacheblend"
     recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
-    max_deviation: float = Field(0.02, gt=0.0, le=1.0)
+    max_deviation: float = Field(3e-4, gt=0.0, le=1.0)
     min_recompute_ratio: float = Field(0.05, ge=0.0, le=1.0)
     max_recompute_ratio: float = Field(0.5, ge=0.0, le=1.0)
     chunk_size: int = Field(128, ge=8, le=8192)
@@ -90,7 +97,8 @@ class KVBoostSettings(BaseModel):
     device: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     warm_prefix: str | None = None
-    check_layer: int = Field(2, ge=0)
+    check_layer: int = Field(1, ge=0)
+    blend_stages: int = Field(2, ge=1, le=8)
     keep_document_start: int = Field(0, ge=0)
     strict: bool = False
     store_generated_documents: bool = True

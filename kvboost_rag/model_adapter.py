@@ -12,6 +12,8 @@ Position-independent reuse relies on keys being rotated by RoPE with fixed frequ
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
@@ -80,7 +82,7 @@ class BufferedLayer(DynamicLayer):
         """Make the next update scatter into ``positions`` instead of appending."""
         self._scatter_index = positions
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # noqa: D102
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._scatter_index is not None:
             index, self._scatter_index = self._scatter_index, None
             self._key_buffer[:, :, index] = key_states
@@ -294,15 +296,58 @@ class ModelAdapter:
         position_ids: torch.Tensor,
         cache: BufferedCache,
         first_layer: int,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
     ) -> torch.Tensor:
         """Like :meth:`forward` with sparse queries, but starting at decoder layer
         ``first_layer`` from ``hidden`` (``[1, tokens, hidden]``, the output of the layer
-        before): the layers below are skipped, and their cache layers left as they are.
+        before; ``None`` with ``first_layer=0``): the layers below are skipped, and their
+        cache layers left as they are.
 
         Returns:
             Logits of the last input token, ``[vocab]`` float32.
         """
+        with self._only_layers(first_layer, self.num_layers - 1, hidden):
+            return self.forward(input_ids, position_ids, cache, sparse_queries=True)
+
+    @torch.inference_mode()
+    def hidden_through_layers(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: BufferedCache,
+        first_layer: int,
+        last_layer: int,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run decoder layers ``first_layer..last_layer`` only, from ``hidden`` (the output of
+        the layer before; ``None`` with ``first_layer=0``), with sparse queries over an armed
+        cache.
+
+        Returns:
+            ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
+        """
+        if last_layer >= self.num_layers - 1:
+            raise ValueError("hidden_through_layers stops below the last layer; use forward_from_layer")
+        captured: list[torch.Tensor] = []
+
+        def stop(_module, _args, output) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output)
+            raise _StopForward
+
+        handle = self._decoder_layers[last_layer].register_forward_hook(stop)
+        try:
+            with self._only_layers(first_layer, last_layer, hidden):
+                self.forward(input_ids, position_ids, cache, sparse_queries=True)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        return captured[0]
+
+    @contextmanager
+    def _only_layers(self, first_layer: int, last_layer: int, hidden: torch.Tensor | None) -> Iterator[None]:
+        """Within the block the model runs decoder layers ``first_layer..last_layer`` only,
+        the first of them fed ``hidden`` instead of the embeddings' way up."""
         parent, name = self._decoder_layers_owner
         layers = self._decoder_layers
 
@@ -316,17 +361,18 @@ class ModelAdapter:
         # layer type, Qwen's masks) see the types of the layers that actually run.
         config = getattr(parent, "config", None)
         layer_types = getattr(config, "layer_types", None)
-        handle = layers[first_layer].register_forward_pre_hook(inject, with_kwargs=True)
-        setattr(parent, name, torch.nn.ModuleList(list(layers)[first_layer:]))
+        handle = layers[first_layer].register_forward_pre_hook(inject, with_kwargs=True) if hidden is not None else None
+        setattr(parent, name, torch.nn.ModuleList(list(layers)[first_layer : last_layer + 1]))
         if layer_types:
-            config.layer_types = list(layer_types)[first_layer:]
+            config.layer_types = list(layer_types)[first_layer : last_layer + 1]
         try:
-            return self.forward(input_ids, position_ids, cache, sparse_queries=True)
+            yield
         finally:
             setattr(parent, name, layers)
             if layer_types:
                 config.layer_types = layer_types
-            handle.remove()
+            if handle is not None:
+                handle.remove()
 
     # ----------------------------------------------------------------- caches
     def new_cache(self, capacity: int) -> BufferedCache:

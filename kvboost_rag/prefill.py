@@ -9,10 +9,12 @@ what was reused). It stores nothing: write-back reads the outcome.
   the prompt is prefilled on top of it. Same logits as full prefill.
 - Document hits: their K/V is re-rotated to the new positions and stitched with the prefix
   into full-length buffers. CacheBlend runs the non-prefix tokens through the first
-  ``check_layer + 1`` layers only, picks the cached tokens whose K/V deviates most at
-  ``check_layer``, then runs only those plus the live tokens through all layers, scattering
-  their K/V into the stitched cache with attention made causal by position. No pass over all
-  cached tokens through the whole model.
+  ``check_layer + 1`` layers into scratch buffers and picks the cached tokens whose K/V
+  deviates most at ``check_layer``; the blend pass then runs only those plus the live tokens
+  over the stitched cache, scattering their K/V into it with attention made causal by
+  position. With ``blend_stages > 1`` the chosen set shrinks between layer spans to the
+  tokens that still deviate most (gradual filtering). No pass over all cached tokens through
+  the whole model.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from kvboost_rag.blend import (
     adaptive_budget,
     kv_deviation,
     kv_energy,
+    layer_spans,
     leading_tokens,
     recompute_budget,
     select_by_deviation,
     select_document_starts,
+    stage_sizes,
 )
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock
-from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.model_adapter import BufferedCache, ModelAdapter
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
 
@@ -185,12 +189,13 @@ class Prefiller:
                 values[:, :, target] = hit.block.values[:, :, source]
                 cached[target] = True
         content_positions = cached.nonzero().view(-1)
+        loaded = int(content_positions.numel())
         ratio = self.settings.recompute_ratio
-        budget = None if ratio == "auto" else recompute_budget(int(content_positions.numel()), ratio)
+        budget = None if ratio == "auto" else recompute_budget(loaded, ratio)
         strategy = self.settings.recompute_strategy
-        shallow: _ShallowPass | None = None
+        stage_sizes: list[int] = []
         if strategy == "cacheblend":
-            recompute, shallow = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+            recompute, stage_sizes = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
@@ -204,22 +209,15 @@ class Prefiller:
         positions = compute.nonzero().view(-1)
 
         stitched = adapter.cache_over(keys, values, n)
-        device_positions = positions.to(adapter.device)
-        if shallow is None:
-            stitched.arm(device_positions)
-            logits = adapter.forward(torch.tensor(ids)[positions], positions, stitched, sparse_queries=True)
+        input_ids = torch.tensor(ids)
+        recomputed = float((cached & compute).sum())
+        if len(stage_sizes) > 1:
+            logits, recomputed = self._filtered_blend(input_ids, positions, recompute, keep, stage_sizes, stitched)
         else:
-            # The selection pass already computed layers 0..check exactly for these tokens:
-            # take their K/V and hidden states from it and run only the layers above.
-            first = shallow.keys.shape[0]
-            keys[:first, :, device_positions] = shallow.keys[:, :, device_positions]
-            values[:first, :, device_positions] = shallow.values[:, :, device_positions]
-            stitched.arm(device_positions, first_layer=first)
-            hidden = shallow.hidden[:, (positions - h).to(adapter.device)]
-            logits = adapter.forward_from_layer(torch.tensor(ids)[positions], positions, stitched, first, hidden)
-        first_content = int(content_positions[0]) if content_positions.numel() else n
-        recomputed = int((cached & compute).sum())
-        loaded = int(content_positions.numel())
+            stitched.arm(positions.to(adapter.device))
+            logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
+        first_content = int(content_positions[0]) if loaded else n
+        recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
         return PrefillOutcome(
             logits=logits,
             cache=stitched,
@@ -228,12 +226,12 @@ class Prefiller:
             prefix_tokens=h,
             prefix_keys=prefix_keys,
             loaded_chunks=frozenset(hits),
-            content_tokens=int(content_positions.numel()),
-            recomputed_tokens=recomputed,
-            live_tokens=int(compute.sum()) - recomputed,
+            content_tokens=loaded,
+            recomputed_tokens=recomputed_tokens,
+            live_tokens=int((compute & ~cached).sum()),
             exact_until=first_content,
             strategy=strategy,
-            recompute_ratio=recomputed / loaded if loaded else 0.0,
+            recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
         )
 
     def _select_cacheblend(
@@ -244,19 +242,25 @@ class Prefiller:
         values: torch.Tensor,
         content_positions: torch.Tensor,
         budget: int | None,
-    ) -> tuple[torch.Tensor, _ShallowPass | None]:
-        """Return the ``budget`` cached tokens whose K/V deviates most at ``check_layer``,
-        and the selection pass (exact layers ``0..check_layer`` of every token after the
-        prefix) when the blend pass can start above it.
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Choose the cached tokens to recompute from their K/V deviation at ``check_layer``.
 
-        The pass writes into scratch buffers; the stitched ``keys``/``values`` are left as
-        they are. Writing those fresh shallow layers into the cache would leave the
-        unselected tokens with exact shallow layers over stale deep ones, a mix measured worse
-        than a consistently stale cache. ``budget=None`` sizes the budget from the deviation
-        (``recompute_ratio="auto"``).
+        The tokens after the prefix run through layers ``0..check_layer`` into scratch
+        buffers; the stitched ``keys``/``values`` are left as they are. (Writing those fresh
+        shallow layers into the cache would leave the tokens not chosen with exact shallow
+        layers over stale deep ones, a mix measured worse than a consistently stale cache.)
+
+        Args:
+            budget: Tokens to recompute, or ``None`` to size it from the deviation
+                (``recompute_ratio="auto"``).
+
+        Returns:
+            The tokens of the first filtering stage (the most deviating ones, sorted) and the
+            set size of every stage (:func:`~kvboost_rag.blend.stage_sizes`); one stage when
+            ``blend_stages`` is 1.
         """
         if budget == 0:
-            return content_positions[:0], None
+            return content_positions[:0], []
         adapter = self.adapter
         n = len(ids)
         check = min(self.settings.check_layer, adapter.num_layers - 1)
@@ -264,12 +268,12 @@ class Prefiller:
         fresh_keys[:, :, :h] = keys[: check + 1, :, :h]
         fresh_values[:, :, :h] = values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
-        hidden = adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
         fresh_k = fresh_keys[check][:, content_positions]
         fresh_v = fresh_values[check][:, content_positions]
         deviation = kv_deviation(fresh_k, fresh_v, keys[check][:, content_positions], values[check][:, content_positions])
+        count = int(content_positions.numel())
         if budget is None:
-            count = int(content_positions.numel())
             budget = adaptive_budget(
                 deviation,
                 kv_energy(fresh_k, fresh_v),
@@ -277,25 +281,66 @@ class Prefiller:
                 recompute_budget(count, self.settings.min_recompute_ratio),
                 recompute_budget(count, self.settings.max_recompute_ratio),
             )
-        chosen = select_by_deviation(content_positions, deviation.cpu(), budget)
-        if check + 1 >= adapter.num_layers:
-            return chosen, None
-        return chosen, _ShallowPass(fresh_keys, fresh_values, hidden)
+        spans = layer_spans(adapter.num_layers, self.settings.blend_stages)
+        sizes = stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+        return select_by_deviation(content_positions, deviation.cpu(), sizes[0]), sizes
 
+    def _filtered_blend(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        chosen: torch.Tensor,
+        keep: torch.Tensor,
+        sizes: list[int],
+        stitched: BufferedCache,
+    ) -> tuple[torch.Tensor, float]:
+        """CacheBlend's gradual filtering: the blend pass runs the layers in ``len(sizes)``
+        spans; after each span but the last, only the ``sizes[k + 1]`` chosen tokens whose K/V
+        deviated most at the span's last layer go on. Live tokens and ``keep`` go through
+        every layer.
 
-@dataclass(frozen=True)
-class _ShallowPass:
-    """Exact layers ``0..check_layer`` of every token from ``h`` on (CacheBlend's selection pass).
+        A token that leaves gets its cached K/V back in the layers it ran, so every cached
+        token's K/V is either cached in all layers or fresh where it was recomputed from
+        layer 0 up: decoding then sees no fresh-over-stale mix.
 
-    Attributes:
-        keys: ``[check_layer + 1, kv_heads, prompt_tokens, head_dim]``.
-        values: Same for V.
-        hidden: ``[1, prompt_tokens - h, hidden]`` output of layer ``check_layer``.
-    """
+        Args:
+            input_ids: Every prompt token.
+            positions: Sorted positions computed in the first span (``chosen``, ``keep``, live).
+            chosen: Sorted cached positions chosen for the first span.
+            keep: Cached positions recomputed in every layer (``keep_document_start``).
+            sizes: Set size per span, the first one ``len(chosen)``.
+            stitched: The armed-to-be cache over the stitched buffers.
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    hidden: torch.Tensor
+        Returns:
+            Last logits and the mean number of cached tokens recomputed per layer.
+        """
+        adapter = self.adapter
+        keys, values = adapter.cache_tensors(stitched)
+        spans = layer_spans(adapter.num_layers, self.settings.blend_stages)
+        current = chosen[~torch.isin(chosen, keep)]
+        token_layers = float(keep.numel() * adapter.num_layers)
+        hidden: torch.Tensor | None = None
+        for k, (low, high) in enumerate(spans):
+            stitched.arm(positions.to(adapter.device), first_layer=low)
+            token_layers += current.numel() * (high - low + 1)
+            if k == len(spans) - 1:
+                logits = adapter.forward_from_layer(input_ids[positions], positions, stitched, low, hidden)
+                break
+            rows = current.to(adapter.device)
+            saved_keys = keys[low : high + 1][:, :, rows].clone()
+            saved_values = values[low : high + 1][:, :, rows].clone()
+            hidden = adapter.hidden_through_layers(input_ids[positions], positions, stitched, low, high, hidden)
+            deviation = kv_deviation(keys[high][:, rows], values[high][:, rows], saved_keys[-1], saved_values[-1])
+            goes_on = torch.zeros(current.numel(), dtype=torch.bool)
+            goes_on[torch.topk(deviation.cpu(), k=min(sizes[k + 1], current.numel())).indices] = True
+            leaving = (~goes_on).to(adapter.device)
+            keys[low : high + 1][:, :, rows[leaving]] = saved_keys[:, :, leaving]
+            values[low : high + 1][:, :, rows[leaving]] = saved_values[:, :, leaving]
+            stays = ~torch.isin(positions, current[~goes_on])
+            positions = positions[stays]
+            hidden = hidden[:, stays.to(adapter.device)]
+            current = current[goes_on]
+        return logits, token_layers / adapter.num_layers
 
 
 def _spans(rows: list[int], positions: list[int]) -> list[tuple[int, int, int]]:
