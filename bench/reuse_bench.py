@@ -49,8 +49,8 @@ METHODS: list[tuple[str, dict]] = [
     ("cacheblend 30%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.30, "keep_document_start": 0}),
     ("cacheblend auto", {"recompute_strategy": "cacheblend", "recompute_ratio": "auto", "keep_document_start": 0}),
     (
-        "cacheblend 15%, 1 stage",
-        {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0, "blend_stages": 1},
+        "cacheblend 15%, 2 stages",
+        {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0, "blend_stages": 2},
     ),
 ]
 

@@ -67,8 +67,9 @@ class KVBoostSettings(BaseModel):
         blend_stages: CacheBlend's gradual filtering: the chosen tokens run the layers in this
             many equal spans, and after each span only those whose K/V deviated most at its
             last layer go on (set sizes fall linearly, two stages: 1.5x then 0.5x the budget,
-            so the compute equals ``recompute_ratio`` in every layer). ``1``: the chosen
-            tokens run every layer.
+            so the compute equals ``recompute_ratio`` in every layer). ``1`` (default): the
+            chosen tokens run every layer. Two stages lowered first-token KL on 3.7k-token
+            chat prompts but agreed less with full prefill's greedy answers on SmolLM2-135M.
         keep_document_start: Tokens at the start of each cached document that are always
             recomputed (they carried the attention sink when the document was warmed).
         strict: Raise instead of falling back to prefix-only reuse on models where
@@ -98,7 +99,7 @@ class KVBoostSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     warm_prefix: str | None = None
     check_layer: int = Field(1, ge=0)
-    blend_stages: int = Field(2, ge=1, le=8)
+    blend_stages: int = Field(1, ge=1, le=8)
     keep_document_start: int = Field(0, ge=0)
     strict: bool = False
     store_generated_documents: bool = True
