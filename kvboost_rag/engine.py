@@ -23,6 +23,7 @@ from kvboost_rag.errors import (
 )
 from kvboost_rag.hashing import root_hash, text_digest
 from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.missed_documents import explain_missed_documents
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.outcome import PrefillOutcome
@@ -406,6 +407,7 @@ class KVBoost:
             outcome = self._prefiller.run(plan, reuse=options.reuse)
         if options.reuse:
             self._cache.record(plan, outcome)
+            self._warn_if_documents_missed(plan, outcome)
         generator = make_generator(options.seed, self._adapter.device)
         token = sample_token(outcome.logits, options.temperature, options.top_p, generator)
         ttft_ms = (time.perf_counter() - start) * 1000
@@ -481,6 +483,20 @@ class KVBoost:
         if rest:
             yield rest
         return finish
+
+    def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
+        """Log (rate-limited) why a prompt with a long computed part held no prewarmed document."""
+        documents = len(self._cache.registry)
+        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+            return
+        _warnings.warning(
+            "no-documents-found",
+            "%d documents are prewarmed but none was found in a prompt of %d tokens (%d computed): %s",
+            documents,
+            plan.num_tokens,
+            outcome.live_tokens,
+            explain_missed_documents(plan.tokens.text, self._cache.registry),
+        )
 
     @property
     def _stores_documents(self) -> bool:
