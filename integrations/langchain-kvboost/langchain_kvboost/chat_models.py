@@ -19,6 +19,8 @@ from pydantic import ConfigDict, model_validator
 
 from kvboost_rag.async_stream import iterate_in_thread
 from kvboost_rag.deprecation import warn_deprecated
+from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
+from kvboost_rag.engine_registry import resolve_engine
 from langchain_kvboost._common import KVBoostParams, generation_info
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,32 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return dicts
 
 
+def _fields_of_llm(llm: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``ChatKVBoost`` fields taken from ``llm=`` (a ``KVBoostLLM`` or a ``HuggingFacePipeline``).
+
+    Raises:
+        ValueError: ``llm`` is neither, or ``engine``/``model`` are given too.
+    """
+    from langchain_kvboost.llms import KVBoostLLM
+
+    clash = [name for name in ("engine", "model") if given.get(name) is not None]
+    if clash:
+        raise ValueError(f"Pass llm= or {clash[0]}=, not both: the model comes from one source.")
+    if isinstance(llm, KVBoostLLM):
+        fields = {name: getattr(llm, name) for name in (*GENERATION_FIELDS, "stop", "reuse")}
+        return {**fields, "engine": llm.engine}
+    pipeline = getattr(llm, "pipeline", None)
+    if pipeline is not None and getattr(pipeline, "model", None) is not None and getattr(pipeline, "tokenizer", None) is not None:
+        # A HuggingFacePipeline: its loaded model and tokenizer, and its pipeline_kwargs.
+        engine = resolve_engine(model=pipeline.model, tokenizer=pipeline.tokenizer, settings=given.get("engine_settings"))
+        generation = generation_fields(getattr(llm, "pipeline_kwargs", None), "llm.pipeline_kwargs")
+        return {**generation, "engine": engine, "engine_settings": None}
+    raise ValueError(
+        f"ChatKVBoost(llm=...) takes a langchain_kvboost.KVBoostLLM or a HuggingFacePipeline, got "
+        f"{type(llm).__name__}; or pass model='path/to/hf/folder' or engine=..."
+    )
+
+
 def _usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
     prompt_tokens = int(info["prompt_tokens"])
     output_tokens = int(info["generated_tokens"])
@@ -100,6 +128,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
 
             chat = ChatKVBoost(max_new_tokens=128)           # embedded SmolLM2-135M-Instruct
             chat = ChatKVBoost(model="path/to/hf/folder", temperature=0.7, seed=1)
+            chat = ChatKVBoost(llm=KVBoostLLM.from_model_id(model_id="path/to/hf/folder"))
+            chat = ChatKVBoost(llm=hugging_face_pipeline)    # reuses its model and pipeline_kwargs
 
     Invoke:
         .. code-block:: python
@@ -127,6 +157,19 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
                 skip_packages=("langchain_kvboost", "langchain_core", "pydantic"),
             )
         return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_llm(cls, values: Any) -> Any:
+        # ChatHuggingFace(llm=HuggingFacePipeline(...)) -> ChatKVBoost(llm=...): the engine and
+        # generation settings come from the LLM; fields given here win.
+        if not isinstance(values, dict) or "llm" not in values:
+            return values
+        values = dict(values)
+        fields = _fields_of_llm(values.pop("llm"), values)
+        if "engine_settings" in fields:  # consumed building the engine around the pipeline's model
+            values.pop("engine_settings", None)
+        return {**fields, **values}
 
     @property
     def _llm_type(self) -> str:

@@ -38,6 +38,8 @@ from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 from kvboost_rag.async_stream import iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
 from kvboost_rag.deprecation import warn_deprecated
+from kvboost_rag.dropin import device_setting, generation_fields, model_settings
+from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
 
 if TYPE_CHECKING:
@@ -156,12 +158,21 @@ class KVBoostLLM(CustomLLM):
             completion_to_prompt: Custom completion rendering (default: a user turn of the
                 chat template, or the plain prompt when the model has none).
             **kwargs: Other fields (``max_new_tokens``, ``temperature``, ``system_prompt``,
-                ``callback_manager``, ...).
+                ``callback_manager``, ...), and what ``HuggingFaceLLM`` users type:
+                ``model_name`` (the model to load, as ``model_path``), ``tokenizer_name``
+                (the same model), ``generate_kwargs`` (``temperature``, ``top_p``,
+                ``do_sample``, ``max_new_tokens``, ``seed``), ``device_map`` (``"auto"`` or
+                one device), ``model_kwargs`` (``torch_dtype``), ``query_wrapper_prompt``
+                (a ``{query_str}`` template for completion prompts). Arguments the engine
+                cannot honour raise an error naming the alternative.
 
         Raises:
             ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
+        model_path, engine_settings, completion_to_prompt = _huggingface_llm_arguments(
+            kwargs, model_path, engine_settings, completion_to_prompt
+        )
         if kwargs.pop("warm_shared_beginning", None) is not None:
             # Warming and pinning each system turn per call made memory grow with every query
             # (the context is in the system turn of several chat modes); the engine stores the
@@ -456,6 +467,67 @@ class KVBoostLLM(CustomLLM):
             return _as_chat_stream(self._stream(self._chat_prompt(messages), kwargs))
 
         return iterate_in_thread(make)
+
+
+def _huggingface_llm_arguments(
+    kwargs: dict[str, Any],
+    model_path: str | None,
+    engine_settings: dict[str, Any] | None,
+    completion_to_prompt: Callable[[str], str] | None,
+) -> tuple[str | None, dict[str, Any] | None, Callable[[str], str] | None]:
+    """Map (and remove from ``kwargs``) the arguments ``HuggingFaceLLM`` users type.
+
+    Returns:
+        The model path, engine settings and completion formatter to use.
+
+    Raises:
+        kvboost_rag.InvalidInputError: An argument the engine cannot honour (the message
+            names the alternative), or two arguments that disagree.
+    """
+    name = kwargs.pop("model_name", None)
+    if name is not None:
+        if model_path is not None and str(model_path) != str(name):
+            raise InvalidInputError(f"model_name={name!r} and model_path={model_path!r} disagree; pass one")
+        model_path = str(name)
+    tokenizer_name = kwargs.pop("tokenizer_name", None)
+    if tokenizer_name is not None and str(tokenizer_name) != str(model_path):
+        raise InvalidInputError(
+            f"tokenizer_name={tokenizer_name!r} differs from the model {model_path!r}: kvboost reads prompts with "
+            "the model's own tokenizer; load both yourself and pass model= and tokenizer="
+        )
+    if kwargs.pop("tokenizer_kwargs", None):
+        raise InvalidInputError(
+            "tokenizer_kwargs are not supported; load the tokenizer yourself "
+            "(AutoTokenizer.from_pretrained(..., **kwargs)) and pass model= and tokenizer="
+        )
+    stopping_ids = kwargs.pop("stopping_ids", None)
+    if stopping_ids:
+        raise InvalidInputError(
+            f"stopping_ids={stopping_ids!r} is not supported; pass stop=[...] strings (the model's own EOS "
+            "tokens always end generation)"
+        )
+    settings = dict(engine_settings or {})
+    settings.update(model_settings(kwargs.pop("model_kwargs", None)))
+    device = device_setting(None, kwargs.pop("device_map", None))
+    if device is not None:
+        settings["device"] = device
+    for field, value in generation_fields(kwargs.pop("generate_kwargs", None), "generate_kwargs").items():
+        if field in kwargs and kwargs[field] != value:
+            raise InvalidInputError(f"generate_kwargs[{field!r}]={value!r} and {field}={kwargs[field]!r} disagree; pass one")
+        kwargs[field] = value
+    wrapper = kwargs.pop("query_wrapper_prompt", None)
+    if wrapper is not None:
+        if completion_to_prompt is not None:
+            raise InvalidInputError("pass query_wrapper_prompt or completion_to_prompt, not both")
+        template = str(getattr(wrapper, "template", wrapper))
+        if "{query_str}" not in template:
+            raise InvalidInputError(f"query_wrapper_prompt must contain {{query_str}}, got {template!r}")
+        completion_to_prompt = partial(_wrap_query, template)
+    return model_path, settings or None, completion_to_prompt
+
+
+def _wrap_query(template: str, query: str) -> str:
+    return template.replace("{query_str}", query)
 
 
 class _Formatter:
