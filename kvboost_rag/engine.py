@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ class _DocumentWarm:
     already_warm: bool
     started: float
     job: WarmJob | None = None
+    repeat_of: _DocumentWarm | None = None
     new_tokens: int = 0
     elapsed_ms: float | None = None
 
@@ -88,6 +89,11 @@ class _DocumentWarm:
 
     def result(self) -> WarmResult:
         n = len(self.record.token_ids)
+        if self.repeat_of is not None:
+            first = self.repeat_of
+            return first.result().model_copy(
+                update={"new_tokens": 0, "cached_tokens": first.new_tokens + first.cached_tokens, "already_warm": True}
+            )
         return WarmResult(
             kind="document",
             num_tokens=n,
@@ -330,9 +336,14 @@ class KVBoost:
         progress = self.settings.show_progress if show_progress is None else show_progress
         lead = self._lead_in()
         warms = [self._plan_document_warm(text, lead) for text in texts]
+        first: dict[str, int] = {}
         for i, warm in enumerate(warms):
-            if warm.job is not None:
-                warm.job = WarmJob(index=i, plan=warm.job.plan)
+            if warm.job is None:
+                continue
+            earlier = first.setdefault(warm.record.digest, i)
+            # A repeat of a text computed in this call is warm once the first copy is stored.
+            warm.job = WarmJob(index=i, plan=warm.job.plan) if earlier == i else None
+            warm.repeat_of = None if earlier == i else warms[earlier]
         bar = tqdm(total=len(texts), desc="warming documents", unit="doc", disable=not progress or len(texts) < 2)
         with bar:
             bar.update(sum(1 for warm in warms if warm.job is None))

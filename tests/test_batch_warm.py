@@ -89,3 +89,12 @@ def test_progress_counts_documents(tokenizer, monkeypatch) -> None:
     engine.warm_documents(_documents()[:2])
     engine.warm_documents(_documents(), show_progress=True)
     assert totals and totals[-1] == (6, 6)  # documents, not batches
+
+
+def test_a_text_repeated_in_one_call_is_computed_once(tokenizer) -> None:
+    engine = KVBoost.from_model(tiny_model("llama"), tokenizer, chunk_size=32, show_progress=False)
+    text = _documents()[1]
+    first, repeat = engine.warm_documents([text, text])
+    n = engine.count_tokens(text)
+    assert (first.new_tokens, first.already_warm) == (n, False)
+    assert (repeat.new_tokens, repeat.cached_tokens, repeat.already_warm) == (0, n, True)
