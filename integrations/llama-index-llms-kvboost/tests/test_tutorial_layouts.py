@@ -91,3 +91,20 @@ def test_chat_engines_with_context_in_the_system_turn(index_and_llm: Any, record
     index, llm, texts = index_and_llm
     engine = index.as_chat_engine(chat_mode=chat_mode, llm=llm, similarity_top_k=TOP_K)
     _check_layout(llm, texts, recorder, engine.chat)
+
+
+def test_simple_summarize_escapes_nodes_and_the_warning_says_so(
+    index_and_llm: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    import kvboost_rag.engine as engine_module
+    from kvboost_rag.log_limits import RateLimitedLogger
+
+    monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
+    index, llm, _ = index_and_llm
+    engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K, response_mode="simple_summarize")
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+        engine.query(QUESTIONS[0])
+    (message,) = [r.getMessage() for r in caplog.records if "none was found" in r.getMessage()]
+    assert "escaped" in message and "compact" in message
