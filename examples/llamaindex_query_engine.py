@@ -144,13 +144,11 @@ def run(
     rows: list[str] = []
     speedups: list[float] = []
     answers: list[tuple[str, str, list[str]]] = []
-    warm_ms_total = 0.0
     for i, question in enumerate(questions, 1):
         baseline = full_engine.query(question)
         full_raw = recorder.last["raw"]
         reused = reuse_engine.query(question)
         raw, messages = recorder.last["raw"], recorder.last["messages"]
-        warm_ms_total += raw["shared_beginning_warm_ms"]
         hf_ms = hf_generate_ttft_ms(llm, llm.messages_to_prompt(messages))
         speedup = full_raw["ttft_ms"] / raw["ttft_ms"]
         speedups.append(speedup)
@@ -172,7 +170,6 @@ def run(
         "lookup, re-rotation and CacheBlend repair; 'HF generate' is transformers generate with one "
         "new token on the same prompt. 'same': reuse answer identical to full prefill's."
     )
-    print(f"Warming the system turn, once, took {warm_ms_total:.0f} ms (during query 1, counted in its TTFT).")
 
 
 def main() -> None:

@@ -77,6 +77,9 @@ class KVBoostSettings(BaseModel):
         store_generated_documents: After a generate, store documents that were not cached yet
             so the next prompt hits without an explicit warm.
         show_progress: Show progress bars on long work (``warm_documents``).
+        warm_batch_tokens: ``warm_documents`` runs several documents through the model per
+            forward pass, up to this many tokens (rows x padded length); each document's stored
+            K/V is the one a one-by-one warm computes. 0 warms one document per pass.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -104,6 +107,7 @@ class KVBoostSettings(BaseModel):
     strict: bool = False
     store_generated_documents: bool = True
     show_progress: bool = True
+    warm_batch_tokens: int = Field(4096, ge=0)
 
     @field_validator("device")
     @classmethod

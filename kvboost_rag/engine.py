@@ -6,12 +6,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.correctness import compare_runs
@@ -23,6 +25,7 @@ from kvboost_rag.errors import (
 )
 from kvboost_rag.hashing import root_hash, text_digest
 from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.missed_documents import explain_missed_documents
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.outcome import PrefillOutcome
@@ -64,6 +67,43 @@ class GenerationStream:
         close = getattr(self._pieces, "close", None)
         if close is not None:
             close()
+
+
+@dataclass
+class _DocumentWarm:
+    """One document of a ``warm_documents`` call, from its plan to its ``WarmResult``."""
+
+    record: DocumentRecord
+    cached_tokens: int
+    already_warm: bool
+    started: float
+    job: WarmJob | None = None
+    repeat_of: _DocumentWarm | None = None
+    new_tokens: int = 0
+    elapsed_ms: float | None = None
+
+    def finish(self, new_tokens: int, elapsed_ms: float) -> None:
+        """Record what computing it stored and its share of the batch's time."""
+        self.new_tokens = new_tokens
+        self.elapsed_ms = elapsed_ms
+
+    def result(self) -> WarmResult:
+        n = len(self.record.token_ids)
+        if self.repeat_of is not None:
+            first = self.repeat_of
+            return first.result().model_copy(
+                update={"new_tokens": 0, "cached_tokens": first.new_tokens + first.cached_tokens, "already_warm": True}
+            )
+        return WarmResult(
+            kind="document",
+            num_tokens=n,
+            new_tokens=self.new_tokens,
+            cached_tokens=self.cached_tokens,
+            skipped_tokens=n - self.new_tokens - self.cached_tokens,
+            already_warm=self.already_warm,
+            elapsed_ms=self.elapsed_ms if self.elapsed_ms is not None else (time.perf_counter() - self.started) * 1000,
+            content_hash=self.record.chunk_keys[0] if self.record.chunk_keys else None,
+        )
 
 
 class KVBoost:
@@ -109,6 +149,7 @@ class KVBoost:
         )
         self._root = root_hash(self.fingerprint)
         self._prefiller = Prefiller(self._adapter, self._cache, self.settings)
+        self._batch_warmer = BatchWarmer(self._adapter, self._cache)
         self._model_lock = threading.RLock()
         if not self._adapter.position_independent:
             if self.settings.strict:
@@ -294,10 +335,43 @@ class KVBoost:
             )
         progress = self.settings.show_progress if show_progress is None else show_progress
         lead = self._lead_in()
-        results = []
-        for text in tqdm(texts, desc="warming documents", unit="doc", disable=not progress or len(texts) < 2):
-            results.append(self._warm_document(text, lead))
-        return results
+        warms = [self._plan_document_warm(text, lead) for text in texts]
+        first: dict[str, int] = {}
+        for i, warm in enumerate(warms):
+            if warm.job is None:
+                continue
+            earlier = first.setdefault(warm.record.digest, i)
+            # A repeat of a text computed in this call is warm once the first copy is stored.
+            warm.job = WarmJob(index=i, plan=warm.job.plan) if earlier == i else None
+            warm.repeat_of = None if earlier == i else warms[earlier]
+        bar = tqdm(total=len(texts), desc="warming documents", unit="doc", disable=not progress or len(texts) < 2)
+        with bar:
+            bar.update(sum(1 for warm in warms if warm.job is None))
+            jobs = [warm.job for warm in warms if warm.job is not None]
+            budget = self.settings.warm_batch_tokens
+            groups = batches(jobs, budget) if budget and batchable(self._adapter) else [[job] for job in jobs]
+            for group in groups:
+                start = time.perf_counter()
+                stored = self._warm_batch(group)
+                share = (time.perf_counter() - start) * 1000 / len(group)
+                for job in group:
+                    warms[job.index].finish(stored[job.index], share)
+                bar.update(len(group))
+        return [warm.result() for warm in warms]
+
+    def _warm_batch(self, group: list[WarmJob]) -> dict[int, int]:
+        """Compute and store a group of documents: one forward pass when there are several
+        (and the document context is stored whole), else one prefill each."""
+        with self._model_lock:
+            if len(group) > 1:
+                stored = self._batch_warmer.run(group)
+                if stored is not None:
+                    return stored
+            return {job.index: self._warm_one(job.plan) for job in group}
+
+    def _warm_one(self, plan: PromptPlan) -> int:
+        outcome = self._prefiller.run(plan)
+        return self._cache.write_back(plan, outcome, store_documents=True).document_tokens
 
     def is_document_warm(self, text: str) -> bool:
         """Whether every chunk of ``text`` is cached and the document is registered.
@@ -317,8 +391,10 @@ class KVBoost:
         self._warm_beginning(lead_in)
         return self._prompt_tokens(lead_in, "document context")
 
-    def _warm_document(self, text: str, lead: PromptTokens) -> WarmResult:
-        """A warm is a prefill with no decoding: the lead-in then the document's own tokens."""
+    def _plan_document_warm(self, text: str, lead: PromptTokens) -> _DocumentWarm:
+        """What warming ``text`` behind ``lead`` takes: nothing when its chunks are stored, else
+        a plan of the lead-in then the document's own tokens (a warm is a prefill with no
+        decoding)."""
         start = time.perf_counter()
         record = self._document_record(text)
         n = len(record.token_ids)
@@ -335,7 +411,7 @@ class KVBoost:
         whole = [c for c in range(len(record.chunk_keys)) if min((c + 1) * size, n) <= usable]
         missing = [c for c in whole if not self._cache.store.contains(record.chunk_keys[c])]
         cached_tokens = sum(min(size, n - c * size) for c in whole if c not in missing)
-        new_tokens = 0
+        warm = _DocumentWarm(record=record, cached_tokens=cached_tokens, already_warm=not missing, started=start)
         if missing and self._adapter.position_independent:
             end = whole[-1] * size + min(size, n - whole[-1] * size)
             part = text[: record.offsets[end - 1][1]]
@@ -347,19 +423,10 @@ class KVBoost:
             )
             placed = DocumentOccurrence(record, shift, len(part))
             plan = self._plan(tokens, placed=[placed], content_reuse=False, lookup_limit=len(lead))
-            with self._model_lock:
-                outcome = self._prefiller.run(plan)
-            new_tokens = self._cache.write_back(plan, outcome, store_documents=True).document_tokens
-        return WarmResult(
-            kind="document",
-            num_tokens=n,
-            new_tokens=new_tokens,
-            cached_tokens=cached_tokens,
-            skipped_tokens=n - new_tokens - cached_tokens,
-            already_warm=not missing,
-            elapsed_ms=(time.perf_counter() - start) * 1000,
-            content_hash=record.chunk_keys[0] if record.chunk_keys else None,
-        )
+            warm.job = WarmJob(index=-1, plan=plan)
+        else:
+            warm.elapsed_ms = (time.perf_counter() - start) * 1000
+        return warm
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationResult:
@@ -406,6 +473,7 @@ class KVBoost:
             outcome = self._prefiller.run(plan, reuse=options.reuse)
         if options.reuse:
             self._cache.record(plan, outcome)
+            self._warn_if_documents_missed(plan, outcome)
         generator = make_generator(options.seed, self._adapter.device)
         token = sample_token(outcome.logits, options.temperature, options.top_p, generator)
         ttft_ms = (time.perf_counter() - start) * 1000
@@ -481,6 +549,20 @@ class KVBoost:
         if rest:
             yield rest
         return finish
+
+    def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
+        """Log (rate-limited) why a prompt with a long computed part held no prewarmed document."""
+        documents = len(self._cache.registry)
+        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+            return
+        _warnings.warning(
+            "no-documents-found",
+            "%d documents are prewarmed but none was found in a prompt of %d tokens (%d computed): %s",
+            documents,
+            plan.num_tokens,
+            outcome.live_tokens,
+            explain_missed_documents(plan.tokens.text, self._cache.registry),
+        )
 
     @property
     def _stores_documents(self) -> bool:

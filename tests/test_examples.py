@@ -60,3 +60,12 @@ def test_llamaindex_query_engine_example():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "ms" in out.stdout
+
+
+def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
+    out = run_example("side_by_side.py", "--docs", "10", "--max-chars", "300", "--k", "2", "--questions", "1")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| L")]
+    assert [r.split(" | ")[1] for r in rows] == ["ChatHuggingFace", "HuggingFaceLLM", "HuggingFaceLLM"]
+    assert all(int(r.split(" | ")[5].rstrip("%")) >= 80 for r in rows), rows  # document tokens from cache
+    assert all(float(r.split(" | ")[6].rstrip(" |")) < 1.0 for r in rows), rows  # MiB: no growth per query

@@ -15,10 +15,12 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, model_validator
 
 from kvboost_rag.async_stream import iterate_in_thread
-from kvboost_rag.shared_beginning import on_token_boundary
+from kvboost_rag.deprecation import warn_deprecated
+from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
+from kvboost_rag.engine_registry import resolve_engine
 from langchain_kvboost._common import KVBoostParams, generation_info
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,32 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return dicts
 
 
+def _fields_of_llm(llm: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``ChatKVBoost`` fields taken from ``llm=`` (a ``KVBoostLLM`` or a ``HuggingFacePipeline``).
+
+    Raises:
+        ValueError: ``llm`` is neither, or ``engine``/``model`` are given too.
+    """
+    from langchain_kvboost.llms import KVBoostLLM
+
+    clash = [name for name in ("engine", "model") if given.get(name) is not None]
+    if clash:
+        raise ValueError(f"Pass llm= or {clash[0]}=, not both: the model comes from one source.")
+    if isinstance(llm, KVBoostLLM):
+        fields = {name: getattr(llm, name) for name in (*GENERATION_FIELDS, "stop", "reuse")}
+        return {**fields, "engine": llm.engine}
+    pipeline = getattr(llm, "pipeline", None)
+    if pipeline is not None and getattr(pipeline, "model", None) is not None and getattr(pipeline, "tokenizer", None) is not None:
+        # A HuggingFacePipeline: its loaded model and tokenizer, and its pipeline_kwargs.
+        engine = resolve_engine(model=pipeline.model, tokenizer=pipeline.tokenizer, settings=given.get("engine_settings"))
+        generation = generation_fields(getattr(llm, "pipeline_kwargs", None), "llm.pipeline_kwargs")
+        return {**generation, "engine": engine, "engine_settings": None}
+    raise ValueError(
+        f"ChatKVBoost(llm=...) takes a langchain_kvboost.KVBoostLLM or a HuggingFacePipeline, got "
+        f"{type(llm).__name__}; or pass model='path/to/hf/folder' or engine=..."
+    )
+
+
 def _usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
     prompt_tokens = int(info["prompt_tokens"])
     output_tokens = int(info["generated_tokens"])
@@ -82,10 +110,13 @@ def _usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
 class ChatKVBoost(KVBoostParams, BaseChatModel):
     """Chat model on a local HuggingFace causal LM that reuses cached K/V across calls.
 
-    Messages are rendered with the model's own chat template. The leading system messages
-    are warmed as the shared beginning, so every later conversation that starts with them
-    reuses their K/V by exact prefix; documents that were prewarmed (``KVBoostPrewarmer``) or
-    passed as ``documents`` are served from cache wherever they land, in any order.
+    Messages are rendered with the model's own chat template and sent to the engine as one
+    prompt. The engine decides what stays cached: after each answer it stores the exact
+    leading part of the prompt up to the first document (so the next conversation with the
+    same system message hits it by prefix hash), and documents that were prewarmed
+    (``KVBoostPrewarmer``) or passed as ``documents`` are served from cache wherever they land,
+    in any order, system message included. Nothing is pinned per call: what stays cached is
+    evictable; pin a fixed system prompt yourself with ``chat.engine.warm(text)``.
 
     A drop-in replacement for ``ChatHuggingFace``: text in, text out; no tool calling,
     structured output or images.
@@ -97,6 +128,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
 
             chat = ChatKVBoost(max_new_tokens=128)           # embedded SmolLM2-135M-Instruct
             chat = ChatKVBoost(model="path/to/hf/folder", temperature=0.7, seed=1)
+            chat = ChatKVBoost(llm=KVBoostLLM.from_model_id(model_id="path/to/hf/folder"))
+            chat = ChatKVBoost(llm=hugging_face_pipeline)    # reuses its model and pipeline_kwargs
 
     Invoke:
         .. code-block:: python
@@ -104,18 +137,39 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
             msg = chat.invoke([("system", "You answer briefly."), ("human", "What is a tuple?")])
             msg.usage_metadata["input_token_details"]["cache_read"]   # tokens served from cache
             msg.response_metadata["ttft_ms"]
-
-    Keep per-query text (retrieved context) out of the system message: each distinct system
-    rendering that gets warmed stays pinned in the cache. Put the context in the human
-    message, or set ``warm_system_prompt=False``.
     """
-
-    warm_system_prompt: bool = Field(default=True)
-    """Warm (and pin) the rendering of the leading system messages before generating, so the
-    next conversation with the same system messages hits by prefix hash."""
 
     # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_warm_system_prompt(cls, values: Any) -> Any:
+        # The engine stores the exact leading part of every prompt itself (evictable); warming
+        # and pinning each system rendering per call made memory grow with every query.
+        if isinstance(values, dict) and "warm_system_prompt" in values:
+            values = dict(values)
+            values.pop("warm_system_prompt")
+            warn_deprecated(
+                "ChatKVBoost(warm_system_prompt=...)",
+                "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
+                "system prompt with chat.engine.warm(text))",
+                skip_packages=("langchain_kvboost", "langchain_core", "pydantic"),
+            )
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_llm(cls, values: Any) -> Any:
+        # ChatHuggingFace(llm=HuggingFacePipeline(...)) -> ChatKVBoost(llm=...): the engine and
+        # generation settings come from the LLM; fields given here win.
+        if not isinstance(values, dict) or "llm" not in values:
+            return values
+        values = dict(values)
+        fields = _fields_of_llm(values.pop("llm"), values)
+        if "engine_settings" in fields:  # consumed building the engine around the pipeline's model
+            values.pop("engine_settings", None)
+        return {**fields, **values}
 
     @property
     def _llm_type(self) -> str:
@@ -123,7 +177,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
 
     @property
     def _identifying_params(self) -> Mapping[str, Any]:
-        return {**self._params_dict(), "warm_system_prompt": self.warm_system_prompt}
+        return self._params_dict()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._langsmith_params("chat", stop, **kwargs)
@@ -142,52 +196,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     def _render(self, dicts: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return str(self.engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
 
-    def _system_prefix(self, dicts: list[dict[str, str]], prompt: str) -> str | None:
-        """Rendering of the leading system messages when it ends on a token boundary of ``prompt``.
-
-        Trailing whitespace the tokenizer joins to what follows is dropped (see
-        ``kvboost_rag.shared_beginning``); ``None`` when there are no leading system messages
-        or their rendering is not a clean prefix of ``prompt`` under this template.
-        """
-        leading = 0
-        while leading < len(dicts) and dicts[leading]["role"] == "system":
-            leading += 1
-        if leading == 0:
-            return None
-        prefix = self._render(dicts[:leading], add_generation_prompt=False)
-        shared = on_token_boundary(prefix, prompt, self.engine.token_ids)
-        if shared is None:
-            logger.debug("System rendering is not a clean token prefix of the prompt; not warming it")
-        return shared
-
-    def _prepare(self, messages: Sequence[BaseMessage], reuse: bool) -> tuple[str, float, int]:
-        """Render ``messages`` and warm their system prefix.
-
-        Returns:
-            The prompt, the milliseconds spent warming a new prefix (0 when it was warm or not
-            warmed), and the number of tokens in the warmed prefix (0 when none).
-        """
-        dicts = to_chat_dicts(messages)
-        prompt = self._render(dicts)
-        if not (self.warm_system_prompt and reuse):
-            return prompt, 0.0, 0
-        prefix = self._system_prefix(dicts, prompt)
-        if prefix is None:
-            return prompt, 0.0, 0
-        warmed = self.engine.warm(prefix)
-        spent = 0.0 if warmed.already_warm else float(warmed.elapsed_ms)
-        if spent:
-            logger.info("Warmed a new system prompt of %d tokens in %.0f ms", warmed.num_tokens, spent)
-        return prompt, spent, int(warmed.num_tokens)
-
-    def _result_message_fields(
-        self, result: Any, warm_ms: float, system_tokens: int
-    ) -> tuple[dict[str, Any], UsageMetadata, dict[str, Any]]:
-        info = {
-            **generation_info(result, extra_ttft_ms=warm_ms),
-            "system_prefix_tokens": system_tokens,
-            "system_warm_ms": warm_ms,
-        }
+    def _result_message_fields(self, result: Any) -> tuple[dict[str, Any], UsageMetadata, dict[str, Any]]:
+        info = generation_info(result)
         response_metadata = {"model_name": self.model_name, "finish_reason": info["finish_reason"]}
         return info, _usage_metadata(info), response_metadata
 
@@ -199,9 +209,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
-        prompt, warm_ms, system_tokens = self._prepare(messages, params["reuse"])
-        result = self.engine.generate(prompt, **params)
-        info, usage, response_metadata = self._result_message_fields(result, warm_ms, system_tokens)
+        result = self.engine.generate(self.render_prompt(messages), **params)
+        info, usage, response_metadata = self._result_message_fields(result)
         message = AIMessage(
             content=result.output_text, usage_metadata=usage, response_metadata=response_metadata
         )
@@ -226,13 +235,12 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         stop: list[str] | None,
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
-    ) -> tuple[Any, float, int]:
+    ) -> Any:
         params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
-        prompt, warm_ms, system_tokens = self._prepare(messages, params["reuse"])
-        return self.engine.stream(prompt, **params), warm_ms, system_tokens
+        return self.engine.stream(self.render_prompt(messages), **params)
 
-    def _last_chunk(self, stream: Any, warm_ms: float, system_tokens: int) -> ChatGenerationChunk:
-        info, usage, response_metadata = self._result_message_fields(stream.result, warm_ms, system_tokens)
+    def _last_chunk(self, stream: Any) -> ChatGenerationChunk:
+        info, usage, response_metadata = self._result_message_fields(stream.result)
         message = AIMessageChunk(
             content="",
             usage_metadata=usage,
@@ -249,10 +257,10 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         # LangChain core reports each yielded chunk to the callbacks itself.
-        stream, warm_ms, system_tokens = self._start_stream(messages, stop, run_manager, kwargs)
+        stream = self._start_stream(messages, stop, run_manager, kwargs)
         for piece in stream:
             yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        yield self._last_chunk(stream, warm_ms, system_tokens)
+        yield self._last_chunk(stream)
 
     async def _astream(
         self,
@@ -261,16 +269,16 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        started: list[tuple[Any, float, int]] = []
+        started: list[Any] = []
 
         def start() -> Iterator[str]:
-            # Rendering, warming and starting the stream all block: keep them off the loop.
+            # Rendering and starting the stream block: keep them off the loop.
             started.append(self._start_stream(messages, stop, run_manager, kwargs))
-            return iter(started[0][0])
+            return iter(started[0])
 
         async for piece in iterate_in_thread(start):
             yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        yield self._last_chunk(*started[0])
+        yield self._last_chunk(started[0])
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` under the model's own tokenizer (no special tokens)."""

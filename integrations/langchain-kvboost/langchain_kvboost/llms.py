@@ -16,6 +16,8 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
 from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.dropin import device_setting, generation_fields, model_settings
+from kvboost_rag.errors import InvalidInputError
 from langchain_kvboost._common import KVBoostParams, generation_info
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,11 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             llm = KVBoostLLM()                               # embedded SmolLM2-135M-Instruct
             llm = KVBoostLLM(model="path/to/hf/folder", max_new_tokens=128)
             llm = KVBoostLLM(engine=engine)                  # an existing kvboost_rag.KVBoost
+            llm = KVBoostLLM.from_model_id(                  # as with HuggingFacePipeline
+                model_id="path/to/hf/folder", task="text-generation",
+                pipeline_kwargs={"max_new_tokens": 64, "temperature": 0.7, "do_sample": True},
+                device=0,
+            )
 
     Invoke:
         .. code-block:: python
@@ -64,6 +71,56 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
 
     # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_id: str,
+        task: str = "text-generation",
+        backend: str = "default",
+        device: int | str | None = None,
+        device_map: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        pipeline_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> KVBoostLLM:
+        """Build it as ``HuggingFacePipeline.from_model_id`` is called.
+
+        Args:
+            model_id: Local model folder, or a model id already in the local HuggingFace cache.
+            task: ``"text-generation"`` (the only task a causal LM serves here).
+            backend: ``"default"`` or ``"pt"`` (PyTorch).
+            device: ``-1`` (CPU), a CUDA index, or a device string.
+            device_map: ``"auto"`` or one device (``"cuda"``, ``"cpu"``).
+            model_kwargs: ``{"torch_dtype": ...}`` (or ``dtype``).
+            pipeline_kwargs: Generation arguments: ``max_new_tokens``, ``temperature``,
+                ``top_p``, ``do_sample``, ``seed`` (``return_full_text=False`` is accepted:
+                answers never repeat the prompt).
+            **kwargs: Other ``KVBoostLLM`` fields (``engine_settings``, ``stop``, ...).
+
+        Raises:
+            kvboost_rag.InvalidInputError: A task, backend or argument the engine does not
+                implement; the message names what to use instead.
+        """
+        if task != "text-generation":
+            raise InvalidInputError(
+                f"task={task!r} is not supported: kvboost serves causal LMs (task='text-generation'); "
+                "use HuggingFacePipeline for other tasks"
+            )
+        if backend not in ("default", "pt"):
+            raise InvalidInputError(f"backend={backend!r} is not supported; kvboost runs PyTorch (backend='default')")
+        if "batch_size" in kwargs:
+            raise InvalidInputError(
+                "batch_size is not supported: prompts are answered one at a time (each reuses the K/V "
+                "the previous ones stored); drop batch_size"
+            )
+        settings = dict(kwargs.pop("engine_settings", None) or {})
+        settings.update(model_settings(model_kwargs))
+        chosen = device_setting(device, device_map)
+        if chosen is not None:
+            settings["device"] = chosen
+        fields = {**generation_fields(pipeline_kwargs, "pipeline_kwargs"), **kwargs}
+        return cls(model=model_id, engine_settings=settings or None, **fields)
 
     @property
     def _llm_type(self) -> str:

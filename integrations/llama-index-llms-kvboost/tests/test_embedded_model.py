@@ -82,7 +82,6 @@ def test_second_query_reuses_the_system_prompt_by_prefix_hash(rag: dict[str, Any
     query_engine.query("What does the global statement declare?")
     first, second = (call["raw"] for call in recorder.calls[-2:])
     print("\nfirst query: ", _summary(first), "\nsecond query:", _summary(second))
-    assert second["shared_beginning_warm_ms"] == 0.0
     assert second["prefix_hit_tokens"] >= _system_turn_tokens(engine)
     assert second["content_hit_tokens"] > 0 and second["documents_found"] == 2
 

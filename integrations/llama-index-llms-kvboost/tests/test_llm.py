@@ -93,8 +93,7 @@ def test_second_chat_hits_the_system_turn_by_prefix_hash(tiny_engine: KVBoost) -
     system_turn = tiny_engine.apply_chat_template([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
     first = llm.chat(_messages("What does the with statement do?"))
     second = llm.chat(_messages("How are exceptions raised?"))
-    assert first.raw["shared_beginning_warm_ms"] > 0  # warmed during the first call
-    assert second.raw["shared_beginning_warm_ms"] == 0.0
+    assert first.raw["prefix_hit_tokens"] == 0  # a fresh engine: nothing loaded, nothing counted
     assert second.raw["prefix_hit_tokens"] >= tiny_engine.count_tokens(system_turn)
     assert second.raw["kv_reuse_ratio"] == pytest.approx(second.raw["cached_tokens"] / second.raw["prompt_tokens"])
 
@@ -239,24 +238,29 @@ def test_bad_input_gives_clear_errors(tiny_parts) -> None:
         llm.chat([])
 
 
-def test_shared_beginning_is_warmed_on_every_call_and_counted_in_ttft_once(tiny_engine: KVBoost) -> None:
+def test_calls_warm_and_pin_nothing(tiny_engine: KVBoost) -> None:
+    # The engine stores each prompt's leading part after answering (evictable); the LLM
+    # neither warms nor pins per call, so a context in the system turn cannot pile up pins.
     llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4)
-    calls: list[bool] = []
-    real_warm = tiny_engine.warm
-
-    def recording_warm(text: str):
-        result = real_warm(text)
-        calls.append(result.already_warm)
-        return result
-
-    tiny_engine.warm = recording_warm  # type: ignore[method-assign]
+    calls: list[str] = []
+    store = tiny_engine._cache.store
+    real_warm, real_pin = tiny_engine.warm, store.pin
+    tiny_engine.warm = lambda text: calls.append(f"warm {text}") or real_warm(text)  # type: ignore[method-assign]
+    store.pin = lambda key: calls.append(f"pin {key}") or real_pin(key)  # type: ignore[method-assign]
     try:
-        first = llm.chat(_messages("What is a tuple?")).raw
-        second = llm.chat(_messages("What is a set?")).raw
+        llm.chat(_messages("What is a tuple?"))
+        llm.complete("What is a set?")
+        again = llm.chat(_messages("What is a dict?")).raw
     finally:
-        del tiny_engine.warm
-    # No bookkeeping of what was warmed: the engine is asked each time, and a repeat is free.
-    assert calls == [False, True]
-    assert first["shared_beginning_warm_ms"] > 0 and second["shared_beginning_warm_ms"] == 0.0
-    assert first["ttft_ms"] >= first["shared_beginning_warm_ms"]
-    assert first["total_ms"] >= first["ttft_ms"]
+        del tiny_engine.warm, store.pin
+    assert calls == []
+    assert again["prefix_hit_tokens"] > 0  # the engine's own write-back stored the system turn
+
+
+def test_warm_shared_beginning_is_deprecated_and_ignored(tiny_engine: KVBoost) -> None:
+    from kvboost_rag import deprecation
+
+    deprecation._warned.discard("KVBoostLLM(warm_shared_beginning=...)")
+    with pytest.warns(DeprecationWarning, match="warm_shared_beginning"):
+        llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4, warm_shared_beginning=True)
+    assert "shared_beginning_warm_ms" not in llm.chat(_messages("What is a list?")).raw

@@ -154,3 +154,21 @@ def test_answer_stores_retrieved_nodes_from_its_own_prefill(tiny_engine: KVBoost
         assert all(tiny_engine.is_document_warm(t) for t in texts)
     finally:
         warmer.detach()
+
+
+def test_progress_bar_counts_nodes_not_batches(tiny_engine: KVBoost, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llama_index.llms.kvboost.prewarm as prewarm_module
+
+    bars: list[tuple[int, int, str]] = []
+    real = prewarm_module.tqdm
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def close(self) -> None:
+            bars.append((self.total, self.n, self.unit))
+            super().close()
+
+    monkeypatch.setattr(prewarm_module, "tqdm", Recording)
+    nodes = _nodes()
+    assert len(nodes) > 3
+    KVBoostPrewarmer(engine=tiny_engine, batch_size=3)(nodes, show_progress=True)
+    assert set(bars) == {(len(nodes), len(nodes), "node")}  # one bar over the nodes

@@ -1,8 +1,9 @@
 """``KVBoostLLM``: a LlamaIndex LLM on a local HuggingFace causal LM that reuses K/V.
 
 It answers like ``HuggingFaceLLM`` but runs through a ``kvboost_rag.KVBoost`` engine: the
-shared beginning of prompts (system turn) is served by prefix hash, retrieved documents that
-were warmed (``KVBoostPrewarmer``) are served by content hash wherever they land.
+exact leading part of prompts (system turn up to the first document) is stored by the engine
+after each answer and served by prefix hash; retrieved documents that were warmed
+(``KVBoostPrewarmer``) are served by content hash wherever they land, system turn included.
 """
 
 from __future__ import annotations
@@ -31,15 +32,14 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from llama_index.llms.kvboost.formatting import (
-    chat_shared_beginning,
-    message_dicts,
-    text_shared_beginning,
-)
+from llama_index.llms.kvboost.formatting import message_dicts
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 from kvboost_rag.async_stream import iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.deprecation import warn_deprecated
+from kvboost_rag.dropin import device_setting, generation_fields, model_settings
+from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
 
 if TYPE_CHECKING:
@@ -66,7 +66,9 @@ class KVBoostLLM(CustomLLM):
 
     Build it from an engine, a local model folder, a loaded model and tokenizer, or nothing
     (the embedded SmolLM2-135M-Instruct). Prompts go through the model's chat template;
-    the template's system turn is warmed once and then hits by prefix hash. Each response's
+    the engine stores each prompt's exact leading part (the system turn up to the first
+    document) after answering, so later prompts hit it by prefix hash; nothing is pinned per
+    call (pin a fixed instruction block with :meth:`warm_prefix`). Each response's
     ``raw`` holds ``usage`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``) and
     the engine's timing and reuse figures (``ttft_ms``, ``kv_reuse_ratio``, ...).
 
@@ -113,10 +115,6 @@ class KVBoostLLM(CustomLLM):
             "Defaults to whether the tokenizer has a chat template."
         ),
     )
-    warm_shared_beginning: bool = Field(
-        default=True,
-        description="Warm the shared beginning of prompts (the system turn) so later prompts hit it by prefix hash.",
-    )
 
     _engine: Any = PrivateAttr()
     _model: Any = PrivateAttr()
@@ -160,12 +158,30 @@ class KVBoostLLM(CustomLLM):
             completion_to_prompt: Custom completion rendering (default: a user turn of the
                 chat template, or the plain prompt when the model has none).
             **kwargs: Other fields (``max_new_tokens``, ``temperature``, ``system_prompt``,
-                ``callback_manager``, ...).
+                ``callback_manager``, ...), and what ``HuggingFaceLLM`` users type:
+                ``model_name`` (the model to load, as ``model_path``), ``tokenizer_name``
+                (the same model), ``generate_kwargs`` (``temperature``, ``top_p``,
+                ``do_sample``, ``max_new_tokens``, ``seed``), ``device_map`` (``"auto"`` or
+                one device), ``model_kwargs`` (``torch_dtype``), ``query_wrapper_prompt``
+                (a ``{query_str}`` template for completion prompts). Arguments the engine
+                cannot honour raise an error naming the alternative.
 
         Raises:
             ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
+        model_path, engine_settings, completion_to_prompt = _huggingface_llm_arguments(
+            kwargs, model_path, engine_settings, completion_to_prompt
+        )
+        if kwargs.pop("warm_shared_beginning", None) is not None:
+            # Warming and pinning each system turn per call made memory grow with every query
+            # (the context is in the system turn of several chat modes); the engine stores the
+            # leading part of each prompt itself, evictable.
+            warn_deprecated(
+                "KVBoostLLM(warm_shared_beginning=...)",
+                "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
+                "instruction block with llm.warm_prefix(text))",
+            )
         resolved = resolve_engine(
             engine, model_path=model_path, model=model, tokenizer=tokenizer, settings=engine_settings
         )
@@ -290,18 +306,14 @@ class KVBoostLLM(CustomLLM):
 
     def _default_completion_to_prompt(self, prompt: str) -> str:
         """The prompt ``complete`` sends for an unformatted ``prompt``."""
-        return self._completion_prompt(prompt, formatted=False, reuse=False)[0]
+        return self._completion_prompt(prompt, formatted=False)
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], reuse: bool) -> tuple[str, str | None]:
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         if not messages:
             raise ValueError("chat needs at least one message")
-        prompt = self._render_messages(messages)
-        shared = None
-        if reuse and self.warm_shared_beginning:
-            shared = chat_shared_beginning(messages, prompt, self._render_messages, self._engine.token_ids)
-        return prompt, shared
+        return self._render_messages(messages)
 
-    def _completion_prompt(self, prompt: str, formatted: bool, reuse: bool) -> tuple[str, str | None]:
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if not formatted:
             if self._custom_completion_to_prompt:
                 prompt = self.completion_to_prompt(prompt)  # type: ignore[misc]
@@ -309,13 +321,10 @@ class KVBoostLLM(CustomLLM):
                 messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
                 if self.system_prompt:
                     messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
-                return self._chat_prompt(messages, reuse)
+                return self._chat_prompt(messages)
             elif self.system_prompt:
                 prompt = f"{self.system_prompt}\n\n{prompt}"
-        shared = None
-        if reuse and self.warm_shared_beginning:
-            shared = text_shared_beginning(self.system_prompt, prompt, self._engine.token_ids)
-        return prompt, shared
+        return prompt
 
     # -- generation core --------------------------------------------------------------------
 
@@ -335,24 +344,6 @@ class KVBoostLLM(CustomLLM):
             params[_CALL_KEYWORDS[key]] = value
         return params
 
-    def _warm_shared_beginning(self, text: str) -> float:
-        """Warm ``text`` (free when it is warm already: the engine only pins it).
-
-        Returns:
-            The milliseconds spent computing K/V, 0 when nothing was computed.
-        """
-        from kvboost_rag import KVBoostError
-
-        try:
-            result = self._engine.warm(text)
-        except KVBoostError as exc:
-            logger.warning("could not warm the shared beginning (%d chars): %s", len(text), exc)
-            return 0.0
-        if result.already_warm:
-            return 0.0
-        logger.debug("warmed a new shared beginning of %d tokens in %.0f ms", result.num_tokens, result.elapsed_ms)
-        return float(result.elapsed_ms)
-
     @contextmanager
     def _answer(self, prompt: str) -> Iterator[list[str]]:
         """Mark an answer in flight for background warmers; yields documents they hand over."""
@@ -365,17 +356,9 @@ class KVBoostLLM(CustomLLM):
             for warmer in warmers:
                 warmer.answer_finished()
 
-    def _raw(self, result: GenerationResult, prefix_warm_ms: float) -> dict[str, Any]:
-        """The response's ``raw``: usage and the engine's figures.
-
-        ``ttft_ms`` and ``total_ms`` include ``prefix_warm_ms``, the time this call spent
-        computing a new shared beginning before generating (0 when it was warm already), so
-        they stay the wall times the caller saw, as the LangChain classes report them.
-        """
+    def _raw(self, result: GenerationResult) -> dict[str, Any]:
+        """The response's ``raw``: usage and the engine's figures (``ttft_ms``, ``kv_reuse_ratio``, ...)."""
         metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
-        if prefix_warm_ms:
-            metrics["ttft_ms"] = float(metrics["ttft_ms"]) + prefix_warm_ms
-            metrics["total_ms"] = float(metrics["total_ms"]) + prefix_warm_ms
         usage = {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.generated_tokens,
@@ -383,12 +366,11 @@ class KVBoostLLM(CustomLLM):
             "cached_tokens": result.cached_tokens,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         }
-        return {**metrics, "usage": usage, "model": self.model_name, "shared_beginning_warm_ms": prefix_warm_ms}
+        return {**metrics, "usage": usage, "model": self.model_name}
 
-    def _generate(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponse:
+    def _generate(self, prompt: str, overrides: dict[str, Any]) -> CompletionResponse:
         params = self._call_params(overrides)
         with self._answer(prompt) as documents:
-            warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
             result = self._engine.generate(prompt, documents=documents or None, **params)
         logger.debug(
             "generated %d tokens: ttft %.1f ms, reuse %.2f",
@@ -396,14 +378,13 @@ class KVBoostLLM(CustomLLM):
             result.ttft_ms,
             result.kv_reuse_ratio,
         )
-        return CompletionResponse(text=result.output_text, raw=self._raw(result, warm_ms))
+        return CompletionResponse(text=result.output_text, raw=self._raw(result))
 
-    def _stream(self, prompt: str, shared: str | None, overrides: dict[str, Any]) -> CompletionResponseGen:
+    def _stream(self, prompt: str, overrides: dict[str, Any]) -> CompletionResponseGen:
         params = self._call_params(overrides)
 
         def gen() -> CompletionResponseGen:
             with self._answer(prompt) as documents:
-                warm_ms = self._warm_shared_beginning(shared) if shared and params["reuse"] else 0.0
                 stream = self._engine.stream(prompt, documents=documents or None, **params)
                 text = ""
                 try:
@@ -416,22 +397,17 @@ class KVBoostLLM(CustomLLM):
                         close()
                 result = stream.result
             # The last response carries the usage and timing (known once the stream ended).
-            yield CompletionResponse(text=result.output_text, delta="", raw=self._raw(result, warm_ms))
+            yield CompletionResponse(text=result.output_text, delta="", raw=self._raw(result))
 
         return gen()
-
-    def _reuse_of(self, overrides: dict[str, Any]) -> bool:
-        return bool(overrides.get("reuse", self.reuse))
 
     # -- LlamaIndex LLM interface -----------------------------------------------------------
 
     def _complete_sync(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
-        return self._generate(full, shared, kwargs)
+        return self._generate(self._completion_prompt(prompt, formatted), kwargs)
 
     def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
-        return _as_chat(self._generate(prompt, shared, kwargs))
+        return _as_chat(self._generate(self._chat_prompt(messages), kwargs))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -452,8 +428,7 @@ class KVBoostLLM(CustomLLM):
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Stream the completion of ``prompt``; the last response (empty delta) carries ``raw``."""
-        full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
-        return self._stream(full, shared, kwargs)
+        return self._stream(self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -463,8 +438,7 @@ class KVBoostLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Stream the answer to a conversation; the last response carries ``raw``."""
-        prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
-        return _as_chat_stream(self._stream(prompt, shared, kwargs))
+        return _as_chat_stream(self._stream(self._chat_prompt(messages), kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -476,8 +450,7 @@ class KVBoostLLM(CustomLLM):
         """Async ``stream_complete``: tokens are produced in a worker thread."""
 
         def make() -> CompletionResponseGen:
-            full, shared = self._completion_prompt(prompt, formatted, self._reuse_of(kwargs))
-            return self._stream(full, shared, kwargs)
+            return self._stream(self._completion_prompt(prompt, formatted), kwargs)
 
         return iterate_in_thread(make)
 
@@ -491,10 +464,70 @@ class KVBoostLLM(CustomLLM):
         """Async ``stream_chat``: tokens are produced in a worker thread."""
 
         def make() -> ChatResponseGen:
-            prompt, shared = self._chat_prompt(messages, self._reuse_of(kwargs))
-            return _as_chat_stream(self._stream(prompt, shared, kwargs))
+            return _as_chat_stream(self._stream(self._chat_prompt(messages), kwargs))
 
         return iterate_in_thread(make)
+
+
+def _huggingface_llm_arguments(
+    kwargs: dict[str, Any],
+    model_path: str | None,
+    engine_settings: dict[str, Any] | None,
+    completion_to_prompt: Callable[[str], str] | None,
+) -> tuple[str | None, dict[str, Any] | None, Callable[[str], str] | None]:
+    """Map (and remove from ``kwargs``) the arguments ``HuggingFaceLLM`` users type.
+
+    Returns:
+        The model path, engine settings and completion formatter to use.
+
+    Raises:
+        kvboost_rag.InvalidInputError: An argument the engine cannot honour (the message
+            names the alternative), or two arguments that disagree.
+    """
+    name = kwargs.pop("model_name", None)
+    if name is not None:
+        if model_path is not None and str(model_path) != str(name):
+            raise InvalidInputError(f"model_name={name!r} and model_path={model_path!r} disagree; pass one")
+        model_path = str(name)
+    tokenizer_name = kwargs.pop("tokenizer_name", None)
+    if tokenizer_name is not None and str(tokenizer_name) != str(model_path):
+        raise InvalidInputError(
+            f"tokenizer_name={tokenizer_name!r} differs from the model {model_path!r}: kvboost reads prompts with "
+            "the model's own tokenizer; load both yourself and pass model= and tokenizer="
+        )
+    if kwargs.pop("tokenizer_kwargs", None):
+        raise InvalidInputError(
+            "tokenizer_kwargs are not supported; load the tokenizer yourself "
+            "(AutoTokenizer.from_pretrained(..., **kwargs)) and pass model= and tokenizer="
+        )
+    stopping_ids = kwargs.pop("stopping_ids", None)
+    if stopping_ids:
+        raise InvalidInputError(
+            f"stopping_ids={stopping_ids!r} is not supported; pass stop=[...] strings (the model's own EOS "
+            "tokens always end generation)"
+        )
+    settings = dict(engine_settings or {})
+    settings.update(model_settings(kwargs.pop("model_kwargs", None)))
+    device = device_setting(None, kwargs.pop("device_map", None))
+    if device is not None:
+        settings["device"] = device
+    for field, value in generation_fields(kwargs.pop("generate_kwargs", None), "generate_kwargs").items():
+        if field in kwargs and kwargs[field] != value:
+            raise InvalidInputError(f"generate_kwargs[{field!r}]={value!r} and {field}={kwargs[field]!r} disagree; pass one")
+        kwargs[field] = value
+    wrapper = kwargs.pop("query_wrapper_prompt", None)
+    if wrapper is not None:
+        if completion_to_prompt is not None:
+            raise InvalidInputError("pass query_wrapper_prompt or completion_to_prompt, not both")
+        template = str(getattr(wrapper, "template", wrapper))
+        if "{query_str}" not in template:
+            raise InvalidInputError(f"query_wrapper_prompt must contain {{query_str}}, got {template!r}")
+        completion_to_prompt = partial(_wrap_query, template)
+    return model_path, settings or None, completion_to_prompt
+
+
+def _wrap_query(template: str, query: str) -> str:
+    return template.replace("{query_str}", query)
 
 
 class _Formatter:

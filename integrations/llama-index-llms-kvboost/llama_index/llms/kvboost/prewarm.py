@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.schema import BaseNode, TransformComponent
-from llama_index.core.utils import get_tqdm_iterable
 from llama_index.llms.kvboost.formatting import node_prompt_text
+from tqdm.auto import tqdm
 
 from kvboost_rag.deprecation import renamed_module_attribute
 from kvboost_rag.engine_registry import engine_of
@@ -105,7 +105,14 @@ class KVBoostPrewarmer(TransformComponent):
             "the model's context window when built on an engine."
         ),
     )
-    batch_size: int = Field(default=8, gt=0, description="Node texts handed to the engine per call.")
+    batch_size: int = Field(
+        default=16,
+        gt=0,
+        description=(
+            "Node texts handed to the engine per call (the engine runs several through the model "
+            "per forward pass, up to its warm_batch_tokens setting)."
+        ),
+    )
     show_progress: bool | None = Field(
         default=None,
         description=(
@@ -193,9 +200,12 @@ class KVBoostPrewarmer(TransformComponent):
         show = kwargs.get("show_progress", self.show_progress)
         if show is None:
             show = len(texts) >= AUTO_PROGRESS_MIN_NODES
-        batches = [texts[i : i + self.batch_size] for i in range(0, len(texts), self.batch_size)]
-        for batch in get_tqdm_iterable(batches, bool(show), "Warming nodes"):
-            self._warm_batch(batch, stats)
+        # The bar counts nodes (not batches); the engine batches each call through the model.
+        with tqdm(total=len(texts), desc="Warming nodes", unit="node", disable=not show) as bar:
+            for i in range(0, len(texts), self.batch_size):
+                batch = texts[i : i + self.batch_size]
+                self._warm_batch(batch, stats)
+                bar.update(len(batch))
         stats.elapsed_ms = (time.perf_counter() - started) * 1000.0
         self._last_stats = stats
         logger.info(

@@ -1,0 +1,139 @@
+"""Warming many documents through the model a batch at a time.
+
+A one-by-one warm prefills ``document context + document`` on top of the context's stored
+K/V and stores the document's chunks. :class:`BatchWarmer` does the same for several
+documents in one forward pass: the context's K/V is repeated once per row, the documents are
+right-padded to one length and run at the positions a one-by-one warm gives them. Attention is
+causal, so a document's tokens never see the padding after them, and each document's K/V is
+the one a one-by-one warm computes (to float rounding: the matrix shapes differ). Each row is
+then handed to :meth:`~kvboost_rag.cache_manager.CacheManager.write_back` with the document's
+own plan, exactly as a one-by-one warm stores it.
+
+Models whose layers do not all attend globally (sliding windows, interleaved local layers)
+are warmed one by one: their cache layers keep per-layer windows a plain batch would ignore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvboost_rag.cache_manager import CacheManager
+from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.outcome import PrefillOutcome
+from kvboost_rag.plan import PromptPlan
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """One document to compute: its plan (document context, then the document's tokens).
+
+    Attributes:
+        index: Position of the document in the caller's list.
+        plan: The plan a one-by-one warm builds (the context as the lookup limit).
+    """
+
+    index: int
+    plan: PromptPlan
+
+
+def batchable(adapter: ModelAdapter) -> bool:
+    """Whether every layer of the model attends globally (so rows may share one plain batch)."""
+    layer_types = set(getattr(adapter.config, "layer_types", None) or ["full_attention"])
+    return adapter.sliding_window is None and layer_types == {"full_attention"}
+
+
+def batches(jobs: Sequence[WarmJob], max_tokens: int) -> list[list[WarmJob]]:
+    """Group jobs, shortest first, so that rows x padded length stays within ``max_tokens``.
+
+    A job longer than ``max_tokens`` gets a batch of its own.
+    """
+    ordered = sorted(jobs, key=lambda job: job.plan.num_tokens)
+    groups: list[list[WarmJob]] = []
+    for job in ordered:
+        if groups and (len(groups[-1]) + 1) * job.plan.num_tokens <= max_tokens:
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    return groups
+
+
+class BatchWarmer:
+    """Computes and stores several documents behind the same document context per forward.
+
+    Args:
+        adapter: The model adapter.
+        cache: The cache manager (prefix lookup of the context, write-back of each document).
+    """
+
+    def __init__(self, adapter: ModelAdapter, cache: CacheManager) -> None:
+        self.adapter = adapter
+        self.cache = cache
+
+    @torch.inference_mode()
+    def run(self, jobs: Sequence[WarmJob]) -> dict[int, int] | None:
+        """Compute one batch of documents and store their chunks.
+
+        Args:
+            jobs: Documents planned behind the same document context.
+
+        Returns:
+            New document tokens stored, by job index; ``None`` when the context is not stored
+            whole (the caller warms those documents one by one).
+        """
+        plan0 = jobs[0].plan
+        pieces = self.cache.match_prefix(plan0)
+        h = sum(piece.length for piece in pieces)
+        if h != plan0.lookup_limit or any(job.plan.lookup_limit != h for job in jobs):
+            return None
+        layers, heads, dim = self.adapter.num_layers, self.adapter.layout.kv_heads, self.adapter.layout.head_dim
+        lead_keys = torch.empty((layers, heads, h, dim), dtype=self.adapter.dtype, device=self.adapter.device)
+        lead_values = torch.empty_like(lead_keys)
+        for piece in pieces:
+            end = piece.start + piece.length
+            lead_keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+            lead_values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
+
+        rows = len(jobs)
+        width = max(job.plan.num_tokens for job in jobs) - h
+        input_ids = torch.zeros((rows, width), dtype=torch.long)
+        for r, job in enumerate(jobs):
+            ids = job.plan.tokens.ids[h:]
+            input_ids[r, : len(ids)] = torch.tensor(ids)
+            input_ids[r, len(ids) :] = ids[-1]  # padding after the document: never attended to
+        positions = torch.arange(h, h + width).expand(rows, width)
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (lead_keys[i : i + 1].expand(rows, -1, -1, -1).contiguous(), lead_values[i : i + 1].expand(rows, -1, -1, -1).contiguous())
+                for i in range(layers)
+            ]
+        )
+        self.adapter.model(
+            input_ids=input_ids.to(self.adapter.device),
+            position_ids=positions.to(self.adapter.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        stored: dict[int, int] = {}
+        for r, job in enumerate(jobs):
+            n = job.plan.num_tokens
+            keys = torch.stack([cache.layers[i].keys[r, :, :n] for i in range(layers)])
+            values = torch.stack([cache.layers[i].values[r, :, :n] for i in range(layers)])
+            outcome = PrefillOutcome(
+                logits=None,
+                cache=None,
+                keys=keys,
+                values=values,
+                prefix_tokens=h,
+                prefix_keys=tuple(piece.key for piece in pieces),
+                documents=job.plan.documents_after(h),
+                live_tokens=n - h,
+                exact_until=n,
+                strategy="exact",
+            )
+            stored[job.index] = self.cache.write_back(job.plan, outcome, store_documents=True).document_tokens
+        return stored

@@ -1,0 +1,100 @@
+"""Warming documents a batch at a time stores the K/V a one-by-one warm stores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost_rag import KVBoost
+from kvboost_rag.batch_warm import BatchWarmer, batchable, batches
+from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.hashing import text_digest
+from kvboost_rag.testing import tiny_model
+
+#: Float rounding differs between a batch and single rows (other matrix shapes), nothing else.
+ATOL = 1e-5
+
+
+def _documents() -> list[str]:
+    # Different lengths, so rows are padded, and some longer than one chunk.
+    return [text[: 120 + 70 * i] for i, text in enumerate(python_reference_documents(max_chars=900)[:6])]
+
+
+def _stored(engine: KVBoost, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    record = engine._cache.registry.get(text_digest(text))
+    assert record is not None
+    blocks = [engine._cache.load(key) for key in record.chunk_keys]
+    assert all(block is not None for block in blocks)
+    return [(block.keys, block.values) for block in blocks]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_batched_warm_stores_what_one_by_one_warm_stores(tokenizer, family: str, monkeypatch) -> None:
+    model = tiny_model(family)
+    one = KVBoost.from_model(model, tokenizer, chunk_size=32, show_progress=False, warm_batch_tokens=0)
+    many = KVBoost.from_model(model, tokenizer, chunk_size=32, show_progress=False)
+    calls: list[int] = []
+    real_run = BatchWarmer.run
+    monkeypatch.setattr(BatchWarmer, "run", lambda self, jobs: calls.append(len(jobs)) or real_run(self, jobs))
+    texts = _documents()
+    singles = one.warm_documents(texts)
+    batched = many.warm_documents(texts)
+    assert calls and max(calls) > 1, "the documents were not batched"
+    assert [r.new_tokens for r in batched] == [r.new_tokens for r in singles] == [one.count_tokens(t) for t in texts]
+    for text in texts:
+        for (k1, v1), (k2, v2) in zip(_stored(one, text), _stored(many, text), strict=True):
+            assert k1.shape == k2.shape
+            torch.testing.assert_close(k2, k1, atol=ATOL, rtol=1e-4)
+            torch.testing.assert_close(v2, v1, atol=ATOL, rtol=1e-4)
+    again = many.warm_documents(texts)
+    assert all(r.already_warm and r.new_tokens == 0 for r in again)
+
+
+def test_batches_respect_the_token_budget_and_keep_every_job() -> None:
+    class Plan:
+        def __init__(self, n: int) -> None:
+            self.num_tokens = n
+
+    class Job:
+        def __init__(self, index: int, n: int) -> None:
+            self.index, self.plan = index, Plan(n)
+
+    jobs = [Job(i, n) for i, n in enumerate([50, 300, 40, 120, 60, 900])]
+    groups = batches(jobs, 400)
+    assert sorted(j.index for g in groups for j in g) == list(range(6))
+    assert all(len(g) * max(j.plan.num_tokens for j in g) <= 400 or len(g) == 1 for g in groups)
+    assert [len(g) for g in groups] == [3, 1, 1, 1]
+
+
+def test_models_with_sliding_windows_are_warmed_one_by_one(tokenizer) -> None:
+    engine = KVBoost.from_model(tiny_model("gemma2"), tokenizer, chunk_size=32, show_progress=False)
+    assert not batchable(engine._adapter)
+    results = engine.warm_documents(_documents()[:3])
+    assert all(engine.is_document_warm(t) for t in _documents()[:3]) and all(r.new_tokens > 0 for r in results)
+
+
+def test_progress_counts_documents(tokenizer, monkeypatch) -> None:
+    import kvboost_rag.engine as engine_module
+
+    totals: list[tuple[int, int]] = []
+    real = engine_module.tqdm
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def close(self) -> None:
+            totals.append((self.total, self.n))
+            super().close()
+
+    monkeypatch.setattr(engine_module, "tqdm", Recording)
+    engine = KVBoost.from_model(tiny_model("llama"), tokenizer, chunk_size=32, show_progress=False)
+    engine.warm_documents(_documents()[:2])
+    engine.warm_documents(_documents(), show_progress=True)
+    assert totals and totals[-1] == (6, 6)  # documents, not batches
+
+
+def test_a_text_repeated_in_one_call_is_computed_once(tokenizer) -> None:
+    engine = KVBoost.from_model(tiny_model("llama"), tokenizer, chunk_size=32, show_progress=False)
+    text = _documents()[1]
+    first, repeat = engine.warm_documents([text, text])
+    n = engine.count_tokens(text)
+    assert (first.new_tokens, first.already_warm) == (n, False)
+    assert (repeat.new_tokens, repeat.cached_tokens, repeat.already_warm) == (0, n, True)
