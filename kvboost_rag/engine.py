@@ -485,7 +485,8 @@ class KVBoost:
             if options.reuse:
                 self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
         token_ids = assembler.trimmed_token_ids()
-        cached = outcome.prefix_tokens + outcome.content_tokens
+        # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
+        cached = outcome.prefix_tokens + outcome.content_tokens - outcome.recomputed_tokens
         stream.result = GenerationResult(
             output_text=assembler.text,
             token_ids=token_ids,

@@ -46,10 +46,12 @@ class GenerationResult(BaseModel):
             stitching, re-rotation, repair and prefill included.
         total_ms: Wall time of the whole call.
         prompt_tokens: Tokens in the prompt.
-        cached_tokens: Prompt tokens whose K/V came from cache (prefix + content hits).
+        cached_tokens: Prompt tokens whose K/V was loaded from cache and used as loaded: prefix
+            hits plus content hits, less the tokens the repair recomputed in this call.
         prefix_hit_tokens: Tokens served exactly by prefix hash.
         content_hit_tokens: Document tokens served by content hash (re-rotated).
-        recomputed_tokens: Content-hit tokens recomputed by the repair.
+        recomputed_tokens: Content-hit tokens recomputed by the repair (with
+            ``blend_stages > 1``, the mean per layer).
         recompute_ratio: ``recomputed_tokens / content_hit_tokens``: the repair budget used
             (with ``recompute_ratio="auto"``, chosen for this prompt).
         live_tokens: Prompt tokens computed because nothing was cached for them.

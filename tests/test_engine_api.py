@@ -317,3 +317,13 @@ def test_pinned_overflow_evicts_the_oldest_pin_with_one_warning(caplog):
         assert len(tier) == 2 and f"x{i}" in tier
     records = [r for r in caplog.records if "pinned" in r.getMessage()]
     assert len(records) == 1
+
+
+def test_tokens_the_repair_recomputes_do_not_count_as_read_from_cache(make_engine, docs):
+    engine = make_engine("llama", recompute_ratio=0.3)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    result = engine.generate(rag_prompt([docs[2], docs[0], docs[3], docs[1]]), max_new_tokens=1)
+    assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
+    assert result.cached_tokens == result.prefix_hit_tokens + result.content_hit_tokens - result.recomputed_tokens
+    assert result.kv_reuse_ratio == pytest.approx(result.cached_tokens / result.prompt_tokens)

@@ -66,7 +66,7 @@ def _check_query(chat: ChatKVBoost, meta: dict[str, Any], documents: list[str]) 
     assert meta["documents_found"] == len(documents)
     assert meta["content_hit_tokens"] >= MIN_DOCUMENT_HIT_SHARE * document_tokens
     # Honest counters: only loaded tokens, never more than the prompt minus its last token.
-    assert meta["cached_tokens"] == meta["prefix_hit_tokens"] + meta["content_hit_tokens"] < meta["prompt_tokens"]
+    assert meta["cached_tokens"] == meta["prefix_hit_tokens"] + meta["content_hit_tokens"] - meta["recomputed_tokens"] < meta["prompt_tokens"]
     return max(0, meta["prompt_tokens"] - document_tokens)
 
 
