@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             record(
                 name,
                 ttft=res.ttft_ms,
-                reuse=res.kv_reuse_ratio,
+                reuse=(res.prefix_hit_tokens + res.content_hit_tokens) / res.prompt_tokens,
                 kl=kl,
                 top1=float(full.first_token_logits.argmax() == res.first_token_logits.argmax()),
                 greedy=agreement(full.token_ids, res.token_ids),
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         f"warm={warm_s:.1f}s ({len(pool)} docs)\n"
     )
     print(
-        "| method | median TTFT ms | speedup | reuse | recomputed | mean KL | median KL | top-1 | "
+        "| method | median TTFT ms | speedup | loaded | recomputed | mean KL | median KL | top-1 | "
         "greedy agree | identical | exact match | KL > none |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
