@@ -16,7 +16,8 @@ from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.document_shelf import DocumentShelf, record_from_entry, record_to_entry
 from kvboost_rag.kv_codec import CorruptEntryError
 from kvboost_rag.segments import make_record
-from kvboost_rag.storage import MemoryTier, TieredStore
+from kvboost_rag.testing import tiny_model
+from kvboost_rag.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 PER_TOKEN = 2 * 3 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 of the tiny llama
@@ -50,7 +51,7 @@ def test_registry_and_prefix_index_stay_within_the_memory_budget(make_engine, to
 
 
 def test_fresh_engine_over_the_same_disk_folder_finds_stored_documents(tokenizer, docs, tmp_path):
-    model = __import__("kvboost_rag.testing", fromlist=["tiny_model"]).tiny_model("llama")
+    model = tiny_model("llama")
     first = _engine(model, tokenizer, disk_cache_dir=tmp_path)
     first.warm(SYSTEM_PROMPT)
     first.warm_documents(docs[:3])
@@ -64,7 +65,7 @@ def test_fresh_engine_over_the_same_disk_folder_finds_stored_documents(tokenizer
 
 
 def test_warming_stored_documents_in_a_fresh_engine_reads_no_kv(tokenizer, docs, tmp_path):
-    model = __import__("kvboost_rag.testing", fromlist=["tiny_model"]).tiny_model("llama")
+    model = tiny_model("llama")
     first = _engine(model, tokenizer, disk_cache_dir=tmp_path, warm_prefix=SYSTEM_PROMPT)
     first.warm_documents(docs[:3])
 
@@ -110,3 +111,38 @@ def test_shelf_lists_only_its_own_fingerprint(tokenizer, docs):
     mine.save(make_record(docs[0], enc["input_ids"], enc["offset_mapping"], "fp-a", 16))
     assert len(list(mine.stored())) == 1
     assert list(theirs.stored()) == []
+
+
+def _kv(tokens: int) -> StoredEntry:
+    return StoredEntry(tensors={"keys": torch.zeros(tokens, 8)})
+
+
+def test_memory_reservation_counts_against_the_budget_and_evicts():
+    tier = MemoryTier(max_bytes=4 * 32 * 10)
+    for i in range(4):
+        tier.put(f"k{i}", _kv(10))
+    assert tier.used_bytes == 4 * 320
+    evicted = tier.reserve("indexes", 500)
+    assert len(evicted) == 2 and len(tier) == 2
+    assert tier.used_bytes == 2 * 320 + 500 <= tier.max_bytes
+    assert tier.put("big", _kv(30)) == [] and "big" not in tier  # 960 > 1280 - 500
+    tier.reserve("indexes", 0)
+    assert tier.used_bytes == 2 * 320
+
+
+def test_store_reports_keys_that_left_every_tier(tmp_path):
+    memory = MemoryTier(max_bytes=320)
+    store = TieredStore([memory, DiskTier(tmp_path, max_bytes=10**6)])
+    gone: list[str] = []
+    store.on_gone(gone.append)
+    store.put("a", _kv(10))
+    store.put("b", _kv(10))  # evicts "a" from memory only: the disk still holds it
+    assert "a" not in memory and gone == []
+    store.delete("a")
+    assert gone == ["a"]
+    only_memory = TieredStore([MemoryTier(max_bytes=320)])
+    only_memory.on_gone(gone.append)
+    only_memory.put("c", _kv(10))
+    only_memory.put("d", _kv(10))
+    assert gone == ["a", "c"]
+    assert sorted(store.keys_with_prefix("b")) == ["b"]
