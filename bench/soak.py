@@ -13,6 +13,12 @@ the soak run must be token-for-token the answer of the sequential reference.
 
 Run: ``python bench/soak.py`` (tiny random-weight model, about a minute), or
 ``python bench/soak.py --real`` for the embedded SmolLM2-135M-Instruct.
+
+``python bench/soak.py --sustained`` runs the sustained soak instead
+(:mod:`soak_sustained`): novel RAG queries over a corpus prewarmed to disk and far larger than
+memory, read by a fresh engine; the reuse ratio per window must not decay and RSS must stay
+flat. Its defaults are a scaled run of a few minutes on one thread; the full run is
+``--sustained --corpus-docs 2000 --queries 1000 --window 100``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from soak_sustained import add_arguments as add_sustained_arguments
+from soak_sustained import run_sustained
 
 logger = logging.getLogger("soak")
 
@@ -183,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    add_sustained_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -192,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sustained:
+        return run_sustained(args)
     docs = python_reference_documents(max_chars=args.doc_chars)
     workload = build_workload(docs, args.calls, args.docs_per_prompt, args.seed)
     reference, soak_model = make_reference(args)

@@ -8,6 +8,12 @@ Two kinds of entries, both cut into ``chunk_size`` pieces and stored through the
   document's own first token. Their K/V is re-rotated and repaired where reused.
 
 Every key comes from a :class:`~kvboost_rag.plan.PromptPlan`; this module hashes nothing.
+
+What finds entries lives within the same budgets as the entries: document records are
+stored in the tiers (:class:`~kvboost_rag.document_shelf.DocumentShelf`), so a fresh process
+over the same disk folder or Redis finds stored documents; the in-process indexes (the
+registry's anchors and the :class:`~kvboost_rag.prefix_index.PrefixIndex`) count against
+``max_cache_bytes`` and drop what no tier holds any more.
 """
 
 from __future__ import annotations
@@ -21,15 +27,20 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.document_shelf import DocumentShelf
 from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
+from kvboost_rag.prefix_index import PrefixIndex
 from kvboost_rag.segments import DocumentRecord, DocumentRegistry
 from kvboost_rag.storage import TieredStore
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
+
+#: Owner name of the indexes' reservation in the memory tier.
+INDEX_RESERVATION = "indexes"
 
 
 @dataclass(frozen=True)
@@ -82,12 +93,49 @@ class CacheManager:
         self.fingerprint = fingerprint
         self.layout = layout
         self.settings = settings
-        self.registry = DocumentRegistry()
+        self.shelf = DocumentShelf(store, fingerprint, settings.chunk_size)
+        self.registry = DocumentRegistry(self.shelf)
+        self.prefix_index = PrefixIndex()
         self._device, self._dtype = device, dtype
-        # parent prefix key -> {child key: child tokens}; finds partial (non-grid) chunks
-        self._children: dict[str, dict[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        store.on_gone(self._forget)
+        self.attach_stored_documents()
+
+    # ------------------------------------------------------------------ indexes
+    def attach_stored_documents(self) -> int:
+        """Index every document record the tiers hold (written by this process or another);
+        reads key names only.
+
+        Returns:
+            Documents indexed.
+        """
+        for anchor, digest in self.shelf.stored():
+            self.registry.add_known(anchor, digest)
+        self.charge_indexes()
+        return len(self.registry)
+
+    def register(self, record: DocumentRecord) -> None:
+        """Store a document's record and index it."""
+        self.registry.register(record)
+        self.charge_indexes()
+
+    @property
+    def index_bytes(self) -> int:
+        """Estimated bytes of the in-process indexes (counted in the memory budget)."""
+        return self.registry.nbytes + self.prefix_index.nbytes
+
+    def charge_indexes(self) -> None:
+        """Count the indexes' bytes against the memory budget (evicting entries if needed)."""
+        self.store.reserve(INDEX_RESERVATION, self.index_bytes)
+
+    def _forget(self, key: str) -> None:
+        """A key left every tier: drop what describes it."""
+        parsed = self.shelf.parse_key(key)
+        if parsed is not None:
+            self.registry.forget(*parsed)
+        else:
+            self.prefix_index.drop(key)
 
     # ------------------------------------------------------------------ blocks
     def load(self, key: str) -> KVBlock | None:
@@ -147,8 +195,7 @@ class CacheManager:
         return pieces
 
     def _partial_prefix(self, parent: str, ids: Sequence[int], pos: int, end: int) -> PrefixPiece | None:
-        with self._lock:
-            children = list(self._children.get(parent, {}).items())
+        children = self.prefix_index.children(parent)
         best: tuple[int, str] | None = None
         for key, tokens in children:
             length = 0
@@ -161,8 +208,7 @@ class CacheManager:
             return None
         block = self.load(best[1])
         if block is None:
-            with self._lock:
-                self._children.get(parent, {}).pop(best[1], None)
+            self.prefix_index.drop(best[1])
             return None
         return PrefixPiece(best[1], pos, best[0], block)
 
@@ -199,8 +245,8 @@ class CacheManager:
                 )
                 prefix_tokens += chunk.length
                 saved += 1
-            with self._lock:
-                self._children.setdefault(chunk.parent, {})[chunk.key] = tuple(ids[chunk.start : chunk.stop])
+            if self.store.contains(chunk.key):  # not stored when larger than every budget
+                self.prefix_index.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
             served.append(chunk.key)
         if pin:
             for key in served:
@@ -229,6 +275,7 @@ class CacheManager:
                     document_tokens += length
         if saved or stored_chunks:
             self._count({"stored_entries": saved + len(stored_chunks)})
+        self.charge_indexes()
         return WriteBack(prefix_tokens, document_tokens, tuple(stored_chunks))
 
     # ------------------------------------------------------------------ counters
@@ -252,6 +299,6 @@ class CacheManager:
     def clear(self) -> None:
         """Drop every entry and index."""
         self.store.clear()
-        with self._lock:
-            self._children.clear()
-        self.registry = DocumentRegistry()
+        self.prefix_index.clear()
+        self.registry = DocumentRegistry(self.shelf)
+        self.charge_indexes()

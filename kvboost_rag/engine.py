@@ -23,7 +23,7 @@ from kvboost_rag.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from kvboost_rag.hashing import root_hash, text_digest
+from kvboost_rag.hashing import root_hash
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.missed_documents import explain_missed_documents
 from kvboost_rag.model_adapter import ModelAdapter
@@ -252,12 +252,13 @@ class KVBoost:
         return build_plan(tokens, root=self._root, chunk_size=self.settings.chunk_size, **options)
 
     def _document_record(self, text: str) -> DocumentRecord:
-        """The registry's record for ``text``, tokenizing and registering it if new."""
-        record = self._cache.registry.get(text_digest(text))
+        """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new
+        one, tokenized, stored and registered."""
+        record = self._cache.registry.lookup(text)
         if record is None:
             ids, offsets = self.token_ids_with_offsets(text)
             record = make_record(text, ids, offsets, self.fingerprint, self.settings.chunk_size)
-            self._cache.registry.register(record)
+            self._cache.register(record)
         return record
 
     # ------------------------------------------------------------------ warming
@@ -265,7 +266,7 @@ class KVBoost:
         """Cache ``text`` as a shared beginning (system prompt); prompts starting with it hit exactly.
 
         Warmed beginnings are pinned: eviction leaves them alone while room allows. Warming a
-        text already stored computes and writes nothing (it only pins). Unless
+        text already stored computes and writes nothing (it loads and pins). Unless
         ``warm_prefix`` is set, documents warmed afterwards are computed behind the most
         recently warmed text.
         """
@@ -306,8 +307,10 @@ class KVBoost:
 
         Each document is computed behind :attr:`document_context` (so its first tokens are not
         attention sinks; ideally the system prompt that precedes documents in your prompts)
-        and stored in ``chunk_size`` pieces. Documents already cached are registered without
-        computing anything. A document longer than the context window is warmed up to it
+        and stored in ``chunk_size`` pieces, beside a record of its text and tokens that lets
+        any process over the same disk folder or Redis find it in prompts. Documents already
+        cached (by this process or another) are registered without computing anything, and
+        without reading their K/V. A document longer than the context window is warmed up to it
         (``WarmResult.skipped_tokens`` counts the rest).
 
         Args:
@@ -334,8 +337,12 @@ class KVBoost:
                 ANCHOR_CHARS,
             )
         progress = self.settings.show_progress if show_progress is None else show_progress
-        lead = self._lead_in()
-        warms = [self._plan_document_warm(text, lead) for text in texts]
+        records = [self._document_record(text) for text in texts]
+        # The lead-in is warmed only when some document needs computing: warming stored
+        # documents reads their records, no K/V.
+        needs_compute = any(self._cache.missing_chunks(record) for record in records)
+        lead = self._lead_in() if needs_compute else None
+        warms = [self._plan_document_warm(record, lead) for record in records]
         first: dict[str, int] = {}
         for i, warm in enumerate(warms):
             if warm.job is None:
@@ -374,13 +381,13 @@ class KVBoost:
         return self._cache.write_back(plan, outcome, store_documents=True).document_tokens
 
     def is_document_warm(self, text: str) -> bool:
-        """Whether every chunk of ``text`` is cached and the document is registered.
+        """Whether every chunk of ``text`` is cached and its record is stored.
 
-        A read-only check: it registers nothing.
+        A read-only check: it stores and computes nothing.
         """
         if not isinstance(text, str) or not text:
             return False
-        record = self._cache.registry.get(text_digest(text))
+        record = self._cache.registry.lookup(text)
         return record is not None and not self._cache.missing_chunks(record)
 
     def _lead_in(self) -> PromptTokens:
@@ -391,12 +398,13 @@ class KVBoost:
         self._warm_beginning(lead_in)
         return self._prompt_tokens(lead_in, "document context")
 
-    def _plan_document_warm(self, text: str, lead: PromptTokens) -> _DocumentWarm:
-        """What warming ``text`` behind ``lead`` takes: nothing when its chunks are stored, else
-        a plan of the lead-in then the document's own tokens (a warm is a prefill with no
-        decoding)."""
+    def _plan_document_warm(self, record: DocumentRecord, lead: PromptTokens | None) -> _DocumentWarm:
+        """What warming ``record`` behind ``lead`` takes: nothing when its chunks are stored,
+        else a plan of the lead-in then the document's own tokens (a warm is a prefill with no
+        decoding; ``lead`` is ``None`` only when no document of the call needs computing)."""
         start = time.perf_counter()
-        record = self._document_record(text)
+        text = record.text
+        lead = lead if lead is not None else PromptTokens("", [], [])
         n = len(record.token_ids)
         size = record.chunk_size
         usable = max(0, min(n, self.context_window - len(lead) - 1))
@@ -614,6 +622,14 @@ class KVBoost:
             pairs.append((full, reused))
         return compare_runs(pairs, kl_tolerance)
 
+    def refresh_documents(self) -> int:
+        """Find the documents other processes stored in the shared disk folder or Redis since
+        this engine started (an engine finds those stored before it started on its own).
+
+        Reads key names only. Returns the number of documents now known.
+        """
+        return self._cache.attach_stored_documents()
+
     def cache_stats(self) -> CacheStats:
         """Counters of the cache and its tiers."""
         store = self._cache.store
@@ -621,6 +637,8 @@ class KVBoost:
         return CacheStats(
             entries=len(list(memory.keys())),
             memory_bytes=memory.used_bytes,
+            index_bytes=self._cache.index_bytes,
+            prefix_index_entries=len(self._cache.prefix_index),
             documents=len(self._cache.registry),
             tiers=store.stats(),
             misses=store.misses,

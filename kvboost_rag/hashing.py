@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from collections.abc import Iterable, Sequence
 
 _PREFIX_DOMAIN = b"kvboost-rag/prefix/v1"
@@ -68,6 +69,15 @@ def content_hash_chain(fingerprint: str, chunks: Iterable[Sequence[int]]) -> lis
 def text_digest(text: str) -> str:
     """SHA-256 hex digest of a string (document identity in the registry)."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def anchor_hash(anchor: str) -> int:
+    """Stable 32-bit hash of a document's first characters (the same in every process).
+
+    Indexes documents by where they start; a hit is always confirmed against the text, so a
+    collision costs one extra comparison, never a wrong match.
+    """
+    return zlib.crc32(anchor.encode("utf-8", "surrogatepass"))
 
 
 def fingerprint_of(parts: Iterable[str | bytes]) -> str:

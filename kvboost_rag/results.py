@@ -122,9 +122,13 @@ class CacheStats(BaseModel):
     """Counters of the cache.
 
     Attributes:
-        entries: Entries in the memory tier.
-        memory_bytes: Bytes held by the memory tier.
-        documents: Documents in the registry.
+        entries: Entries in the memory tier (K/V chunks and document records).
+        memory_bytes: Bytes held by the memory tier, the indexes' bytes included
+            (all within ``max_cache_bytes``).
+        index_bytes: Estimated bytes of the in-process indexes (document anchors, prefix
+            index).
+        prefix_index_entries: Stored prefix chunks in the prefix index.
+        documents: Documents the engine can find in prompts (their records are stored).
         tiers: Per-tier hits, evictions and bytes.
         misses: Lookups no tier could answer.
         counters: Engine counters (prefix/content hit tokens, boundary merges, ...).
@@ -132,6 +136,8 @@ class CacheStats(BaseModel):
 
     entries: int
     memory_bytes: int
+    index_bytes: int = 0
+    prefix_index_entries: int = 0
     documents: int
     tiers: dict[str, dict[str, int]]
     misses: int

@@ -3,7 +3,9 @@
 Documents are known to a :class:`DocumentRegistry` (warmed, or passed by the caller). They
 are found in a prompt *string* by an anchor index over their first characters, scanning the
 prompt once (time linear in the prompt's length, independent of the corpus size), in any order
-and at any offset. A document that lands only partly (a leading part) still matches that part.
+and at any offset. The registry indexes; the full records live on a shelf (the cache's tiers
+in an engine, see :mod:`kvboost_rag.document_shelf`). A document that lands only partly (a
+leading part) still matches that part.
 
 A match is then aligned in token space: the prompt is tokenized once, as full prefill sees
 it, and a document token counts as found only where the prompt holds the same token id over
@@ -13,11 +15,13 @@ prompt's tokens differ; those become live tokens (:attr:`DocumentOccurrence.merg
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvboost_rag.hashing import content_hash_chain, text_digest
+from kvboost_rag.hashing import anchor_hash, content_hash_chain, text_digest
 
 #: Characters of a document's start that index it. Shorter documents are found only when
 #: passed explicitly to ``generate(documents=...)``.
@@ -114,35 +118,114 @@ def common_prefix_length(text: str, start: int, other: str) -> int:
     return low
 
 
-class DocumentRegistry:
-    """Documents the engine can recognise in prompts, indexed by their first characters."""
+class RecordShelf(Protocol):
+    """Where a registry keeps its full records (text, tokens, spans)."""
+
+    def save(self, record: DocumentRecord) -> None:
+        """Keep ``record``."""
+
+    def load(self, anchor: int, digest: str) -> DocumentRecord | None:
+        """The record with this anchor hash and text digest, or ``None`` if not kept."""
+
+
+class HeldRecords:
+    """A shelf in process memory (unbounded; for plans built without a cache)."""
 
     def __init__(self) -> None:
         self._records: dict[str, DocumentRecord] = {}
-        self._anchors: dict[str, list[str]] = {}
+
+    def save(self, record: DocumentRecord) -> None:
+        self._records[record.digest] = record
+
+    def load(self, anchor: int, digest: str) -> DocumentRecord | None:
+        return self._records.get(digest)
+
+
+#: Estimated bytes of one anchor index entry (dict slot, anchor int, digest string, list).
+ANCHOR_ENTRY_BYTES = sys.getsizeof(2**31) + sys.getsizeof("0" * 64) + sys.getsizeof([0]) + 104
+
+
+def anchor_of(text: str) -> int:
+    """The anchor hash of a document (of its first :data:`ANCHOR_CHARS` characters)."""
+    return anchor_hash(text[:ANCHOR_CHARS])
+
+
+class DocumentRegistry:
+    """Documents the engine can recognise in prompts, indexed by their first characters.
+
+    The registry holds only the anchor index (anchor hash -> text digests); full records stay
+    on a :class:`RecordShelf` and are read when a prompt holds their anchor. With the
+    engine's shelf (the cache's tiers) records are bounded by the cache budgets and found by
+    any process over the same store; the default shelf keeps them in memory.
+
+    Args:
+        shelf: Where records are kept (default: :class:`HeldRecords`).
+    """
+
+    def __init__(self, shelf: RecordShelf | None = None) -> None:
+        self.shelf: RecordShelf = shelf if shelf is not None else HeldRecords()
+        self._anchors: dict[int, list[str]] = {}
+        self._count = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._records)
+        with self._lock:
+            return self._count
 
-    def __contains__(self, digest: object) -> bool:
-        return digest in self._records
+    @property
+    def nbytes(self) -> int:
+        """Estimated bytes of the anchor index."""
+        return len(self) * ANCHOR_ENTRY_BYTES
 
-    def get(self, digest: str) -> DocumentRecord | None:
-        """The record with this text digest, if registered."""
-        return self._records.get(digest)
+    def known(self) -> list[tuple[int, str]]:
+        """``(anchor, digest)`` of every indexed document."""
+        with self._lock:
+            return [(anchor, digest) for anchor, digests in self._anchors.items() for digest in digests]
+
+    def lookup(self, text: str) -> DocumentRecord | None:
+        """The record of ``text`` if the shelf keeps it (indexing it when it is new here,
+        for example stored by another process)."""
+        digest = text_digest(text)
+        anchor = anchor_of(text)
+        record = self.shelf.load(anchor, digest)
+        if record is not None and record.text == text:
+            self.add_known(anchor, digest, len(text))
+            return record
+        return None
 
     def register(self, record: DocumentRecord) -> None:
-        """Add a document (idempotent)."""
+        """Keep a document on the shelf and index it (idempotent)."""
+        self.shelf.save(record)
+        self.add_known(anchor_of(record.text), record.digest, len(record.text))
+
+    def add_known(self, anchor: int, digest: str, length: int = ANCHOR_CHARS) -> None:
+        """Index a document whose record is on the shelf (``length``: its characters; shorter
+        documents than :data:`ANCHOR_CHARS` are not indexed)."""
+        if length < ANCHOR_CHARS:
+            return
         with self._lock:
-            if record.digest in self._records:
+            digests = self._anchors.setdefault(anchor, [])
+            if digest not in digests:
+                digests.append(digest)
+                self._count += 1
+
+    def forget(self, anchor: int, digest: str) -> None:
+        """Drop a document from the index (its record left the shelf)."""
+        with self._lock:
+            digests = self._anchors.get(anchor)
+            if digests is None or digest not in digests:
                 return
-            self._records[record.digest] = record
-            if len(record.text) >= ANCHOR_CHARS:
-                self._anchors.setdefault(record.text[:ANCHOR_CHARS], []).append(record.digest)
+            digests.remove(digest)
+            self._count -= 1
+            if not digests:
+                del self._anchors[anchor]
 
     def find(self, prompt: str, explicit: Sequence[DocumentRecord] = (), start: int = 0) -> list[DocumentOccurrence]:
         """Find registered and explicitly given documents in ``prompt``.
+
+        The prompt is scanned once; at each position the anchor hash of the next
+        :data:`ANCHOR_CHARS` characters is looked up, and the records of matching anchors are
+        read from the shelf (a record no longer kept is dropped from the index).
 
         Args:
             prompt: The prompt string.
@@ -159,24 +242,28 @@ class DocumentRegistry:
             pos = prompt.find(record.text, start) if record.text else -1
             if pos >= 0:
                 found.append(DocumentOccurrence(record, pos, len(record.text)))
-        with self._lock:
-            anchors = self._anchors
-            records = self._records
-            i, end = start, len(prompt) - ANCHOR_CHARS
-            while i <= end:
-                digests = anchors.get(prompt[i : i + ANCHOR_CHARS])
-                if not digests:
-                    i += 1
+        anchors = self._anchors
+        i, end = start, len(prompt) - ANCHOR_CHARS
+        while i <= end:
+            anchor = anchor_hash(prompt[i : i + ANCHOR_CHARS])
+            digests = anchors.get(anchor)
+            if not digests:
+                i += 1
+                continue
+            best: DocumentOccurrence | None = None
+            for digest in list(digests):
+                record = self.shelf.load(anchor, digest)
+                if record is None:
+                    self.forget(anchor, digest)
                     continue
-                best: DocumentOccurrence | None = None
-                for digest in digests:
-                    record = records[digest]
-                    matched = common_prefix_length(prompt, i, record.text)
-                    if best is None or matched > best.matched_chars:
-                        best = DocumentOccurrence(record, i, matched)
-                assert best is not None
-                found.append(best)
-                i += max(best.matched_chars, 1)
+                matched = common_prefix_length(prompt, i, record.text)
+                if matched >= ANCHOR_CHARS and (best is None or matched > best.matched_chars):
+                    best = DocumentOccurrence(record, i, matched)
+            if best is None:
+                i += 1
+                continue
+            found.append(best)
+            i += best.matched_chars
         return _non_overlapping(found)
 
 

@@ -8,7 +8,6 @@ import torch
 from kvboost_rag import KVBoost
 from kvboost_rag.batch_warm import BatchWarmer, batchable, batches
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.hashing import text_digest
 from kvboost_rag.testing import tiny_model
 
 #: Float rounding differs between a batch and single rows (other matrix shapes), nothing else.
@@ -21,7 +20,7 @@ def _documents() -> list[str]:
 
 
 def _stored(engine: KVBoost, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    record = engine._cache.registry.get(text_digest(text))
+    record = engine._cache.registry.lookup(text)
     assert record is not None
     blocks = [engine._cache.load(key) for key in record.chunk_keys]
     assert all(block is not None for block in blocks)

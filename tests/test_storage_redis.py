@@ -418,3 +418,17 @@ def test_engine_with_redis_down_still_answers(make_engine, docs, dead_url, one_t
     assert "unavailable" in caplog.text
     assert result.content_hit_tokens > 0  # the memory tier still serves
     assert result.token_ids == engine.generate(prompt, max_new_tokens=6).token_ids
+
+
+def test_fresh_engine_over_the_same_redis_finds_stored_documents(make_engine, docs, redis_url):
+    first = make_engine(redis_url=redis_url, warm_prefix="You are a careful assistant.")
+    try:
+        first.warm_documents(docs[:3])
+        restarted = make_engine(redis_url=redis_url, warm_prefix="You are a careful assistant.")
+        assert restarted.cache_stats().documents == 3
+        prompt = "You are a careful assistant.\n\n" + "\n\n".join(docs[2::-1]) + "\n\nQuestion: Why?\nAnswer:"
+        result = restarted.generate(prompt, max_new_tokens=2)
+        assert result.documents_found == 3 and result.content_hit_tokens > 0
+        assert restarted.cache_stats().tiers["redis"]["hits"] > 0
+    finally:
+        first.clear_cache()

@@ -220,6 +220,8 @@ def test_engine_drops_crafted_entries_and_answers_like_full_prefill(make_engine,
     for path in tmp_path.glob(f"*{SUFFIX}"):
         key = path.name[: -len(SUFFIX)]
         entry = deserialize_entry(path.read_bytes(), expected_key=key)
+        if entry.metadata.get("kind") == "document":
+            continue  # document records: tests/test_document_persistence.py
         crafted[key] = serialize_entry(craft(entry), key=key)  # valid checksum, crafted contents
         path.write_bytes(crafted[key])
     assert len(crafted) > 3

@@ -82,6 +82,11 @@ class StorageTier(ABC):
     def keys(self) -> Iterator[str]:
         """Iterate over stored keys."""
 
+    def keys_with_prefix(self, prefix: str) -> Iterator[str]:
+        """Iterate over stored keys that start with ``prefix`` (tiers that can filter on
+        the server or in a listing override this)."""
+        return iter([key for key in self.keys() if key.startswith(prefix)])
+
     @abstractmethod
     def clear(self) -> None:
         """Remove every entry."""

@@ -17,9 +17,12 @@ _warnings = RateLimitedLogger(logger)
 class MemoryTier(StorageTier):
     """Entries held as tensors in process memory.
 
+    Besides entries, the budget covers bytes that owners *reserve* for what they hold outside
+    the tier (the cache's indexes, see :meth:`reserve`); ``used_bytes`` counts both.
+
     Args:
         max_bytes: Byte budget. Unpinned entries are evicted (lowest decayed frequency first)
-            to stay within it; an entry larger than the whole budget is not stored.
+            to stay within it; an entry larger than the room left by reservations is not stored.
         policy: Eviction policy (a fresh :class:`FrequencyRecencyPolicy` by default).
     """
 
@@ -32,6 +35,7 @@ class MemoryTier(StorageTier):
         self.policy = policy or FrequencyRecencyPolicy()
         self._entries: dict[str, StoredEntry] = {}
         self._used = 0
+        self._reserved: dict[str, int] = {}
         self._lock = threading.RLock()
 
     def get(self, key: str) -> StoredEntry | None:
@@ -43,36 +47,65 @@ class MemoryTier(StorageTier):
 
     def put(self, key: str, entry: StoredEntry) -> list[str]:
         size = entry.nbytes
-        if size > self.max_bytes:
-            _warnings.warning("too-large", "entry %s (%d bytes) exceeds the memory budget (%d); not stored", key[:12], size, self.max_bytes)
+        room = self.max_bytes - self.reserved_bytes
+        if size > room:
+            _warnings.warning(
+                "too-large", "entry %s (%d bytes) exceeds the memory budget left (%d); not stored", key[:12], size, room
+            )
             return []
         evicted: list[str] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= old.nbytes
-            if self._used + size > self.max_bytes:
-                for victim in self.policy.victims(list(self._entries)):
-                    if self._used + size <= self.max_bytes:
-                        break
-                    self._evict(victim, evicted)
-            while self._used + size > self.max_bytes:
-                # Only pinned entries are left: the pin used least recently gives way, so
-                # the newest shared beginnings stay served instead of nothing new being stored.
-                victim = self.policy.oldest_pinned(list(self._entries))
-                if victim is None:
-                    break
-                _warnings.warning(
-                    "pins-full",
-                    "memory tier full of pinned entries (max_cache_bytes=%d): evicting the least recently "
-                    "used pin; raise max_cache_bytes or warm fewer shared beginnings",
-                    self.max_bytes,
-                )
-                self._evict(victim, evicted)
+            self._make_room(size, evicted)
             self._entries[key] = entry
             self._used += size
             self.policy.insert(key)
         return evicted
+
+    def reserve(self, owner: str, nbytes: int) -> list[str]:
+        """Count ``nbytes`` held by ``owner`` outside the tier against the budget.
+
+        Replaces ``owner``'s previous reservation. Entries are evicted (unpinned first) until
+        entries and reservations fit the budget again.
+
+        Returns:
+            The keys evicted.
+        """
+        evicted: list[str] = []
+        with self._lock:
+            self._reserved[owner] = max(0, nbytes)
+            self._make_room(0, evicted)
+        return evicted
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes reserved by owners outside the tier."""
+        with self._lock:
+            return sum(self._reserved.values())
+
+    def _make_room(self, size: int, evicted: list[str]) -> None:
+        """Evict until ``size`` more bytes fit beside the entries and reservations."""
+        limit = self.max_bytes - sum(self._reserved.values())
+        if self._used + size > limit:
+            for victim in self.policy.victims(list(self._entries)):
+                if self._used + size <= limit:
+                    break
+                self._evict(victim, evicted)
+        while self._used + size > limit and self._entries:
+            # Only pinned entries are left: the pin used least recently gives way, so
+            # the newest shared beginnings stay served instead of nothing new being stored.
+            victim = self.policy.oldest_pinned(list(self._entries))
+            if victim is None:
+                break
+            _warnings.warning(
+                "pins-full",
+                "memory tier full of pinned entries (max_cache_bytes=%d): evicting the least recently "
+                "used pin; raise max_cache_bytes or warm fewer shared beginnings",
+                self.max_bytes,
+            )
+            self._evict(victim, evicted)
 
     def pin(self, key: str) -> bool:
         with self._lock:
@@ -110,8 +143,9 @@ class MemoryTier(StorageTier):
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the entries plus the reservations."""
         with self._lock:
-            return self._used
+            return self._used + sum(self._reserved.values())
 
     def __len__(self) -> int:
         with self._lock:

@@ -152,6 +152,12 @@ class RedisTier(StorageTier):
         start = len(self.key_prefix)
         return iter([name[start:].decode() for name in names])
 
+    def keys_with_prefix(self, prefix: str) -> Iterator[str]:
+        """Keys starting with ``prefix``, filtered by the server (``SCAN MATCH``)."""
+        names = self._call("scan", lambda: self._scan_names(prefix)) or []
+        start = len(self.key_prefix)
+        return iter([name[start:].decode() for name in names])
+
     def clear(self) -> None:
         """Delete every key under this tier's prefix (other keys on the server are untouched)."""
 
@@ -201,8 +207,8 @@ class RedisTier(StorageTier):
     def _name(self, key: str) -> str:
         return self.key_prefix + key
 
-    def _scan_names(self) -> list[bytes]:
-        pattern = _glob_escape(self.key_prefix) + "*"
+    def _scan_names(self, prefix: str = "") -> list[bytes]:
+        pattern = _glob_escape(self.key_prefix + prefix) + "*"
         return list(self._client.scan_iter(match=pattern, count=_SCAN_BATCH))
 
     def _call(self, op: str, fn: Any) -> Any:

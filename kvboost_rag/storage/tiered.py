@@ -1,12 +1,16 @@
 """A stack of storage tiers: lookups go down the stack and promote hits upward, writes go
-through to every tier."""
+through to every tier.
+
+Listeners (:meth:`TieredStore.on_gone`) hear of keys that left the whole stack (evicted from
+the last tier holding them, or deleted), so what describes an entry can leave with it.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 
@@ -28,6 +32,12 @@ class TieredStore:
         self.hits: Counter[str] = Counter()
         self.misses = 0
         self.evictions: Counter[str] = Counter()
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_gone(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(key)`` for each key no tier holds any more after an eviction or a
+        delete (tiers that evict on their own, like Redis, are not heard: their misses are)."""
+        self._listeners.append(listener)
 
     def get(self, key: str) -> StoredEntry | None:
         """Return the entry from the fastest tier holding it, promoting it to faster tiers."""
@@ -69,6 +79,24 @@ class TieredStore:
         """Remove ``key`` from every tier."""
         for tier in self.tiers:
             tier.delete(key)
+        self._notify([key])
+
+    def reserve(self, owner: str, nbytes: int) -> None:
+        """Count ``nbytes`` that ``owner`` holds outside the tiers against the budget of the
+        tiers that take reservations (the memory tier), evicting entries to make room."""
+        for tier in self.tiers:
+            reserve = getattr(tier, "reserve", None)
+            if reserve is not None:
+                self._count_evictions(tier, reserve(owner, nbytes))
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[str]:
+        """Keys starting with ``prefix`` held by any tier (each once)."""
+        seen: set[str] = set()
+        for tier in self.tiers:
+            for key in tier.keys_with_prefix(prefix):
+                if key not in seen:
+                    seen.add(key)
+                    yield key
 
     def clear(self) -> None:
         """Remove every entry from every tier."""
@@ -97,3 +125,12 @@ class TieredStore:
             with self._lock:
                 self.evictions[tier.name] += len(evicted)
             logger.debug("%s tier evicted %d entries", tier.name, len(evicted))
+            self._notify(evicted)
+
+    def _notify(self, keys: list[str]) -> None:
+        if not self._listeners:
+            return
+        for key in keys:
+            if not self.contains(key):
+                for listener in self._listeners:
+                    listener(key)

@@ -172,3 +172,17 @@ def test_progress_bar_counts_nodes_not_batches(tiny_engine: KVBoost, monkeypatch
     assert len(nodes) > 3
     KVBoostPrewarmer(engine=tiny_engine, batch_size=3)(nodes, show_progress=True)
     assert set(bars) == {(len(nodes), len(nodes), "node")}  # one bar over the nodes
+
+
+def test_restarted_app_over_the_same_disk_folder_hits_without_prewarming(tiny_parts, tmp_path) -> None:
+    model, tokenizer = tiny_parts
+    nodes = _nodes()[:3]
+    first = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=16, disk_cache_dir=tmp_path)
+    KVBoostPrewarmer(llm=KVBoostLLM(engine=first))(nodes)
+
+    restarted = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=16, disk_cache_dir=tmp_path)
+    texts = [node_prompt_text(node) for node in reversed(nodes)]
+    response = KVBoostLLM(engine=restarted, max_new_tokens=2).complete(
+        "Context:\n" + "\n\n".join(texts) + "\n\nQuestion: why?\nAnswer:"
+    )
+    assert response.raw["documents_found"] == 3 and response.raw["content_hit_tokens"] > 0

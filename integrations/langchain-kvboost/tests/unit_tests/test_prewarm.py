@@ -115,3 +115,12 @@ def test_from_texts_warms_builds_and_wraps(engine: Any, embeddings: Any) -> None
     assert all(engine.is_document_warm(t) for t in TEXTS[:2])
     with pytest.raises(ValueError, match="vectorstore_cls"):
         PrewarmingVectorStore.from_texts(TEXTS[:1], embeddings)
+
+
+def test_restarted_app_over_the_same_disk_folder_hits_without_prewarming(make_engine: Any, tmp_path: Any) -> None:
+    KVBoostPrewarmer(KVBoostLLM(engine=make_engine(disk_cache_dir=tmp_path))).transform_documents(_docs(TEXTS[:3]))
+
+    restarted = KVBoostLLM(engine=make_engine(disk_cache_dir=tmp_path), max_new_tokens=2)
+    prompt = "Answer from these.\n\n" + "\n\n".join(TEXTS[2::-1]) + "\n\nQuestion: why?\nAnswer:"
+    info = restarted.generate([prompt]).generations[0][0].generation_info
+    assert info["documents_found"] == 3 and info["content_hit_tokens"] > 0

@@ -1,0 +1,153 @@
+"""Document records stored in the tier stack, so any process over the same store finds them.
+
+A document's record (its text, its tokens when tokenized alone and their character spans) is
+stored as an entry beside its K/V chunks, under a key naming the model namespace, the anchor
+hash of its first characters and its text digest::
+
+    doc-<namespace: 16 hex>-<anchor: 8 hex>-<digest: 64 hex>
+
+Listing the keys under the namespace rebuilds the anchor index of a fresh process without
+reading any entry; a record is read only when a prompt holds its anchor (or its text is
+warmed or passed again). The memory tier holds records within ``max_cache_bytes`` like any
+entry and evicts them by the same policy; disk and Redis keep them across restarts.
+
+Stored entries are untrusted input: the text must have the digest its key names, the tokens
+and spans must be well formed (spans ordered and inside the text), and the chunk keys are not
+stored but recomputed from the tokens, so an entry cannot point at other K/V. Any violation
+raises :class:`~kvboost_rag.kv_codec.CorruptEntryError`, which the shelf turns into a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+import torch
+
+from kvboost_rag.hashing import fingerprint_of, text_digest
+from kvboost_rag.kv_codec import CorruptEntryError
+from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.segments import DocumentRecord, anchor_of, make_record
+from kvboost_rag.storage import StoredEntry, TieredStore
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
+
+#: ``kind`` metadata of a stored document record.
+RECORD_KIND = "document"
+_KEY_RE = re.compile(r"^doc-([0-9a-f]{16})-([0-9a-f]{8})-([0-9a-f]{64})$")
+
+
+def record_to_entry(record: DocumentRecord, fingerprint: str) -> StoredEntry:
+    """The stored entry of a document record (chunk keys are left out: they are recomputed)."""
+    return StoredEntry(
+        tensors={
+            "text": torch.frombuffer(bytearray(record.text.encode("utf-8", "surrogatepass")), dtype=torch.uint8),
+            "token_ids": torch.tensor(record.token_ids, dtype=torch.int64),
+            "offsets": torch.tensor(record.offsets, dtype=torch.int64).reshape(-1, 2),
+        },
+        metadata={"kind": RECORD_KIND, "fingerprint": fingerprint, "digest": record.digest},
+    )
+
+
+def record_from_entry(entry: StoredEntry, fingerprint: str, chunk_size: int) -> DocumentRecord:
+    """The record a stored entry holds, after checking it is well formed.
+
+    Args:
+        entry: A stored entry (untrusted).
+        fingerprint: This model's fingerprint; the entry must carry the same.
+        chunk_size: Tokens per chunk (the chunk keys are recomputed with it).
+
+    Raises:
+        CorruptEntryError: Wrong kind or fingerprint, a text that does not match its digest,
+            missing or malformed tensors, spans out of order or outside the text.
+    """
+    meta = entry.metadata
+    if meta.get("kind") != RECORD_KIND:
+        raise CorruptEntryError("not a document record")
+    if meta.get("fingerprint") != fingerprint:
+        raise CorruptEntryError("document record of another model fingerprint")
+    try:
+        raw, ids, offsets = entry.tensors["text"], entry.tensors["token_ids"], entry.tensors["offsets"]
+    except KeyError as exc:
+        raise CorruptEntryError(f"document record lacks tensor {exc.args[0]!r}") from None
+    if raw.dtype != torch.uint8 or raw.dim() != 1 or ids.dim() != 1 or offsets.shape != (ids.numel(), 2):
+        raise CorruptEntryError("document record tensors have the wrong shapes or dtypes")
+    if ids.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise CorruptEntryError("document record tensors have the wrong dtypes")
+    try:
+        text = bytes(raw.numpy()).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise CorruptEntryError("document record text is not UTF-8") from None
+    if text_digest(text) != meta.get("digest"):
+        raise CorruptEntryError("document record text does not match its digest")
+    spans = offsets.tolist()
+    token_ids = ids.tolist()
+    if any(t < 0 for t in token_ids):
+        raise CorruptEntryError("document record has negative token ids")
+    previous = 0
+    for x, y in spans:
+        if not previous <= x <= y <= len(text):
+            raise CorruptEntryError("document record spans are out of order or outside the text")
+        previous = x
+    return make_record(text, token_ids, [tuple(span) for span in spans], fingerprint, chunk_size)
+
+
+class DocumentShelf:
+    """Document records kept in a tier stack (a :class:`~kvboost_rag.segments.RecordShelf`).
+
+    Args:
+        store: The tier stack the K/V chunks live in.
+        fingerprint: Model fingerprint (namespace of the keys, checked on every read).
+        chunk_size: Tokens per chunk (chunk keys are recomputed with it).
+    """
+
+    def __init__(self, store: TieredStore, fingerprint: str, chunk_size: int) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.chunk_size = chunk_size
+        self.namespace = fingerprint_of(["document-records", fingerprint])[:16]
+        self.prefix = f"doc-{self.namespace}-"
+
+    def key_of(self, anchor: int, digest: str) -> str:
+        """Key of the record with this anchor hash and text digest."""
+        return f"{self.prefix}{anchor:08x}-{digest}"
+
+    def parse_key(self, key: str) -> tuple[int, str] | None:
+        """``(anchor, digest)`` named by a record key of this namespace, else ``None``."""
+        match = _KEY_RE.match(key)
+        if match is None or match.group(1) != self.namespace:
+            return None
+        return int(match.group(2), 16), match.group(3)
+
+    def save(self, record: DocumentRecord) -> None:
+        """Store ``record`` in every tier (nothing is written when a tier holds it already)."""
+        key = self.key_of(anchor_of(record.text), record.digest)
+        if not self.store.contains(key):
+            self.store.put(key, record_to_entry(record, self.fingerprint))
+
+    def load(self, anchor: int, digest: str) -> DocumentRecord | None:
+        """The stored record, or ``None`` (missing, or corrupt: then it is deleted)."""
+        key = self.key_of(anchor, digest)
+        entry = self.store.get(key)
+        if entry is None:
+            return None
+        try:
+            record = record_from_entry(entry, self.fingerprint, self.chunk_size)
+        except CorruptEntryError as exc:
+            _warnings.warning("corrupt-record", "dropping corrupt document record %s: %s", key[:24], exc)
+            self.store.delete(key)
+            return None
+        if record.digest != digest or anchor_of(record.text) != anchor:
+            _warnings.warning("misfiled-record", "dropping document record %s stored under another key", key[:24])
+            self.store.delete(key)
+            return None
+        return record
+
+    def stored(self) -> Iterator[tuple[int, str]]:
+        """``(anchor, digest)`` of every record the tiers hold (reads key names only)."""
+        for key in self.store.keys_with_prefix(self.prefix):
+            parsed = self.parse_key(key)
+            if parsed is not None:
+                yield parsed
