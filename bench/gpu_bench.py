@@ -12,8 +12,9 @@ measures, each the median of ``--repeats`` calls after a warm-up:
 - CacheBlend 15%: the documents warmed alone behind the system prompt, the prompt holding
   them in another order, and its speedup;
 - engine overhead: the engine's TTFT minus the time spent inside the model's forward calls
-  (tokenizing, plan, lookup, loading, stitching, re-rotation, selection, sampling), for the
-  prefix repeat and for CacheBlend;
+  and minus tokenizing (timed apart: full prefill pays it too), that is plan, lookup,
+  loading, stitching, re-rotation, selection and sampling, for the prefix repeat and for
+  CacheBlend;
 - decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
   both ``(tokens - 1) / (time(tokens) - time(first token))``).
 
@@ -183,6 +184,7 @@ class ForwardTimer:
 @dataclass
 class Row:
     prompt_tokens: int
+    tokenize_ms: float
     full_ms: float
     prefix_ms: float
     prefix_overhead_ms: float
@@ -211,11 +213,18 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         int(logits[0, -1].argmax())
         return (time.perf_counter() - start) * 1000
 
+    def tokenize() -> float:
+        start = time.perf_counter()
+        engine.token_ids_with_offsets(prompt)
+        return (time.perf_counter() - start) * 1000
+
+    tokenize_ms = median_ms(tokenize, 5)
+
     def engine_call(text: str, check: Callable) -> tuple[float, float]:
         with timer.measure() as model_s:
             result = engine.generate(text, max_new_tokens=1)
         check(result)
-        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000
+        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - tokenize_ms
 
     full_prefill()
     full_ms = median_ms(full_prefill, args.repeats)
@@ -243,6 +252,7 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
     generate_tps = generate_decode_rate(model, tokenizer, prompt, args.decode_tokens, device)
     return Row(
         prompt_tokens=n,
+        tokenize_ms=tokenize_ms,
         full_ms=full_ms,
         prefix_ms=statistics.median(p[0] for p in prefix),
         prefix_overhead_ms=statistics.median(p[1] for p in prefix),
@@ -309,16 +319,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     measure(engine, timer, min(lengths[0], 512), args, device)  # warm-up: kernels, compilation
     print(
         "| prompt tokens | full prefill SDPA ms | prefix repeat ms | x | CacheBlend 15% ms | x | "
-        "overhead prefix / blend ms | decode tok/s engine | model.generate | engine / generate |"
+        "tokenize ms | overhead prefix / blend ms | decode tok/s engine | model.generate | engine / generate |"
     )
-    print("|---" * 10 + "|")
+    print("|---" * 11 + "|")
     rows = []
     for tokens in lengths:
         row = measure(engine, timer, tokens, args, device)
         rows.append(row)
         print(
             f"| {row.prompt_tokens} | {row.full_ms:.1f} | {row.prefix_ms:.1f} | {row.full_ms / row.prefix_ms:.1f} | "
-            f"{row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | {row.prefix_overhead_ms:.1f} / "
+            f"{row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | {row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / "
             f"{row.blend_overhead_ms:.1f} | {row.engine_tps:.1f} | {row.generate_tps:.1f} | "
             f"{row.engine_tps / row.generate_tps:.2f} |",
             flush=True,

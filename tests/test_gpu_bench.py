@@ -25,7 +25,8 @@ def test_tiny_shape_runs_every_row_in_bfloat16(capsys):
     assert 0 < row.recompute_ratio <= 0.2
     for value in (row.full_ms, row.prefix_ms, row.blend_ms, row.engine_tps, row.generate_tps):
         assert math.isfinite(value) and value > 0
-    assert 0 <= row.prefix_overhead_ms <= row.prefix_ms and 0 <= row.blend_overhead_ms <= row.blend_ms
+    assert 0 < row.tokenize_ms < row.prefix_ms
+    assert row.prefix_overhead_ms <= row.prefix_ms and row.blend_overhead_ms <= row.blend_ms
     table = capsys.readouterr().out
     assert "shape=tiny layers=2 dtype=bfloat16 device=cpu" in table
     assert f"| {row.prompt_tokens} |" in table
