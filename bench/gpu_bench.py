@@ -38,6 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvboost_rag import KVBoost
+from kvboost_rag.attention import BACKENDS, default_backend, use_backend
 from kvboost_rag.corpus import python_reference_documents
 
 SYSTEM_PROMPT = (
@@ -299,6 +300,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--tokenizer", default="embedded", choices=["embedded", "tiny"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--attention", default="auto", choices=["auto", *BACKENDS], help="sparse attention backend (auto: per device)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -312,10 +316,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     timer = ForwardTimer(model, device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    backend = default_backend(device) if args.attention == "auto" else args.attention
     print(
         f"shape={args.shape} layers={layers} dtype={args.dtype} device={device} ({machine}); random weights; "
-        f"median of {args.repeats}; decode {args.decode_tokens} tokens"
+        f"attention={backend}; median of {args.repeats}; decode {args.decode_tokens} tokens"
     )
+    with use_backend(backend):
+        return _table(engine, timer, lengths, args, device)
+
+
+def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, device: torch.device) -> list[Row]:
     measure(engine, timer, min(lengths[0], 512), args, device)  # warm-up: kernels, compilation
     print(
         "| prompt tokens | full prefill SDPA ms | prefix repeat ms | x | CacheBlend 15% ms | x | "

@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_bench  # noqa: E402
 
 
-def test_tiny_shape_runs_every_row_in_bfloat16(capsys):
+@pytest.mark.parametrize(("attention", "shown"), [("auto", "blocks"), ("masked_sdpa", "masked_sdpa")])
+def test_tiny_shape_runs_every_row_in_bfloat16(capsys, attention, shown):
     rows = gpu_bench.main(
         ["--shape", "tiny", "--tokenizer", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--lengths", "300",
-         "--repeats", "1", "--decode-tokens", "4", "--chunk-size", "32"]
+         "--repeats", "1", "--decode-tokens", "4", "--chunk-size", "32", "--attention", attention]
     )
     assert len(rows) == 1
     row = rows[0]
@@ -28,7 +29,7 @@ def test_tiny_shape_runs_every_row_in_bfloat16(capsys):
     assert 0 < row.tokenize_ms < row.prefix_ms
     assert row.prefix_overhead_ms <= row.prefix_ms and row.blend_overhead_ms <= row.blend_ms
     table = capsys.readouterr().out
-    assert "shape=tiny layers=2 dtype=bfloat16 device=cpu" in table
+    assert "shape=tiny layers=2 dtype=bfloat16 device=cpu" in table and f"attention={shown};" in table
     assert f"| {row.prompt_tokens} |" in table
 
 
