@@ -22,13 +22,16 @@ tolerance (``tests/test_attention.py``):
 1.3-1.8x slower on blend passes of 1k-8k tokens, since it computes every query against every
 key up to the last position, and equal on prefix hits; eager FlexAttention 5-10x slower).
 On CUDA ``flex`` (one compiled, block-sparse call per layer, no Python loop) where
-FlexAttention is available, else ``masked_sdpa``. :func:`use_backend` overrides it.
+FlexAttention is available, else ``masked_sdpa``; the first call compiles the kernel, and if
+compiling fails the call is answered by ``masked_sdpa`` with a logged warning and
+``masked_sdpa`` is the default from then on. :func:`use_backend` overrides the choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -38,6 +41,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.log_limits import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
 
 ATTENTION_NAME = "kvboost_sparse_causal"
 Backend = Literal["masked_sdpa", "flex", "blocks"]
@@ -83,7 +90,7 @@ def default_backend(device: torch.device) -> Backend:
     """The backend for ``device``: ``flex`` on CUDA when FlexAttention is available (else
     ``masked_sdpa``), ``blocks`` elsewhere (fastest on CPU as measured)."""
     if device.type == "cuda":
-        return "flex" if _flex_functions() is not None else "masked_sdpa"
+        return "flex" if _flex_functions() is not None and not _flex_failed.is_set() else "masked_sdpa"
     return "blocks"
 
 
@@ -123,6 +130,8 @@ def sparse_causal_attention(
         out = _blocks(query, key, value, positions.tolist(), scale, window, softcap)
     elif backend == "flex":
         out = _flex(query, key, value, positions, scale, window, softcap)
+        if out is None:
+            out = _masked(query, key, value, positions, scale, window, softcap)
     else:
         out = _masked(query, key, value, positions, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
@@ -161,6 +170,9 @@ def _masked(query, key, value, positions, scale: float, window: int | None, soft
 
 
 # ---------------------------------------------------------------------- FlexAttention
+_flex_failed = threading.Event()
+
+
 @functools.cache
 def _flex_functions() -> tuple[Callable, Callable, Callable] | None:
     """``(flex_attention eager, flex_attention compiled-or-None, create_block_mask)``."""
@@ -174,7 +186,14 @@ def _flex_functions() -> tuple[Callable, Callable, Callable] | None:
     return flex_attention, compiled, create_block_mask
 
 
-def _flex(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def _flex_uses_compiled(device: torch.device) -> bool:
+    """Whether FlexAttention runs compiled on ``device`` (CUDA; elsewhere the eager reference)."""
+    return device.type == "cuda"
+
+
+def _flex(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
+    """One FlexAttention call; ``None`` when the compiled kernel cannot be built (the caller
+    then uses one masked SDPA call)."""
     functions = _flex_functions()
     if functions is None:
         raise InvalidInputError("attention backend 'flex' needs torch>=2.5 (FlexAttention); use 'masked_sdpa'")
@@ -200,9 +219,23 @@ def _flex(query, key, value, positions, scale: float, window: int | None, softca
         def score_mod(score, b, h, q_idx, kv_idx):
             return torch.tanh(score / softcap) * softcap
 
-    run = compiled if compiled is not None and device.type == "cuda" else eager
     groups = query.shape[1] // key.shape[1]
-    return run(query, k, v, score_mod=score_mod, block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
+    call = dict(score_mod=score_mod, block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
+    if compiled is None or not _flex_uses_compiled(device):
+        return eager(query, k, v, **call)
+    if _flex_failed.is_set():
+        return None
+    try:
+        return compiled(query, k, v, **call)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ImportError) as exc:  # compilation failed (no Triton, unsupported shape...)
+        _flex_failed.set()
+        _warnings.warning(
+            "flex-compile", "compiled FlexAttention failed (%s: %s); using one masked SDPA call per layer instead",
+            type(exc).__name__, exc,
+        )
+        return None
 
 
 # ---------------------------------------------------------------------- loop over query blocks

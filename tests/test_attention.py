@@ -1,5 +1,7 @@
 """The blend pass's sparse causal attention equals dense masked attention."""
 
+import threading
+
 import pytest
 import torch
 
@@ -75,3 +77,25 @@ def test_sparse_attention_needs_positions():
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="query_positions"):
         sparse_causal_attention(None, q, q, q, None)
+
+
+def test_failed_flex_compilation_falls_back_to_one_masked_call(monkeypatch, caplog):
+    from kvboost_rag import attention
+
+    eager, _, create_block_mask = attention._flex_functions()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(attention, "_flex_functions", lambda: (eager, broken, create_block_mask))
+    monkeypatch.setattr(attention, "_flex_failed", threading.Event())
+    assert attention.default_backend(torch.device("cuda")) == "flex"
+    torch.manual_seed(3)
+    positions = torch.tensor([3, 9, 10, 40])
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 8)
+    monkeypatch.setattr(attention, "_flex_uses_compiled", lambda device: True)  # as on a GPU
+    with use_backend("flex"), query_positions(positions), caplog.at_level("WARNING"):
+        out, _ = sparse_causal_attention(None, q, k, v, None)
+    assert torch.allclose(out, dense_reference(q, k, v, positions), atol=1e-5)
+    assert "compiled FlexAttention failed" in caplog.text
+    assert attention.default_backend(torch.device("cuda")) == "masked_sdpa"
