@@ -18,7 +18,7 @@ import gpu_bench  # noqa: E402
 def test_tiny_shape_runs_every_row_in_bfloat16(capsys, attention, shown):
     rows = gpu_bench.main(
         ["--shape", "tiny", "--tokenizer", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--lengths", "300",
-         "--repeats", "1", "--decode-tokens", "4", "--chunk-size", "32", "--attention", attention]
+         "--repeats", "1", "--decode-tokens", "6", "--chunk-size", "32", "--attention", attention]
     )
     assert len(rows) == 1
     row = rows[0]
