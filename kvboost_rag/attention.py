@@ -1,24 +1,54 @@
 """Causal attention for a sparse set of query positions over a full-length cache.
 
 The blend pass runs only chosen tokens (at scattered positions) against the K/V of every
-prompt token. A dense 4D mask makes each query attend over all keys and throws half the work
-away; this attention function instead splits the sorted queries into blocks and lets each
-block attend only to the keys up to its last position, which roughly halves the attention
-cost of the blend pass. It is registered with transformers' ``AttentionInterface`` and used
-only while :func:`query_positions` is active.
+prompt token, and a prefix hit runs the rest of the prompt on top of the cached prefix. In
+both, causality comes from each query's absolute position: query ``i`` at position ``p_i``
+sees keys ``0..p_i`` (or the last ``sliding_window`` of them). This attention function is
+registered with transformers' ``AttentionInterface`` and used only while
+:func:`query_positions` is active. It has three interchangeable backends, equal to float
+tolerance (``tests/test_attention.py``):
+
+- ``"masked_sdpa"``: one ``scaled_dot_product_attention`` call per layer with a boolean
+  ``[queries, keys]`` mask built from the positions (keys cut at the last query's position).
+- ``"flex"``: one FlexAttention call per layer with a block mask built from the positions,
+  so key blocks no query can see are skipped. Compiled on CUDA; on CPU it runs PyTorch's
+  eager reference implementation.
+- ``"blocks"``: a Python loop over blocks of 32 sorted queries, one SDPA call each, each
+  block attending only to the keys up to its last position (the least arithmetic, the most
+  kernel launches).
+
+:func:`default_backend` picks per device. On CPU ``blocks``, by measurement
+(``bench/attention_bench.py``, 1 thread, SmolLM2-135M head shapes: one masked SDPA call was
+1.3-1.8x slower on blend passes of 1k-8k tokens, since it computes every query against every
+key up to the last position, and equal on prefix hits; eager FlexAttention 5-10x slower).
+On CUDA ``flex`` (one compiled, block-sparse call per layer, no Python loop) where
+FlexAttention is available, else ``masked_sdpa``; the first call compiles the kernel, and if
+compiling fails the call is answered by ``masked_sdpa`` with a logged warning and
+``masked_sdpa`` is the default from then on. :func:`use_backend` overrides the choice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.log_limits import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
+
 ATTENTION_NAME = "kvboost_sparse_causal"
+Backend = Literal["masked_sdpa", "flex", "blocks"]
+BACKENDS: tuple[str, ...] = ("masked_sdpa", "flex", "blocks")
 _QUERY_BLOCK = 32
 _state = threading.local()
 
@@ -30,11 +60,38 @@ def query_positions(positions: torch.Tensor) -> Iterator[None]:
     Args:
         positions: Sorted ``[queries]`` absolute positions of the tokens being run.
     """
-    _state.positions = positions.tolist()
+    _state.positions = positions.view(-1).to("cpu", torch.long)
+    _state.cached = {}
     try:
         yield
     finally:
         _state.positions = None
+        _state.cached = None
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[None]:
+    """Within the block (this thread), sparse attention uses ``backend``.
+
+    Raises:
+        InvalidInputError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    previous = getattr(_state, "backend", None)
+    _state.backend = backend
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+def default_backend(device: torch.device) -> Backend:
+    """The backend for ``device``: ``flex`` on CUDA when FlexAttention is available (else
+    ``masked_sdpa``), ``blocks`` elsewhere (fastest on CPU as measured)."""
+    if device.type == "cuda":
+        return "flex" if _flex_functions() is not None and not _flex_failed.is_set() else "masked_sdpa"
+    return "blocks"
 
 
 def sparse_causal_attention(
@@ -62,12 +119,127 @@ def sparse_causal_attention(
     Returns:
         ``([batch, queries, heads, dim], None)`` like transformers' SDPA function.
     """
-    positions = getattr(_state, "positions", None)
-    if positions is None or len(positions) != query.shape[2]:
+    positions: torch.Tensor | None = getattr(_state, "positions", None)
+    if positions is None or positions.numel() != query.shape[2]:
         raise RuntimeError("sparse causal attention used outside query_positions()")
-    window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    backend = getattr(_state, "backend", None) or default_backend(query.device)
+    if backend == "blocks":
+        out = _blocks(query, key, value, positions.tolist(), scale, window, softcap)
+    elif backend == "flex":
+        out = _flex(query, key, value, positions, scale, window, softcap)
+        if out is None:
+            out = _masked(query, key, value, positions, scale, window, softcap)
+    else:
+        out = _masked(query, key, value, positions, scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ---------------------------------------------------------------------- one masked SDPA call
+def _key_range(positions: torch.Tensor, window: int | None) -> tuple[int, int]:
+    """Keys ``[first, last)`` any query can see."""
+    last = int(positions[-1]) + 1
+    first = max(0, int(positions[0]) - window + 1) if window else 0
+    return first, last
+
+
+def _allowed(positions: torch.Tensor, first: int, last: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[queries, last - first]`` bool: which keys each query sees (built once per forward)."""
+    cache = _state.cached
+    tag = ("mask", first, last, window, device)
+    if tag not in cache:
+        keys = torch.arange(first, last, device=device).view(1, -1)
+        pos = positions.to(device).view(-1, 1)
+        allowed = keys <= pos
+        if window:
+            allowed &= keys > pos - window
+        cache[tag] = allowed
+    return cache[tag]
+
+
+def _masked(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    first, last = _key_range(positions, window)
+    allowed = _allowed(positions, first, last, window, query.device)
+    k, v = key[:, :, first:last], value[:, :, first:last]
+    if softcap:
+        return _eager_softcap(query, k, v, allowed, scale, softcap, groups)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
+
+
+# ---------------------------------------------------------------------- FlexAttention
+_flex_failed = threading.Event()
+
+
+@functools.cache
+def _flex_functions() -> tuple[Callable, Callable, Callable] | None:
+    """``(flex_attention eager, flex_attention compiled-or-None, create_block_mask)``."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    compiled = None
+    if torch.cuda.is_available():
+        compiled = torch.compile(flex_attention, dynamic=True)
+    return flex_attention, compiled, create_block_mask
+
+
+def _flex_uses_compiled(device: torch.device) -> bool:
+    """Whether FlexAttention runs compiled on ``device`` (CUDA; elsewhere the eager reference)."""
+    return device.type == "cuda"
+
+
+def _flex(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
+    """One FlexAttention call; ``None`` when the compiled kernel cannot be built (the caller
+    then uses one masked SDPA call)."""
+    functions = _flex_functions()
+    if functions is None:
+        raise InvalidInputError("attention backend 'flex' needs torch>=2.5 (FlexAttention); use 'masked_sdpa'")
+    eager, compiled, create_block_mask = functions
+    first, last = _key_range(positions, window)
+    k, v = key[:, :, first:last], value[:, :, first:last]
+    device = query.device
+    tag = ("flex", first, last, window, device)
+    cache = _state.cached
+    if tag not in cache:
+        pos = positions.to(device) - first
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            visible = kv_idx <= pos[q_idx]
+            if window:
+                visible = visible & (kv_idx > pos[q_idx] - window)
+            return visible
+
+        cache[tag] = create_block_mask(mask_mod, None, None, query.shape[2], last - first, device=device)
+    score_mod = None
+    if softcap:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / softcap) * softcap
+
+    groups = query.shape[1] // key.shape[1]
+    call = dict(score_mod=score_mod, block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
+    if compiled is None or not _flex_uses_compiled(device):
+        return eager(query, k, v, **call)
+    if _flex_failed.is_set():
+        return None
+    try:
+        return compiled(query, k, v, **call)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ImportError) as exc:  # compilation failed (no Triton, unsupported shape...)
+        _flex_failed.set()
+        _warnings.warning(
+            "flex-compile", "compiled FlexAttention failed (%s: %s); using one masked SDPA call per layer instead",
+            type(exc).__name__, exc,
+        )
+        return None
+
+
+# ---------------------------------------------------------------------- loop over query blocks
+def _blocks(query, key, value, positions: list[int], scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query)
     for start in range(0, len(positions), _QUERY_BLOCK):
@@ -88,7 +260,7 @@ def sparse_causal_attention(
             out[:, :, start:end] = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, scale=scale, enable_gqa=groups > 1
             )
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _eager_softcap(q, k, v, allowed, scale: float, softcap: float, groups: int) -> torch.Tensor:

@@ -41,6 +41,9 @@ class KVBoostSettings(BaseModel):
         kv_group_size: Quantization group size: tokens per key group (keys are quantized per
             channel), channels per value group (values are quantized per token).
         max_cache_bytes: Byte budget of the in-memory tier.
+        device_cache_bytes: Byte budget of the hot tier in GPU memory, above the memory tier,
+            used when the model runs on CUDA (the memory tier then keeps entries in pinned
+            memory, so copies to the GPU are asynchronous). 0 disables it; ignored on CPU.
         disk_cache_dir: Folder of the disk tier; ``None`` disables it.
         max_disk_bytes: Byte budget of the disk tier.
         redis_url: ``redis://host:port/db`` of a shared Redis tier; ``None`` disables it.
@@ -93,6 +96,7 @@ class KVBoostSettings(BaseModel):
     kv_cache_bits: Literal[4, 8] | None = None
     kv_group_size: int = Field(32, ge=8, le=1024)
     max_cache_bytes: int = Field(2 * 1024**3, gt=0)
+    device_cache_bytes: int = Field(1024**3, ge=0)
     disk_cache_dir: Path | None = None
     max_disk_bytes: int = Field(20 * 1024**3, gt=0)
     redis_url: str | None = None

@@ -140,7 +140,7 @@ class KVBoost:
         extra = [f"bits={self.settings.kv_cache_bits}", f"group={self.settings.kv_group_size}"]
         self.fingerprint = self._adapter.fingerprint(extra)
         self._cache = CacheManager(
-            store=build_store(self.settings),
+            store=build_store(self.settings, self._adapter.device),
             fingerprint=self.fingerprint,
             layout=self._adapter.layout,
             settings=self.settings,

@@ -129,9 +129,19 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any
     return AutoConfig.for_model(family, **fields)
 
 
-def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any) -> torch.nn.Module:
-    """A random-weight causal LM of ``family`` in eval mode (float32, CPU, sdpa attention)."""
+def tiny_model(
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = TINY_VOCAB_SIZE,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """A random-weight causal LM of ``family`` in eval mode (CPU, sdpa attention).
+
+    Weights are drawn in float32 and then cast to ``dtype``, so a bfloat16 or float16 model
+    holds the same weights (rounded) as the float32 one of the same seed.
+    """
     torch.manual_seed(seed)
     config = tiny_config(family, vocab_size=vocab_size, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.eval()
+    return model.to(dtype).eval()

@@ -1,9 +1,12 @@
 """The blend pass's sparse causal attention equals dense masked attention."""
 
+import threading
+
 import pytest
 import torch
 
-from kvboost_rag.attention import query_positions, sparse_causal_attention
+from kvboost_rag.attention import BACKENDS, default_backend, query_positions, sparse_causal_attention, use_backend
+from kvboost_rag.errors import InvalidInputError
 
 
 def dense_reference(q, k, v, positions, window=None, softcap=None):
@@ -21,20 +24,78 @@ def dense_reference(q, k, v, positions, window=None, softcap=None):
     return (torch.softmax(scores, -1) @ v).transpose(1, 2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("window", "softcap", "kv_heads"), [(None, None, 4), (None, None, 2), (40, None, 2), (None, 30.0, 1)])
-def test_sparse_attention_matches_dense(window, softcap, kv_heads):
+def test_sparse_attention_matches_dense(backend, window, softcap, kv_heads):
     torch.manual_seed(0)
     n, queries = 300, 70
     positions = torch.randperm(n)[:queries].sort().values
     q = torch.randn(1, 4, queries, 16)
     k, v = torch.randn(1, kv_heads, n, 16), torch.randn(1, kv_heads, n, 16)
-    with query_positions(positions):
+    with use_backend(backend), query_positions(positions):
         out, _ = sparse_causal_attention(None, q, k, v, None, sliding_window=window, softcap=softcap)
     expected = dense_reference(q, k, v, positions, window, softcap)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_contiguous_queries_on_top_of_a_prefix(backend):
+    """A prefix hit runs positions h..n-1 on top of h cached tokens: causal with an offset."""
+    torch.manual_seed(1)
+    n, h = 200, 130
+    positions = torch.arange(h, n)
+    q = torch.randn(1, 4, n - h, 16)
+    k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    with use_backend(backend), query_positions(positions):
+        out, _ = sparse_causal_attention(None, q, k, v, None)
+    assert torch.allclose(out, dense_reference(q, k, v, positions), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_agree_in_bfloat16(backend):
+    torch.manual_seed(2)
+    n, queries = 256, 40
+    positions = torch.randperm(n)[:queries].sort().values
+    q = torch.randn(1, 4, queries, 16)
+    k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    with use_backend(backend), query_positions(positions):
+        out, _ = sparse_causal_attention(None, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), dense_reference(q, k, v, positions), atol=3e-2)
+
+
+def test_default_backend_on_cpu_is_the_block_loop():
+    assert default_backend(torch.device("cpu")) == "blocks"
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(InvalidInputError, match="masked_sdpa"), use_backend("loop"):
+        pass
 
 
 def test_sparse_attention_needs_positions():
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="query_positions"):
         sparse_causal_attention(None, q, q, q, None)
+
+
+def test_failed_flex_compilation_falls_back_to_one_masked_call(monkeypatch, caplog):
+    from kvboost_rag import attention
+
+    eager, _, create_block_mask = attention._flex_functions()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    monkeypatch.setattr(attention, "_flex_functions", lambda: (eager, broken, create_block_mask))
+    monkeypatch.setattr(attention, "_flex_failed", threading.Event())
+    assert attention.default_backend(torch.device("cuda")) == "flex"
+    torch.manual_seed(3)
+    positions = torch.tensor([3, 9, 10, 40])
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 8)
+    monkeypatch.setattr(attention, "_flex_uses_compiled", lambda device: True)  # as on a GPU
+    with use_backend("flex"), query_positions(positions), caplog.at_level("WARNING"):
+        out, _ = sparse_causal_attention(None, q, k, v, None)
+    assert torch.allclose(out, dense_reference(q, k, v, positions), atol=1e-5)
+    assert "compiled FlexAttention failed" in caplog.text
+    assert attention.default_backend(torch.device("cuda")) == "masked_sdpa"

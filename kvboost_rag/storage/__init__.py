@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.device import DeviceTier, PinnedMemoryTier
 from kvboost_rag.storage.disk import DiskTier
 from kvboost_rag.storage.memory import MemoryTier
 from kvboost_rag.storage.policy import FrequencyRecencyPolicy
@@ -16,9 +19,11 @@ from kvboost_rag.storage.tiered import TieredStore
 
 __all__ = [
     "CorruptPayloadError",
+    "DeviceTier",
     "DiskTier",
     "FrequencyRecencyPolicy",
     "MemoryTier",
+    "PinnedMemoryTier",
     "StorageTier",
     "StoredEntry",
     "TieredStore",
@@ -28,13 +33,18 @@ __all__ = [
 ]
 
 
-def build_store(settings: KVBoostSettings) -> TieredStore:
+def build_store(settings: KVBoostSettings, device: torch.device | str | None = None) -> TieredStore:
     """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
 
+    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0)
+    goes on top and the memory tier keeps its tensors in pinned memory
+    (:class:`PinnedMemoryTier`), so promotions to the device are asynchronous copies.
+
     Args:
-        settings: Uses ``max_cache_bytes``, ``disk_cache_dir``, ``max_disk_bytes``,
-            ``redis_url``, ``redis_ttl_seconds`` and ``cache_secret_key`` (which authenticates
-            disk and Redis entries; the in-process memory tier needs none).
+        settings: Uses ``max_cache_bytes``, ``device_cache_bytes``, ``disk_cache_dir``,
+            ``max_disk_bytes``, ``redis_url``, ``redis_ttl_seconds`` and ``cache_secret_key``
+            (which authenticates disk and Redis entries; the in-process tiers need none).
+        device: The device the model runs on; ``None`` or a CPU device adds no device tier.
 
     Raises:
         ImportError: ``redis_url`` is set but the ``redis`` package is missing.
@@ -42,7 +52,11 @@ def build_store(settings: KVBoostSettings) -> TieredStore:
     """
     secret = settings.cache_secret_key
     secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
-    tiers: list[StorageTier] = [MemoryTier(settings.max_cache_bytes)]
+    accelerator = device is not None and torch.device(device).type == "cuda"
+    tiers: list[StorageTier] = []
+    if accelerator and settings.device_cache_bytes > 0:
+        tiers.append(DeviceTier(settings.device_cache_bytes, device))
+    tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))
     if settings.disk_cache_dir is not None:
         tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes, secret_key=secret_key))
     if settings.redis_url is not None:

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.device import DeviceTier
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +41,23 @@ class TieredStore:
         self._listeners.append(listener)
 
     def get(self, key: str) -> StoredEntry | None:
-        """Return the entry from the fastest tier holding it, promoting it to faster tiers."""
+        """Return the entry from the fastest tier holding it, promoting it to faster tiers.
+
+        When a :class:`DeviceTier` took the promoted entry, its device copy is returned.
+        """
         for depth, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is None:
                 continue
             with self._lock:
                 self.hits[tier.name] += 1
+            served = entry
             for upper in self.tiers[:depth]:
                 self._count_evictions(upper, upper.put(key, entry))
-            return entry
+                if isinstance(upper, DeviceTier):
+                    # Serve the device copy just made rather than copy the entry again.
+                    served = upper.resident(key) or served
+            return served
         with self._lock:
             self.misses += 1
         return None

@@ -1,0 +1,363 @@
+"""TTFT and decode speed at real model shapes, with random weights: no hub, any device.
+
+Timing does not depend on weight values, so the model is built from a named shape's config
+(written below, no download) with random weights, in the requested dtype on the requested
+device, and fed the embedded SmolLM2 tokenizer's tokens (all ids fit every shape's vocabulary).
+For each prompt length (a system prompt, Python reference documents, a question) one run
+measures, each the median of ``--repeats`` calls after a warm-up:
+
+- full prefill through transformers (SDPA, one ``model(...)`` call on a fresh cache,
+  tokenizing and taking the first token included): the baseline;
+- an exact prefix repeat through the engine (the same prompt again) and its speedup;
+- CacheBlend 15%: the documents warmed alone behind the system prompt, the prompt holding
+  them in another order, and its speedup;
+- engine overhead: the engine's TTFT minus the time spent inside the model's forward calls
+  and minus tokenizing (timed apart: full prefill pays it too), that is plan, lookup,
+  loading, stitching, re-rotation, selection and sampling, for the prefix repeat and for
+  CacheBlend;
+- decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
+  both ``(tokens - 1) / (time of the last token - time of the first)``).
+
+Run on a GPU: ``python bench/gpu_bench.py --device cuda --dtype bfloat16 --shape Llama-3.1-8B``.
+A CPU smoke run: ``python bench/gpu_bench.py --shape Llama-3.1-8B --layers 1 --lengths 1024,2048``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+from kvboost_rag import KVBoost
+from kvboost_rag.attention import BACKENDS, default_backend, use_backend
+from kvboost_rag.corpus import python_reference_documents
+
+SYSTEM_PROMPT = (
+    "You are a precise assistant for Python programmers. Answer the question using only the "
+    "reference documents below, quote the relevant rule and keep the answer short."
+)
+QUESTION = "\n\nQuestion: Which of these documents describes the evaluation order?\nAnswer:"
+
+#: Named shapes: ``(model_type, config fields)`` from the models' published configs.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Llama-3.1-8B": (
+        "llama",
+        dict(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "Qwen2.5-7B": (
+        "qwen2",
+        dict(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
+    "Mistral-7B": (
+        "mistral",
+        dict(
+            vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
+    "SmolLM2-135M": (
+        "llama",
+        dict(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
+    ),
+    "tiny": (
+        "llama",
+        dict(
+            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+}
+
+
+def build_model(shape: str, layers: int | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight causal LM of a named shape (optionally fewer layers), on ``device``."""
+    model_type, fields = SHAPES[shape]
+    fields = dict(fields)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load_tokenizer(name: str):
+    """The embedded SmolLM2 tokenizer (``embedded``) or the tests' tiny one (``tiny``)."""
+    if name == "tiny":
+        from kvboost_rag.testing import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from kvboost_rag.default_model import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def build_prompt(tokenizer, tokens: int, seed: int) -> tuple[str, list[str], str]:
+    """``(prompt, documents, same documents in another order as a prompt)`` of about
+    ``tokens`` tokens: the system prompt, reference documents, the question."""
+    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    budget = tokens - count(SYSTEM_PROMPT) - count(QUESTION)
+    documents: list[str] = []
+    for text in python_reference_documents(max_chars=4000):
+        if budget <= 64:
+            break
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > budget:
+            text = tokenizer.decode(ids[: budget - 4])
+        documents.append(text)
+        budget -= count(text) + 2
+    shuffled = documents[:]
+    random.Random(seed).shuffle(shuffled)
+    join = lambda docs: SYSTEM_PROMPT + "\n\n" + "\n\n".join(docs) + QUESTION  # noqa: E731
+    return join(documents), documents, join(shuffled)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ForwardTimer:
+    """Wall time spent inside the model's forward calls (outermost call only)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        self._device = device
+        base = getattr(model, model.base_model_prefix)
+        for module in (model, base):
+            module.forward = self._timed(module.forward)
+
+    def _timed(self, forward: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self._depth += 1
+            if self._depth == 1:
+                sync(self._device)
+                start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    sync(self._device)
+                    self.seconds += time.perf_counter() - start
+
+        return timed
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[list[float]]:
+        """Yields a list that holds the model seconds of the block once it ends."""
+        before, box = self.seconds, []
+        yield box
+        box.append(self.seconds - before)
+
+
+@dataclass
+class Row:
+    prompt_tokens: int
+    tokenize_ms: float
+    full_ms: float
+    prefix_ms: float
+    prefix_overhead_ms: float
+    blend_ms: float
+    blend_overhead_ms: float
+    recompute_ratio: float
+    engine_tps: float
+    generate_tps: float
+
+
+def median_ms(run: Callable[[], float], repeats: int) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
+def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: torch.device) -> Row:
+    model, tokenizer = engine.model, engine.tokenizer
+    prompt, documents, shuffled = build_prompt(tokenizer, tokens, seed=tokens)
+    n = engine.count_tokens(prompt)
+
+    @torch.inference_mode()
+    def full_prefill() -> float:
+        sync(device)
+        start = time.perf_counter()
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+        return (time.perf_counter() - start) * 1000
+
+    def tokenize() -> float:
+        start = time.perf_counter()
+        engine.token_ids_with_offsets(prompt)
+        return (time.perf_counter() - start) * 1000
+
+    tokenize_ms = median_ms(tokenize, 5)
+
+    def engine_call(text: str, check: Callable) -> tuple[float, float]:
+        with timer.measure() as model_s:
+            result = engine.generate(text, max_new_tokens=1)
+        check(result)
+        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - tokenize_ms
+
+    full_prefill()
+    full_ms = median_ms(full_prefill, args.repeats)
+
+    engine.clear_cache()
+    engine.generate(prompt, max_new_tokens=1)  # stores the whole prompt as prefix chunks
+
+    def exact(result) -> None:
+        assert result.strategy == "exact" and result.prefix_hit_tokens >= n - args.chunk_size, result
+
+    prefix = [engine_call(prompt, exact) for _ in range(args.repeats)]
+
+    engine.clear_cache()
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(documents, show_progress=False)
+    ratios: list[float] = []
+
+    def blended(result) -> None:
+        assert result.strategy == "cacheblend" and result.content_hit_tokens > 0, result
+        ratios.append(result.recompute_ratio)
+
+    blend = [engine_call(shuffled, blended) for _ in range(args.repeats)]
+
+    engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
+    generate_tps = generate_decode_rate(model, tokenizer, prompt, args.decode_tokens, device)
+    return Row(
+        prompt_tokens=n,
+        tokenize_ms=tokenize_ms,
+        full_ms=full_ms,
+        prefix_ms=statistics.median(p[0] for p in prefix),
+        prefix_overhead_ms=statistics.median(p[1] for p in prefix),
+        blend_ms=statistics.median(b[0] for b in blend),
+        blend_overhead_ms=statistics.median(b[1] for b in blend),
+        recompute_ratio=statistics.median(ratios),
+        engine_tps=engine_tps,
+        generate_tps=generate_tps,
+    )
+
+
+def engine_decode_rate(engine: KVBoost, prompt: str, tokens: int) -> float:
+    result = engine.generate(prompt, max_new_tokens=tokens)
+    steps = result.generated_tokens - 1
+    return steps / ((result.total_ms - result.ttft_ms) / 1000) if steps > 0 else float("nan")
+
+
+class _FirstTokenClock(BaseStreamer):
+    """Notes when ``generate`` hands over its first new token (its first ``put`` is the prompt)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.calls, self.first, self._device = 0, 0.0, device
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            sync(self._device)
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def generate_decode_rate(model, tokenizer, prompt: str, tokens: int, device: torch.device) -> float:
+    """Tokens/s of ``model.generate`` after its first token (as the engine's rate is taken)."""
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    clock = _FirstTokenClock(device)
+    model.generate(
+        ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    sync(device)
+    return (tokens - 1) / (time.perf_counter() - clock.first) if tokens > 1 else float("nan")
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="Llama-3.1-8B", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (CPU smoke runs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--lengths", default="2048,4096,8192,16384", help="prompt tokens, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--tokenizer", default="embedded", choices=["embedded", "tiny"])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--attention", default="auto", choices=["auto", *BACKENDS], help="sparse attention backend (auto: per device)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model = build_model(args.shape, args.layers, device, dtype)
+    tokenizer = load_tokenizer(args.tokenizer)
+    layers = model.config.num_hidden_layers
+    engine = KVBoost.from_model(
+        model, tokenizer, show_progress=False, chunk_size=args.chunk_size, recompute_ratio=0.15,
+        max_cache_bytes=64 * 1024**3, check_layer=min(2, layers - 1),
+    )
+    timer = ForwardTimer(model, device)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    backend = default_backend(device) if args.attention == "auto" else args.attention
+    print(
+        f"shape={args.shape} layers={layers} dtype={args.dtype} device={device} ({machine}); random weights; "
+        f"attention={backend}; median of {args.repeats}; decode {args.decode_tokens} tokens"
+    )
+    with use_backend(backend):
+        return _table(engine, timer, lengths, args, device)
+
+
+def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, device: torch.device) -> list[Row]:
+    measure(engine, timer, min(lengths[0], 512), args, device)  # warm-up: kernels, compilation
+    print(
+        "| prompt tokens | full prefill SDPA ms | prefix repeat ms | x | CacheBlend 15% ms | x | "
+        "tokenize ms | overhead prefix / blend ms | decode tok/s engine | model.generate | engine / generate |"
+    )
+    print("|---" * 11 + "|")
+    rows = []
+    for tokens in lengths:
+        row = measure(engine, timer, tokens, args, device)
+        rows.append(row)
+        print(
+            f"| {row.prompt_tokens} | {row.full_ms:.1f} | {row.prefix_ms:.1f} | {row.full_ms / row.prefix_ms:.1f} | "
+            f"{row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | {row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / "
+            f"{row.blend_overhead_ms:.1f} | {row.engine_tps:.1f} | {row.generate_tps:.1f} | "
+            f"{row.engine_tps / row.generate_tps:.2f} |",
+            flush=True,
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

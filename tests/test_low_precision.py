@@ -1,0 +1,84 @@
+"""Exact paths in bfloat16 and float16 (the dtypes GPU users run), on tiny models on CPU.
+
+In 16-bit the prefix-hit path and full prefill round differently (attention over a cached
+prefix versus one causal call), so logits agree only to 16-bit tolerance; the greedy tokens,
+which is what users see, must be the same.
+"""
+
+import pytest
+import torch
+
+from kvboost_rag import KVBoost
+from kvboost_rag.attention import BACKENDS, use_backend
+from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
+
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+DTYPES = [torch.bfloat16, torch.float16]
+#: Logit tolerance relative to the largest logit magnitude (bfloat16 keeps 8 mantissa bits).
+RELATIVE_TOL = {torch.bfloat16: 0.05, torch.float16: 0.01}
+
+
+def engine_in(tokenizer, family: str, dtype: torch.dtype, **settings) -> KVBoost:
+    settings.setdefault("show_progress", False)
+    settings.setdefault("chunk_size", 32)
+    return KVBoost.from_model(tiny_model(family, dtype=dtype), tokenizer, **settings)
+
+
+def assert_close_16bit(full: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = full.abs().max()
+    diff = (full - other).abs().max()
+    assert diff <= RELATIVE_TOL[dtype] * scale, f"max diff {diff:.3g} of max logit {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", [*ROPE_FAMILIES, "gpt2"])
+def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
+    engine = engine_in(tokenizer, family, dtype)
+    assert engine.model.dtype == dtype
+    prefix = rag_prompt(docs[:3], question="")[: -len("\nAnswer:")]
+    warm = engine.warm(prefix)
+    prompt = prefix + "What is described first?\nAnswer:"
+    full = engine.generate(prompt, max_new_tokens=6, reuse=False, return_logits=True)
+    hit = engine.generate(prompt, max_new_tokens=6, return_logits=True)
+    assert hit.prefix_hit_tokens >= warm.num_tokens - 1 and hit.strategy == "exact"
+    assert hit.token_ids == full.token_ids
+    assert_close_16bit(full.first_token_logits, hit.first_token_logits, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
+    engine = engine_in(tokenizer, family, dtype, recompute_ratio=1.0)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
+    full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
+    blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
+    assert blended.strategy == "cacheblend"
+    assert blended.content_hit_tokens > 0 and blended.recomputed_tokens == blended.content_hit_tokens
+    assert blended.token_ids == full.token_ids
+    assert_close_16bit(full.first_token_logits, blended.first_token_logits, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_every_attention_backend_keeps_exact_paths_exact(make_engine, docs, family, backend):
+    """Ratio 1.0 and a prefix hit equal full prefill (float32, tight tolerance) whichever
+    backend runs the sparse attention; Gemma 2 adds sliding-window layers and softcapping."""
+    blend_engine = make_engine(family, recompute_ratio=1.0)
+    blend_engine.warm(SYSTEM_PROMPT)
+    blend_engine.warm_documents(docs[:3])
+    prompt = rag_prompt([docs[1], docs[2], docs[0]])
+    prefix_engine = make_engine(family)
+    prefix = prompt[: len(prompt) // 2]
+    prefix_engine.warm(prefix)
+    full = blend_engine.generate(prompt, max_new_tokens=4, reuse=False, return_logits=True)
+    with use_backend(backend):
+        blended = blend_engine.generate(prompt, max_new_tokens=4, return_logits=True)
+        hit = prefix_engine.generate(prompt, max_new_tokens=4, return_logits=True)
+    assert blended.recomputed_tokens == blended.content_hit_tokens > 0
+    assert hit.strategy == "exact" and hit.prefix_hit_tokens >= prefix_engine.count_tokens(prefix) - 1
+    for result in (blended, hit):
+        assert torch.allclose(full.first_token_logits, result.first_token_logits, atol=1e-4, rtol=0)
+        assert result.token_ids == full.token_ids
