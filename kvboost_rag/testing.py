@@ -8,6 +8,7 @@ reference documents that ship with Python. Both run in a second or two on a CPU.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -145,3 +146,11 @@ def tiny_model(
     config = tiny_config(family, vocab_size=vocab_size, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.to(dtype).eval()
+
+
+def save_tiny_model(folder: str | os.PathLike[str], family: str = "llama") -> str:
+    """Save a tiny random model of ``family`` and the tiny tokenizer as a local model folder
+    (what ``from_pretrained``/``model_id=`` load); returns the folder as a string."""
+    tiny_model(family).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)

@@ -8,15 +8,12 @@ import pytest
 from llama_index.llms.kvboost import KVBoostLLM
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
+from kvboost_rag.testing import save_tiny_model
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_hugging_face_llm_arguments_are_honoured(model_folder: str) -> None:

@@ -9,15 +9,12 @@ import pytest
 from langchain_kvboost import ChatKVBoost, KVBoostLLM
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
+from kvboost_rag.testing import save_tiny_model, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_from_model_id_maps_pipeline_arguments(model_folder: str) -> None:
