@@ -327,3 +327,16 @@ def test_tokens_the_repair_recomputes_do_not_count_as_read_from_cache(make_engin
     assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
     assert result.cached_tokens == result.prefix_hit_tokens + result.content_hit_tokens - result.recomputed_tokens
     assert result.kv_reuse_ratio == pytest.approx(result.cached_tokens / result.prompt_tokens)
+
+
+def test_document_longer_than_the_context_window_is_warmed_once_up_to_it(make_engine, caplog):
+    engine = make_engine("llama")
+    engine.model.config.max_position_embeddings = 128
+    document = " ".join(f"item{i} holds value {i * 7}." for i in range(120))
+    first = engine.warm_documents([document])[0]
+    assert first.num_tokens > engine.context_window
+    assert 0 < first.new_tokens < engine.context_window
+    assert first.skipped_tokens > 0 and first.new_tokens + first.skipped_tokens == first.num_tokens
+    again = engine.warm_documents([document])[0]
+    assert again.already_warm and again.new_tokens == 0
+    assert again.cached_tokens == first.new_tokens and again.skipped_tokens == first.skipped_tokens
