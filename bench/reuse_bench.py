@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 prompts, 16 new tokens")
     parser.add_argument("--chat", action="store_true", help="chat-template prompts (documents in the user turn)")
     parser.add_argument("--check-layer", type=int, default=None, help="override settings.check_layer")
-    parser.add_argument("--methods", default=None, help="comma-separated row names to run (default: all)")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="row names to run, separated by ';' (or ',' when no name has a comma); default: all",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -124,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     methods = METHODS
     if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",")]
+        wanted = [m.strip() for m in args.methods.split(";" if ";" in args.methods else ",")]
+        unknown = sorted(set(wanted) - {name for name, _ in METHODS})
+        if unknown:
+            parser.error(f"unknown method(s) {unknown}; choose from {[name for name, _ in METHODS]}")
         methods = [m for m in METHODS if m[0] in wanted]
 
     settings = {"show_progress": False}
