@@ -12,7 +12,7 @@ Position-independent reuse relies on keys being rotated by RoPE with fixed frequ
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +23,7 @@ from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.kv_codec import KVLayout
+from kvboost_rag.ragged import RAGGED_ATTENTION, RaggedCache
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,40 @@ class ModelAdapter:
         finally:
             config._attn_implementation = previous
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[DynamicCache]
+    ) -> torch.Tensor:
+        """One decode step of several sequences in one forward pass.
+
+        Row ``b`` runs token ``input_ids[b]`` at ``position_ids[b]`` over ``caches[b]``, which
+        must hold exactly positions ``0..position_ids[b] - 1``; its K/V is appended there.
+        Attention runs per row over the row's own cache (:mod:`kvboost_rag.ragged`), so
+        sequences of any lengths share the step without padding.
+
+        Args:
+            input_ids: ``[batch]`` tokens.
+            position_ids: ``[batch]`` their positions.
+            caches: One cache per row.
+
+        Returns:
+            ``[batch, vocab]`` float32 logits.
+        """
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = RAGGED_ATTENTION
+        try:
+            out = self.model(
+                input_ids=input_ids.view(-1, 1).to(self.device),
+                position_ids=position_ids.view(-1, 1).to(self.device),
+                past_key_values=RaggedCache(caches),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            config._attn_implementation = previous
+        return out.logits[:, -1].float()
 
     @torch.inference_mode()
     def forward_until_layer(
