@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,7 +40,7 @@ from kvboost_rag.results import (
     WarmResult,
 )
 from kvboost_rag.sampling import TextAssembler, choose_token, make_generator
-from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns
+from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
 
@@ -121,7 +121,8 @@ class _Request:
         sequence: Its decode state.
         ttft_ms: Wall time from the call to its first token.
         first_pieces: Text of the first token, not yielded yet.
-        handle: Its place in the decode worker's batch (``None`` when the first token ended it).
+        reservation: Its place in the batch while it is not handed to the decode worker yet.
+        handle: Its place in the decode worker's batch once handed over.
     """
 
     plan: PromptPlan
@@ -131,12 +132,29 @@ class _Request:
     sequence: DecodeSequence
     ttft_ms: float
     first_pieces: list[str]
+    reservation: Reservation | None = None
     handle: DecodeHandle | None = None
 
-    def close(self) -> None:
-        """Take the sequence out of the batch at the next step if it is still decoding."""
+    def submit(self, scheduler: DecodeScheduler) -> None:
+        """Hand the sequence to the decode worker (it joins the batch at the next step)."""
+        _submit_together([self], scheduler)
+
+    def close(self, scheduler: DecodeScheduler) -> None:
+        """Give its place back: out of the batch at the next step if it is still decoding."""
+        if self.reservation is not None:
+            scheduler.release(self.reservation)
+            self.reservation = None
         if self.handle is not None:
             self.handle.cancel()
+
+
+def _submit_together(requests: Sequence[_Request], scheduler: DecodeScheduler) -> None:
+    """Hand the sequences of ``requests`` not handed over yet to the decode worker; they join
+    the same step."""
+    pending = [request for request in requests if request.reservation is not None]
+    handles = scheduler.submit_many([(request.sequence, request.reservation) for request in pending])
+    for request, handle in zip(pending, handles):
+        request.handle, request.reservation = handle, None
 
 
 class KVBoost:
@@ -546,12 +564,20 @@ class KVBoost:
         _check_documents(resolved)
         outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
         started: list[tuple[int, _Request]] = []
+
+        def submit_all() -> None:
+            # The prefilled prompts join the batch together (and before a prefill waits for
+            # a place, so the places they hold can free up).
+            _submit_together([request for _, request in started], self._scheduler)
+
         try:
             for i, prompt in enumerate(prompts):
                 try:
-                    started.append((i, self._start(self._prompt_tokens(prompt, f"prompt {i}"), resolved, start)))
+                    tokens = self._prompt_tokens(prompt, f"prompt {i}")
+                    started.append((i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all)))
                 except KVBoostError as error:
                     outputs[i] = error
+            submit_all()
             for i, request in started:  # the decode worker runs every started prompt meanwhile
                 follow = self._follow(request, end_at_last_token=True)
                 try:
@@ -563,7 +589,7 @@ class KVBoost:
                     outputs[i] = error
         finally:
             for _, request in started:
-                request.close()
+                request.close(self._scheduler)
         return [output for output in outputs if output is not None]
 
     def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
@@ -572,15 +598,32 @@ class KVBoost:
         try:
             stream.result = yield from self._follow(request, end_at_last_token=False)
         finally:
-            request.close()
+            request.close(self._scheduler)
 
-    def _start(self, tokens: PromptTokens, options: GenerationOptions, start: float) -> _Request:
-        """Plan and prefill a prompt, choose its first token, and hand it to the decode
-        worker (unless that token ended it). Waits for a place in the batch first."""
+    def _start(
+        self,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        *,
+        hold: bool = False,
+        on_wait: Callable[[], None] | None = None,
+    ) -> _Request:
+        """Plan and prefill a prompt and choose its first token, after waiting for a place in
+        the batch.
+
+        Args:
+            tokens: The prompt.
+            options: Its options.
+            start: ``perf_counter`` at the call.
+            hold: Keep the sequence until :meth:`_Request.submit` (a batch joins at once);
+                else it is handed to the decode worker now (unless its first token ended it).
+            on_wait: Called once if the request must wait for a place.
+        """
         n = len(tokens)
         budget = min(options.max_new_tokens, self.context_window - n)
         plan = self._plan_generation(tokens, options, budget)
-        reservation = self._scheduler.reserve(self._kv_bytes(n + budget))
+        reservation = self._scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
         try:
             with self._turns.prompt_work():
                 outcome = self._prefiller.run(plan, reuse=options.reuse)
@@ -600,11 +643,12 @@ class KVBoost:
         except BaseException:
             self._scheduler.release(reservation)
             raise
-        request = _Request(plan, options, start, outcome, sequence, (time.perf_counter() - start) * 1000, first_pieces)
+        ttft_ms = (time.perf_counter() - start) * 1000
+        request = _Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation)
         if sequence.done:
-            self._scheduler.release(reservation)
-        else:
-            request.handle = self._scheduler.submit(sequence, reservation)
+            request.close(self._scheduler)
+        elif not hold:
+            request.submit(self._scheduler)
         return request
 
     def _follow(self, request: _Request, *, end_at_last_token: bool) -> Iterator[str]:
@@ -622,7 +666,7 @@ class KVBoost:
             if request.handle is not None:
                 yield from request.handle.pieces()
         finally:
-            request.close()
+            request.close(self._scheduler)
             if options.reuse:
                 self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -160,15 +160,21 @@ class DecodeScheduler:
         with self._state:
             return self._admitted
 
-    def reserve(self, nbytes: int) -> Reservation:
+    def reserve(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> Reservation:
         """Wait, in arrival order, for a place in the batch for a sequence of ``nbytes``.
 
         Args:
             nbytes: Bytes of the K/V buffers its prefill allocates.
+            on_wait: Called once (without the scheduler's lock) if there is no place now,
+                before waiting for one (a batch hands over the sequences it holds back).
         """
         reservation = Reservation(nbytes)
         with self._state:
             self._waiting.append(reservation)
+            ready = self._waiting[0] is reservation and self._fits(nbytes)
+        if not ready and on_wait is not None:
+            on_wait()
+        with self._state:
             while self._waiting[0] is not reservation or not self._fits(nbytes):
                 self._state.wait()
             self._waiting.popleft()
@@ -185,13 +191,17 @@ class DecodeScheduler:
     def submit(self, sequence: DecodeSequence, reservation: Reservation) -> DecodeHandle:
         """Hand a prefilled sequence (with its pending token) to the decode worker; it joins
         the batch at the next step, and its reservation is released when it leaves."""
-        handle = DecodeHandle(sequence, reservation)
+        return self.submit_many([(sequence, reservation)])[0]
+
+    def submit_many(self, entries: Sequence[tuple[DecodeSequence, Reservation]]) -> list[DecodeHandle]:
+        """Like :meth:`submit` for several sequences that join the same step."""
+        handles = [DecodeHandle(sequence, reservation) for sequence, reservation in entries]
         with self._state:
-            self._incoming.append(handle)
-            if self._worker is None:
+            self._incoming.extend(handles)
+            if handles and self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="kvboost-decode", daemon=True)
                 self._worker.start()
-        return handle
+        return handles
 
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:
