@@ -533,7 +533,9 @@ class KVBoost:
         """Generate completions of several prompts, decoding them together.
 
         Each prompt is prefilled with its own reuse (prefix hits, document hits and repair,
-        as :meth:`generate`), in order; then all decode together, one forward pass per step,
+        as :meth:`generate`), in order. A leading part several prompts share (at least
+        ``chunk_size`` tokens) that no tier holds yet is computed once first and stored, so
+        each prompt reads it as an exact prefix hit. Then all decode together, one forward pass per step,
         each with its own stop strings, EOS and token budget; a finished prompt leaves the
         batch. Greedy outputs equal those of :meth:`generate` on each prompt alone. At most
         ``max_batch_size`` prompts (and ``max_batch_cache_bytes`` of K/V) decode at once;
@@ -570,10 +572,17 @@ class KVBoost:
             # a place, so the places they hold can free up).
             _submit_together([request for _, request in started], self._scheduler)
 
+        tokenized: list[tuple[int, PromptTokens]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                tokenized.append((i, self._prompt_tokens(prompt, f"prompt {i}")))
+            except KVBoostError as error:
+                outputs[i] = error
+        if resolved.reuse:
+            self._store_common_beginning([tokens for _, tokens in tokenized])
         try:
-            for i, prompt in enumerate(prompts):
+            for i, tokens in tokenized:
                 try:
-                    tokens = self._prompt_tokens(prompt, f"prompt {i}")
                     started.append((i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all)))
                 except KVBoostError as error:
                     outputs[i] = error
@@ -591,6 +600,25 @@ class KVBoost:
             for _, request in started:
                 request.close(self._scheduler)
         return [output for output in outputs if output is not None]
+
+    def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
+        """Compute once, and store, the leading tokens several prompts share (at least one
+        chunk), so that each of them reads it as an exact prefix hit instead of computing it;
+        nothing is computed when it is stored already."""
+        if len(prompts) < 2:
+            return
+        first = prompts[0]
+        common = min(len(p) for p in prompts) - 1  # every prompt computes its last token
+        for other in prompts[1:]:
+            common = next((j for j in range(common) if other.ids[j] != first.ids[j]), common)
+        if common < self.settings.chunk_size:
+            return
+        tokens = PromptTokens(first.text[: first.offsets[common - 1][1]], first.ids[:common], first.offsets[:common])
+        plan = self._plan(tokens, content_reuse=False, lookup_limit=common)
+        with self._turns.prompt_work():
+            outcome = self._prefiller.run(plan)
+        if outcome.logits is not None:  # something was computed: store it
+            self._cache.write_back(plan, outcome, store_documents=False)
 
     def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
         """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order."""

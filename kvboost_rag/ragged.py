@@ -108,6 +108,7 @@ def ragged_decode_attention(
         raise RuntimeError("ragged decode attention used outside a RaggedCache decode step")
     keys, values = rows
     _state.rows = None
+    _state.calls = getattr(_state, "calls", 0) + 1
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -116,6 +117,12 @@ def ragged_decode_attention(
         position = k.shape[-2] - 1
         out[b : b + 1] = attend_blocks(query[b : b + 1], k, v, [position], scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attention_calls() -> int:
+    """Calls of :func:`ragged_decode_attention` in this thread so far (a model whose attention
+    does not go through transformers' attention interface never calls it)."""
+    return getattr(_state, "calls", 0)
 
 
 AttentionInterface.register(RAGGED_ATTENTION, ragged_decode_attention)

@@ -111,17 +111,18 @@ class DecodeHandle:
         """Whether :meth:`cancel` was called."""
         return self._cancelled.is_set()
 
-    def _deliver(self, result: StepResult) -> bool:
-        """Post a step's result; returns whether the sequence is over."""
+    def _ends_with(self, result: StepResult) -> bool:
+        """Whether the sequence is over after this step's result."""
+        return result.error is not None or self.sequence.done
+
+    def _deliver(self, result: StepResult) -> None:
+        """Post a step's result to the request."""
         for piece in result.pieces:
             self._events.put(("piece", piece))
         if result.error is not None:
             self._events.put(("error", result.error))
-            return True
-        if self.sequence.done:
+        elif self.sequence.done:
             self._events.put(("done", self.sequence.finish_reason))
-            return True
-        return False
 
 
 class DecodeScheduler:
@@ -227,12 +228,15 @@ class DecodeScheduler:
                     results = self._step([handle.sequence for handle in running])
             except Exception as exc:  # noqa: BLE001 - the step failed for every sequence in it; each caller re-raises
                 results = [StepResult(error=exc) for _ in running]
-            finished = [handle for handle, result in zip(running, results) if handle._deliver(result)]
-            if finished:
+            stepped = list(zip(running, results))
+            finished = [handle for handle, result in stepped if handle._ends_with(result)]
+            if finished:  # places are given back before the requests hear they are done
                 with self._state:
                     for handle in finished:
                         running.remove(handle)
                         self._release_locked(handle.reservation)
+            for handle, result in stepped:
+                handle._deliver(result)
 
     def _release_locked(self, reservation: Reservation) -> None:
         if not reservation.released:

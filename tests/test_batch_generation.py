@@ -35,11 +35,15 @@ def _warmed(make_engine, family: str, docs: list[str], **settings) -> KVBoost:
 
 
 def _same(alone, batched) -> None:
+    """Same output and the same per-prompt reuse figures; the exact prefix hit may be longer
+    in a batch (a beginning the prompts share is computed once and read by each)."""
     assert batched.token_ids == alone.token_ids
     assert batched.output_text == alone.output_text
     assert batched.finish_reason == alone.finish_reason
-    for name in ("prompt_tokens", "cached_tokens", "prefix_hit_tokens", "content_hit_tokens", "recomputed_tokens", "documents_found"):
+    for name in ("prompt_tokens", "content_hit_tokens", "recomputed_tokens", "documents_found"):
         assert getattr(batched, name) == getattr(alone, name), name
+    assert batched.prefix_hit_tokens >= alone.prefix_hit_tokens
+    assert batched.cached_tokens - batched.prefix_hit_tokens == alone.cached_tokens - alone.prefix_hit_tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -65,6 +69,23 @@ def test_batch_gives_each_prompt_its_greedy_output_alone(make_engine, docs, fami
     if family != "gpt2":
         assert batched[0].content_hit_tokens > 0  # document reuse really ran
     assert all(b.prefix_hit_tokens > 0 for b in batched)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_shared_beginning_is_computed_once_for_the_batch(make_engine, docs, family):
+    beginning = SYSTEM_PROMPT + "\n\n" + docs[4] + "\n\n"  # never warmed
+    prompts = [beginning + f"Question: what is a {word}?\nAnswer:" for word in ("list", "tuple", "set")]
+    alone = [make_engine(family).generate(p, max_new_tokens=8) for p in prompts]
+    assert all(a.prefix_hit_tokens == 0 for a in alone)
+    engine = make_engine(family)
+    batched = engine.generate_batch(prompts, max_new_tokens=8)
+    shared = len(engine.tokenizer(beginning)["input_ids"]) - 2  # the last tokens may merge with the question
+    for a, b in zip(alone, batched):
+        assert b.token_ids == a.token_ids
+        assert b.prefix_hit_tokens >= shared and b.live_tokens == b.prompt_tokens - b.prefix_hit_tokens
+    stored = engine.cache_stats().counters["stored_entries"]
+    engine.generate_batch(prompts, max_new_tokens=2)  # stored already: nothing computed or stored again
+    assert engine.cache_stats().counters["stored_entries"] == stored
 
 
 def test_ttft_is_from_the_call_and_grows_along_the_batch(make_engine, docs):
@@ -209,3 +230,15 @@ def test_ragged_step_equals_one_sequence_steps(make_engine):
             single = adapter.forward(tokens[b : b + 1], positions[b : b + 1], cache)
             torch.testing.assert_close(batched[b], single, rtol=1e-4, atol=1e-4)
             assert caches[b].layers[0].get_seq_length() == len(prompts[b]) + 1
+
+
+def test_models_whose_attention_is_their_own_decode_one_row_per_pass(make_engine, docs, monkeypatch):
+    from kvboost_rag import model_adapter
+
+    prompts = _prompts(docs)
+    alone = [_warmed(make_engine, "llama", docs).generate(p, max_new_tokens=6) for p in prompts]
+    monkeypatch.setattr(model_adapter, "attention_calls", lambda: 0)  # as if no layer called it
+    engine = _warmed(make_engine, "llama", docs)
+    assert not engine._adapter.batched_decoding
+    for a, b in zip(alone, engine.generate_batch(prompts, max_new_tokens=6)):
+        _same(a, b)
