@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -112,10 +113,14 @@ def ragged_decode_attention(
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // keys[0].shape[1]
     out = torch.empty_like(query)
     for b, (k, v) in enumerate(zip(keys, values)):
-        position = k.shape[-2] - 1
-        out[b : b + 1] = attend_blocks(query[b : b + 1], k, v, [position], scale, window, softcap)
+        q = query[b : b + 1]
+        if window is None and softcap is None:  # the query is the last position: every key is visible
+            out[b : b + 1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        else:
+            out[b : b + 1] = attend_blocks(q, k, v, [k.shape[-2] - 1], scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 

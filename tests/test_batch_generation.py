@@ -10,7 +10,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.batch_decode import DecodeSequence
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
 from kvboost_rag.sampling import TextAssembler
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
 # Llama-style RoPE, Qwen2 (biases), a partial-rotary family, interleaved sliding-window
 # layers, and GPT-2 (no RoPE: prefix-only reuse).
@@ -213,7 +213,7 @@ def test_decode_sequence_ends_on_eos_stop_and_budget(tokenizer):
 def test_ragged_step_equals_one_sequence_steps(make_engine):
     """One batched forward over caches of different lengths gives each row the logits of
     its own one-sequence step (sliding-window layers included)."""
-    for family in ("llama", "gemma2", "gpt2"):
+    for family in (*ROPE_FAMILIES, "gpt2"):
         adapter = make_engine(family)._adapter
         torch.manual_seed(0)
         prompts = [torch.randint(3, 1000, (n,)) for n in (70, 5, 33)]
