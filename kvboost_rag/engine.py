@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -599,7 +599,7 @@ class KVBoost:
         finally:
             for _, request in started:
                 request.close(self._scheduler)
-        return [output for output in outputs if output is not None]
+        return cast("list[GenerationResult | Exception]", outputs)  # every entry is set above
 
     def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
         """Compute once, and store, the leading tokens several prompts share (at least one
