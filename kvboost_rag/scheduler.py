@@ -173,11 +173,18 @@ class DecodeScheduler:
         with self._state:
             self._waiting.append(reservation)
             ready = self._waiting[0] is reservation and self._fits(nbytes)
-        if not ready and on_wait is not None:
-            on_wait()
+        try:
+            if not ready and on_wait is not None:
+                on_wait()
+            with self._state:
+                while self._waiting[0] is not reservation or not self._fits(nbytes):
+                    self._state.wait()
+        except BaseException:  # interrupted while waiting: leave the line
+            with self._state:
+                self._waiting.remove(reservation)
+                self._state.notify_all()
+            raise
         with self._state:
-            while self._waiting[0] is not reservation or not self._fits(nbytes):
-                self._state.wait()
             self._waiting.popleft()
             self._admitted += 1
             self._admitted_bytes += nbytes
@@ -212,6 +219,22 @@ class DecodeScheduler:
     def _run(self) -> None:
         """The worker: one step over every running sequence until none is left."""
         running: list[DecodeHandle] = []
+        try:
+            self._loop(running)
+        except BaseException as exc:  # the worker itself failed: no request may wait forever
+            with self._state:
+                orphans = running + self._incoming
+                self._incoming.clear()
+                for handle in orphans:
+                    self._release_locked(handle.reservation)
+                self._worker = None
+            for handle in orphans:
+                handle._deliver(StepResult(error=exc))
+            raise
+
+    def _loop(self, running: list[DecodeHandle]) -> None:
+        """Admit what was handed over, drop what was cancelled, run one step, deliver; until
+        nothing runs (the worker then exits, and the next hand-over starts a new one)."""
         while True:
             with self._state:
                 running.extend(self._incoming)

@@ -174,6 +174,27 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine, d
     assert [r.token_ids for r in again] == [r.token_ids for r in full]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dying_worker_fails_its_requests_instead_of_leaving_them_waiting(make_engine, docs):
+    class Stop(BaseException):
+        pass
+
+    prompts = _prompts(docs)[:3]
+    engine = _engine(make_engine, docs)
+    step = engine._scheduler._step
+
+    def dying(sequences):
+        engine._scheduler._step = step  # the next worker steps normally
+        raise Stop()
+
+    engine._scheduler._step = dying
+    with pytest.raises(Stop):
+        engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    assert engine._scheduler.admitted == 0
+    again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    assert all(r.generated_tokens == 6 for r in again)
+
+
 def test_closing_a_stream_gives_its_place_back(make_engine, docs):
     engine = _engine(make_engine, docs, max_batch_size=1)
     stream = engine.stream(_prompts(docs)[0], max_new_tokens=200)
