@@ -5,6 +5,8 @@ llama). RAG prompts as in ``bench/reuse_bench.py`` (a question of ``bench/qa.jso
 document plus distractors, shuffled, behind the system prompt), documents prewarmed, and one
 untimed pass over the prompts first so every timed run starts from the same cache.
 
+0. One decode step (one forward pass, each sequence over its own cache) against the number of
+   sequences in it, at each concurrency level of part 2.
 1. ``--prompts`` prompts x ``--new-tokens`` greedy tokens: ``generate`` one after another
    against one ``generate_batch`` call; wall time, ratio, and whether every output is
    identical.
@@ -67,6 +69,19 @@ class BatchRow:
 
 
 @dataclass
+class StepRow:
+    """Part 0: one batched decode step at one batch size."""
+
+    batch: int
+    step_ms: float
+
+    @property
+    def ms_per_token(self) -> float:
+        """Step time per sequence in the batch."""
+        return self.step_ms / self.batch
+
+
+@dataclass
 class ThroughputRow:
     """Part 2: one system at one concurrency."""
 
@@ -104,6 +119,33 @@ def load_engine(model: str | None) -> KVBoost:
 
         return KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), show_progress=False, chunk_size=32)
     return KVBoost.from_pretrained(model, show_progress=False)
+
+
+def decode_steps(engine: KVBoost, prompts: Sequence[str], sizes: Sequence[int], repeats: int = 3) -> list[StepRow]:
+    """Median time of one decode step (``ModelAdapter.forward_ragged``) over ``size`` prompts
+    prefilled in full, for each size."""
+    from kvboost_rag.model_adapter import ModelAdapter
+
+    adapter = ModelAdapter(engine.model, engine.tokenizer)
+    rows_needed = max(sizes)
+    caches, positions = [], []
+    for prompt in prompts[:rows_needed]:
+        ids = engine.tokenizer(prompt)["input_ids"]
+        cache = adapter.new_cache(len(ids) + repeats * len(sizes) + 1)
+        adapter.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+        caches.append(cache)
+        positions.append(len(ids))
+    token = torch.tensor([engine.tokenizer.eos_token_id or 0])
+    rows = []
+    for size in sizes:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            adapter.forward_ragged(token.repeat(size), torch.tensor(positions[:size]), caches[:size])
+            times.append((time.perf_counter() - start) * 1000)
+            positions[:size] = [p + 1 for p in positions[:size]]
+        rows.append(StepRow(size, statistics.median(times)))
+    return rows
 
 
 def batch_vs_sequential(engine: KVBoost, prompts: Sequence[str], new_tokens: int) -> BatchRow:
@@ -239,9 +281,16 @@ def ttft_under_load(engine: KVBoost, prompts: Sequence[str], rate: float, new_to
 
 
 # ---------------------------------------------------------------------- output
-def print_tables(batch: BatchRow, rows: list[ThroughputRow], load: list[LoadRow], header: str) -> None:
-    """Markdown tables of the three parts."""
+def print_tables(
+    steps: list[StepRow], batch: BatchRow, rows: list[ThroughputRow], load: list[LoadRow], header: str
+) -> None:
+    """Markdown tables of every part."""
     print(f"\n{header}\n")
+    print("| sequences per decode step | step ms (median) | ms per sequence |")
+    print("|---:|---:|---:|")
+    for step in steps:
+        print(f"| {step.batch} | {step.step_ms:.0f} | {step.ms_per_token:.1f} |")
+    print()
     print("| prompts x new tokens | sequential s | batch s | batch / sequential | identical greedy outputs |")
     print("|---|---:|---:|---:|---:|")
     print(
@@ -294,7 +343,7 @@ def plot(rows: list[ThroughputRow], load: list[LoadRow], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> tuple[BatchRow, list[ThroughputRow], list[LoadRow]]:
+def main(argv: list[str] | None = None) -> tuple[list[StepRow], BatchRow, list[ThroughputRow], list[LoadRow]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="local model folder, 'tiny', or the embedded model")
     parser.add_argument("--prompts", type=int, default=8, help="prompts of part 1")
@@ -325,6 +374,8 @@ def main(argv: list[str] | None = None) -> tuple[BatchRow, list[ThroughputRow], 
         engine.generate(prompt, max_new_tokens=2)
     tokens = [len(engine.tokenizer(p)["input_ids"]) for p in prompts]
 
+    levels = [int(c) for c in args.concurrency.split(",")]
+    steps = decode_steps(engine, prompts, sorted({1, *levels}))
     batch = batch_vs_sequential(engine, prompts[: args.prompts], args.new_tokens)
 
     runners = {
@@ -339,7 +390,6 @@ def main(argv: list[str] | None = None) -> tuple[BatchRow, list[ThroughputRow], 
         "llama_index": "LlamaIndex KVBoostLLM.acomplete",
         "pipeline": "HuggingFacePipeline batch_size",
     }
-    levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[ThroughputRow] = []
     for system in args.systems.split(","):
         run = runners[system](engine, args.load_new_tokens)
@@ -360,10 +410,10 @@ def main(argv: list[str] | None = None) -> tuple[BatchRow, list[ThroughputRow], 
         f"docs/prompt={args.docs}, doc_chars<={args.doc_chars}, documents prewarmed, "
         f"part 2/3: {args.load_new_tokens} new tokens per request, {args.requests} requests per level"
     )
-    print_tables(batch, rows, load, header)
+    print_tables(steps, batch, rows, load, header)
     if args.out is not None:
         plot(rows, load, args.out / "batch_throughput.png")
-    return batch, rows, load
+    return steps, batch, rows, load
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ import batch_bench  # noqa: E402
 
 
 def test_tiny_run_measures_every_part(tmp_path, capsys):
-    batch, rows, load = batch_bench.main(
+    steps, batch, rows, load = batch_bench.main(
         ["--model", "tiny", "--prompts", "3", "--new-tokens", "6", "--requests", "3", "--concurrency", "1,3",
          "--arrivals", "3", "--rate", "50", "--load-new-tokens", "4", "--doc-chars", "300", "--out", str(tmp_path)]
     )
+    assert [step.batch for step in steps] == [1, 3] and all(step.step_ms > 0 for step in steps)
     assert batch.prompts == 3 and batch.identical == 3
     assert batch.sequential_s > 0 and batch.batch_s > 0
     systems = {r.system for r in rows}
@@ -27,7 +28,7 @@ def test_tiny_run_measures_every_part(tmp_path, capsys):
     assert [row.mode for row in load] == ["continuous batching", "one at a time"]
     assert all(len(row.ttft_ms) == 3 and row.percentile(0.5) <= row.percentile(0.95) for row in load)
     out = capsys.readouterr().out
-    assert "| 3 x 6 |" in out and "3/3 |" in out and "| engine (threads) |" in out
+    assert "| sequences per decode step |" in out and "| 3 x 6 |" in out and "3/3 |" in out and "| engine (threads) |" in out
     assert (tmp_path / "batch_throughput.png").stat().st_size > 0
 
 
