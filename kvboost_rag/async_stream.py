@@ -1,14 +1,57 @@
-"""Async iteration over the engine's blocking streams, for async integrations."""
+"""Async calls and iteration over the engine's blocking API, for async integrations.
+
+Each call runs in a thread of its own rather than in the event loop's default executor: that
+executor has a handful of workers (``min(32, cpus + 4)``), which would cap how many concurrent
+requests reach the engine and decode together in one batch.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
+
+
+async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking call in a thread of its own and await its result.
+
+    Context variables are copied into the thread. Cancelling the awaiting task does not stop
+    the call (as with :func:`asyncio.to_thread`).
+
+    Args:
+        fn: The blocking callable.
+        *args: Its positional arguments.
+        **kwargs: Its keyword arguments.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = context.run(fn, *args, **kwargs), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: nobody is waiting
+            pass
+
+    threading.Thread(target=run, name="kvboost-call", daemon=True).start()
+    return await future
 
 
 async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
@@ -48,7 +91,7 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
             if callable(close):
                 close()
 
-    worker = asyncio.ensure_future(asyncio.to_thread(produce))
+    worker = asyncio.ensure_future(call_in_thread(produce))
     try:
         while True:
             item, error = await queue.get()

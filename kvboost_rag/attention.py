@@ -127,7 +127,7 @@ def sparse_causal_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = getattr(_state, "backend", None) or default_backend(query.device)
     if backend == "blocks":
-        out = _blocks(query, key, value, positions.tolist(), scale, window, softcap)
+        out = attend_blocks(query, key, value, positions.tolist(), scale, window, softcap)
     elif backend == "flex":
         out = _flex(query, key, value, positions, scale, window, softcap)
         if out is None:
@@ -239,7 +239,30 @@ def _flex(query, key, value, positions, scale: float, window: int | None, softca
 
 
 # ---------------------------------------------------------------------- loop over query blocks
-def _blocks(query, key, value, positions: list[int], scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def attend_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: list[int],
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Queries at sorted ``positions`` over keys ``0..N-1``, in blocks of 32 queries, each
+    block attending only to the keys up to its last position (and within ``window``).
+
+    Args:
+        query: ``[batch, heads, queries, dim]``.
+        key: ``[batch, kv_heads, N, dim]``.
+        value: ``[batch, kv_heads, N, dim]``.
+        positions: Absolute position of each query, ascending.
+        scale: Softmax scale.
+        window: Sliding window, or ``None``.
+        softcap: Logit softcapping, or ``None``.
+
+    Returns:
+        ``[batch, heads, queries, dim]``.
+    """
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query)
     for start in range(0, len(positions), _QUERY_BLOCK):

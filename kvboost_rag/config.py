@@ -83,6 +83,12 @@ class KVBoostSettings(BaseModel):
         warm_batch_tokens: ``warm_documents`` runs several documents through the model per
             forward pass, up to this many tokens (rows x padded length); each document's stored
             K/V is the one a one-by-one warm computes. 0 warms one document per pass.
+        max_batch_size: Most requests decoded together: concurrent ``generate``/``stream``
+            calls and the prompts of ``generate_batch`` share each decode step up to this
+            many; later ones wait, first come first served, and join as places free up.
+        max_batch_cache_bytes: Most bytes of K/V buffers (prompt plus room for its new
+            tokens) the requests decoded together may hold; a request that would exceed it
+            waits (one request is always admitted when none runs).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -112,6 +118,8 @@ class KVBoostSettings(BaseModel):
     store_generated_documents: bool = True
     show_progress: bool = True
     warm_batch_tokens: int = Field(4096, ge=0)
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
 
     @field_validator("device")
     @classmethod

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
 
+from kvboost_rag.batch_decode import DecodeSequence, decode_step
 from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
+    KVBoostError,
     ModelNotFoundError,
     PromptTooLongError,
     UnsupportedModelError,
@@ -37,7 +39,8 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import TextAssembler, make_generator, sample_token
+from kvboost_rag.sampling import TextAssembler, choose_token, make_generator
+from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
 
@@ -106,11 +109,60 @@ class _DocumentWarm:
         )
 
 
+@dataclass
+class _Request:
+    """One prompt of ``generate``/``stream``/``generate_batch`` from its prefill to its result.
+
+    Attributes:
+        plan: Its plan.
+        options: Its options.
+        start: ``perf_counter`` at the call (TTFT is measured from here).
+        outcome: Its prefill outcome (write-back reads it).
+        sequence: Its decode state.
+        ttft_ms: Wall time from the call to its first token.
+        first_pieces: Text of the first token, not yielded yet.
+        reservation: Its place in the batch while it is not handed to the decode worker yet.
+        handle: Its place in the decode worker's batch once handed over.
+    """
+
+    plan: PromptPlan
+    options: GenerationOptions
+    start: float
+    outcome: PrefillOutcome
+    sequence: DecodeSequence
+    ttft_ms: float
+    first_pieces: list[str]
+    reservation: Reservation | None = None
+    handle: DecodeHandle | None = None
+
+    def submit(self, scheduler: DecodeScheduler) -> None:
+        """Hand the sequence to the decode worker (it joins the batch at the next step)."""
+        _submit_together([self], scheduler)
+
+    def close(self, scheduler: DecodeScheduler) -> None:
+        """Give its place back: out of the batch at the next step if it is still decoding."""
+        if self.reservation is not None:
+            scheduler.release(self.reservation)
+            self.reservation = None
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+def _submit_together(requests: Sequence[_Request], scheduler: DecodeScheduler) -> None:
+    """Hand the sequences of ``requests`` not handed over yet to the decode worker; they join
+    the same step."""
+    pending = [request for request in requests if request.reservation is not None]
+    handles = scheduler.submit_many([(request.sequence, request.reservation) for request in pending])
+    for request, handle in zip(pending, handles):
+        request.handle, request.reservation = handle, None
+
+
 class KVBoost:
     """Reuses the K/V of text the model has already read.
 
     Build it with :meth:`from_pretrained` or :meth:`from_model`. Safe to call from several
-    threads: model calls are serialized, cache lookups are locked.
+    threads: prefills and warms take turns on the model, concurrent generations decode
+    together in one batch (:mod:`kvboost_rag.scheduler`), cache lookups are locked.
 
     Args:
         model: A transformers causal LM.
@@ -150,7 +202,8 @@ class KVBoost:
         self._root = root_hash(self.fingerprint)
         self._prefiller = Prefiller(self._adapter, self._cache, self.settings)
         self._batch_warmer = BatchWarmer(self._adapter, self._cache)
-        self._model_lock = threading.RLock()
+        self._turns = ModelTurns()
+        self._scheduler = DecodeScheduler(partial(decode_step, self._adapter), self._turns, self.settings)
         if not self._adapter.position_independent:
             if self.settings.strict:
                 raise UnsupportedModelError(
@@ -289,7 +342,7 @@ class KVBoost:
         tokens = self._prompt_tokens(text, "warmed text")
         n = len(tokens)
         plan = self._plan(tokens, content_reuse=False, lookup_limit=n)
-        with self._model_lock:
+        with self._turns.prompt_work():
             outcome = self._prefiller.run(plan)
         self._cache.write_back(plan, outcome, store_documents=False, pin=True)
         return WarmResult(
@@ -369,7 +422,7 @@ class KVBoost:
     def _warm_batch(self, group: list[WarmJob]) -> dict[int, int]:
         """Compute and store a group of documents: one forward pass when there are several
         (and the document context is stored whole), else one prefill each."""
-        with self._model_lock:
+        with self._turns.prompt_work():
             if len(group) > 1:
                 stored = self._batch_warmer.run(group)
                 if stored is not None:
@@ -440,6 +493,9 @@ class KVBoost:
     def generate(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion of ``prompt``, reusing cached K/V where possible.
 
+        Concurrent calls (threads, async integrations) decode together: each request joins
+        the running batch at the next decode step (see ``max_batch_size``).
+
         Args:
             prompt: The full prompt text.
             options: Decoding and reuse options (defaults when omitted).
@@ -466,42 +522,193 @@ class KVBoost:
         start = time.perf_counter()
         resolved = GenerationOptions.resolve(options, overrides)
         tokens = self._prompt_tokens(prompt)
-        for i, document in enumerate(resolved.documents):
-            _check_text(document, f"documents[{i}]")
+        _check_documents(resolved)
         stream = GenerationStream(iter(()))
         stream._pieces = self._run(stream, tokens, resolved, start)
         return stream
 
+    def generate_batch(
+        self, prompts: Sequence[str], options: GenerationOptions | None = None, **overrides: Any
+    ) -> list[GenerationResult | Exception]:
+        """Generate completions of several prompts, decoding them together.
+
+        Each prompt is prefilled with its own reuse (prefix hits, document hits and repair,
+        as :meth:`generate`), in order. A leading part several prompts share (at least
+        ``chunk_size`` tokens) that no tier holds yet is computed once first and stored, so
+        each prompt reads it as an exact prefix hit. Then all decode together, one forward pass per step,
+        each with its own stop strings, EOS and token budget; a finished prompt leaves the
+        batch. Greedy outputs equal those of :meth:`generate` on each prompt alone. At most
+        ``max_batch_size`` prompts (and ``max_batch_cache_bytes`` of K/V) decode at once;
+        the others join as places free up, and concurrent calls share the same batch.
+
+        Args:
+            prompts: Full prompt texts.
+            options: Decoding and reuse options for every prompt (defaults when omitted).
+            **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`, applied
+                over ``options``.
+
+        Returns:
+            One entry per prompt, in order: its :class:`GenerationResult` (``ttft_ms`` is the
+            wall time from this call to that prompt's first token, ``total_ms`` to its last;
+            usage and reuse figures are the prompt's own), or the exception that failed that
+            prompt alone: an :class:`InvalidInputError` for bad input (an empty prompt, a lone
+            surrogate), a :class:`PromptTooLongError`, or what ended its decoding.
+
+        Raises:
+            InvalidInputError: ``prompts`` is one string, or the options are bad (they are
+                shared by every prompt).
+        """
+        start = time.perf_counter()
+        if isinstance(prompts, (str, bytes)):
+            raise InvalidInputError("generate_batch takes a list of prompts, not one string: pass [prompt]")
+        prompts = list(prompts)
+        resolved = GenerationOptions.resolve(options, overrides)
+        _check_documents(resolved)
+        outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
+        started: list[tuple[int, _Request]] = []
+
+        def submit_all() -> None:
+            # The prefilled prompts join the batch together (and before a prefill waits for
+            # a place, so the places they hold can free up).
+            _submit_together([request for _, request in started], self._scheduler)
+
+        tokenized: list[tuple[int, PromptTokens]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                tokenized.append((i, self._prompt_tokens(prompt, f"prompt {i}")))
+            except KVBoostError as error:
+                outputs[i] = error
+        if resolved.reuse:
+            self._store_common_beginning([tokens for _, tokens in tokenized])
+        try:
+            for i, tokens in tokenized:
+                try:
+                    started.append((i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all)))
+                except KVBoostError as error:
+                    outputs[i] = error
+            submit_all()
+            for i, request in started:  # the decode worker runs every started prompt meanwhile
+                follow = self._follow(request, end_at_last_token=True)
+                try:
+                    while True:
+                        next(follow)
+                except StopIteration as stop:
+                    outputs[i] = stop.value
+                except Exception as error:  # noqa: BLE001 - what ended this prompt's decoding ends it alone
+                    outputs[i] = error
+        finally:
+            for _, request in started:
+                request.close(self._scheduler)
+        return cast("list[GenerationResult | Exception]", outputs)  # every entry is set above
+
+    def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
+        """Compute once, and store, the leading tokens several prompts share (at least one
+        chunk), so that each of them reads it as an exact prefix hit instead of computing it;
+        nothing is computed when it is stored already."""
+        if len(prompts) < 2:
+            return
+        first = prompts[0]
+        common = min(len(p) for p in prompts) - 1  # every prompt computes its last token
+        for other in prompts[1:]:
+            common = next((j for j in range(common) if other.ids[j] != first.ids[j]), common)
+        if common < self.settings.chunk_size:
+            return
+        tokens = PromptTokens(first.text[: first.offsets[common - 1][1]], first.ids[:common], first.offsets[:common])
+        plan = self._plan(tokens, content_reuse=False, lookup_limit=common)
+        with self._turns.prompt_work():
+            outcome = self._prefiller.run(plan)
+        if outcome.logits is not None:  # something was computed: store it
+            self._cache.write_back(plan, outcome, store_documents=False)
+
     def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
-        """text -> plan -> lookup/stitch/repair -> decode -> write-back, in that order."""
+        """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order."""
+        request = self._start(tokens, options, start)
+        try:
+            stream.result = yield from self._follow(request, end_at_last_token=False)
+        finally:
+            request.close(self._scheduler)
+
+    def _start(
+        self,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        *,
+        hold: bool = False,
+        on_wait: Callable[[], None] | None = None,
+    ) -> _Request:
+        """Plan and prefill a prompt and choose its first token, after waiting for a place in
+        the batch.
+
+        Args:
+            tokens: The prompt.
+            options: Its options.
+            start: ``perf_counter`` at the call.
+            hold: Keep the sequence until :meth:`_Request.submit` (a batch joins at once);
+                else it is handed to the decode worker now (unless its first token ended it).
+            on_wait: Called once if the request must wait for a place.
+        """
         n = len(tokens)
         budget = min(options.max_new_tokens, self.context_window - n)
         plan = self._plan_generation(tokens, options, budget)
-        with self._model_lock:
-            outcome = self._prefiller.run(plan, reuse=options.reuse)
-        if options.reuse:
-            self._cache.record(plan, outcome)
-            self._warn_if_documents_missed(plan, outcome)
-        generator = make_generator(options.seed, self._adapter.device)
-        token = sample_token(outcome.logits, options.temperature, options.top_p, generator)
-        ttft_ms = (time.perf_counter() - start) * 1000
-        assembler = TextAssembler(self.tokenizer, options.stop)
-        finish = "length"
+        reservation = self._scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
         try:
-            finish = yield from self._decode(token, n, budget, outcome, options, generator, assembler)
+            with self._turns.prompt_work():
+                outcome = self._prefiller.run(plan, reuse=options.reuse)
+            if options.reuse:
+                self._cache.record(plan, outcome)
+                self._warn_if_documents_missed(plan, outcome)
+            sequence = DecodeSequence(
+                cache=outcome.cache,
+                position=n,
+                budget=budget,
+                options=options,
+                generator=make_generator(options.seed, self._adapter.device),
+                assembler=TextAssembler(self.tokenizer, options.stop),
+                eos_ids=frozenset(self._eos_ids()),
+            )
+            first_pieces = sequence.take(choose_token(outcome.logits, options, sequence.generator))
+        except BaseException:
+            self._scheduler.release(reservation)
+            raise
+        ttft_ms = (time.perf_counter() - start) * 1000
+        request = _Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation)
+        if sequence.done:
+            request.close(self._scheduler)
+        elif not hold:
+            request.submit(self._scheduler)
+        return request
+
+    def _follow(self, request: _Request, *, end_at_last_token: bool) -> Iterator[str]:
+        """Yield a started request's text pieces as they decode, store what its prompt
+        taught, and return its :class:`GenerationResult`.
+
+        Args:
+            request: From :meth:`_start`.
+            end_at_last_token: ``total_ms`` ends at the last token (a batch) rather than
+                after the write-back (one call).
+        """
+        plan, outcome, options, sequence = request.plan, request.outcome, request.options, request.sequence
+        try:
+            yield from request.first_pieces
+            if request.handle is not None:
+                yield from request.handle.pieces()
         finally:
+            request.close(self._scheduler)
             if options.reuse:
                 self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
-        token_ids = assembler.trimmed_token_ids()
+        end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
+        token_ids = sequence.assembler.trimmed_token_ids()
+        n = plan.num_tokens
         # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
         cached = outcome.prefix_tokens + outcome.content_tokens - outcome.recomputed_tokens
-        stream.result = GenerationResult(
-            output_text=assembler.text,
+        return GenerationResult(
+            output_text=sequence.assembler.text,
             token_ids=token_ids,
             generated_tokens=len(token_ids),
-            finish_reason=finish,
-            ttft_ms=ttft_ms,
-            total_ms=(time.perf_counter() - start) * 1000,
+            finish_reason=sequence.finish_reason or "length",
+            ttft_ms=request.ttft_ms,
+            total_ms=(end - request.start) * 1000,
             prompt_tokens=n,
             cached_tokens=cached,
             prefix_hit_tokens=outcome.prefix_tokens,
@@ -516,48 +723,18 @@ class KVBoost:
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
         )
 
+    def _kv_bytes(self, tokens: int) -> int:
+        """Bytes of the K and V buffers of ``tokens`` positions."""
+        layout = self._adapter.layout
+        element = torch.empty((), dtype=self._adapter.dtype).element_size()
+        return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
+
     def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
         if not options.reuse:
             return self._plan(tokens, registry=None, content_reuse=False, reserve=budget)
         records = [self._document_record(d) for d in options.documents]
         content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
         return self._plan(tokens, explicit=records, content_reuse=content, reserve=budget)
-
-    def _decode(
-        self,
-        token: int,
-        position: int,
-        budget: int,
-        outcome: PrefillOutcome,
-        options: GenerationOptions,
-        generator: torch.Generator | None,
-        assembler: TextAssembler,
-    ) -> Iterator[str]:
-        """Decode from the first sampled token; yields text pieces, returns the finish reason."""
-        eos = self._eos_ids()
-        produced = 0
-        finish = "length"
-        while True:
-            if token in eos:
-                finish = "eos"
-                break
-            produced += 1
-            piece = assembler.add(token)
-            if piece:
-                yield piece
-            if assembler.stopped:
-                finish = "stop"
-                break
-            if produced >= budget:
-                break
-            with self._model_lock:
-                logits = self._adapter.forward(torch.tensor([token]), torch.tensor([position]), outcome.cache)
-            position += 1
-            token = sample_token(logits, options.temperature, options.top_p, generator)
-        rest = assembler.finish()
-        if rest:
-            yield rest
-        return finish
 
     def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
         """Log (rate-limited) why a prompt with a long computed part held no prewarmed document."""
@@ -661,6 +838,12 @@ def _check_text(text: object, what: str) -> None:
             f"{what} holds a lone surrogate at character {exc.start} ({text[exc.start]!r}), which is not "
             "valid Unicode text: decode your source with errors='replace' or strip surrogates"
         ) from None
+
+
+def _check_documents(options: GenerationOptions) -> None:
+    """Reject explicit documents the tokenizer cannot read."""
+    for i, document in enumerate(options.documents):
+        _check_text(document, f"documents[{i}]")
 
 
 def _check_device(device: str) -> None:

@@ -12,7 +12,7 @@ Position-independent reuse relies on keys being rotated by RoPE with fixed frequ
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +23,7 @@ from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.kv_codec import KVLayout
+from kvboost_rag.ragged import RAGGED_ATTENTION, RaggedCache, attention_calls
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ class ModelAdapter:
         self.layout = self._probe_layout()
         self._decoder_layers_owner, self._decoder_layers = self._find_decoder_layers()
         self._inv_freq, self.position_independent_reason = self._find_rope()
+        #: Whether one forward pass decodes several sequences (else one pass per sequence).
+        self.batched_decoding = self._probe_batched_decoding()
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None) or None
         if getattr(self.config, "use_sliding_window", True) is False:
             self.sliding_window = None
@@ -258,6 +261,43 @@ class ModelAdapter:
         finally:
             config._attn_implementation = previous
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[DynamicCache]
+    ) -> torch.Tensor:
+        """One decode step of several sequences in one forward pass.
+
+        Row ``b`` runs token ``input_ids[b]`` at ``position_ids[b]`` over ``caches[b]``, which
+        must hold exactly positions ``0..position_ids[b] - 1``; its K/V is appended there.
+        Attention runs per row over the row's own cache (:mod:`kvboost_rag.ragged`), so
+        sequences of any lengths share the step without padding.
+
+        Args:
+            input_ids: ``[batch]`` tokens.
+            position_ids: ``[batch]`` their positions.
+            caches: One cache per row.
+
+        Returns:
+            ``[batch, vocab]`` float32 logits.
+        """
+        if not self.batched_decoding:
+            rows = [self.forward(input_ids[b : b + 1], position_ids[b : b + 1], cache) for b, cache in enumerate(caches)]
+            return torch.stack(rows)
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = RAGGED_ATTENTION
+        try:
+            out = self.model(
+                input_ids=input_ids.view(-1, 1).to(self.device),
+                position_ids=position_ids.view(-1, 1).to(self.device),
+                past_key_values=RaggedCache(caches),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            config._attn_implementation = previous
+        return out.logits[:, -1].float()
 
     @torch.inference_mode()
     def forward_until_layer(
@@ -463,6 +503,26 @@ class ModelAdapter:
             raise UnsupportedModelError(f"layers with different K/V shapes are not supported: {sorted(shapes)}")
         _, heads, _, dim = shapes.pop()
         return KVLayout(layers=len(cache.layers), kv_heads=heads, head_dim=dim)
+
+    def _probe_batched_decoding(self) -> bool:
+        """Run one ragged decode step of one token and check that every layer's attention
+        went through :mod:`kvboost_rag.ragged` (models with their own attention code do not)."""
+        token = torch.tensor([self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0])
+        cache = self.new_cache(2)
+        self.forward(token, torch.tensor([0]), cache)
+        self.batched_decoding = True
+        before = attention_calls()
+        self.forward_ragged(token, torch.tensor([1]), [cache])
+        calls = attention_calls() - before
+        if calls != self.num_layers:
+            logger.warning(
+                "this model's attention does not go through transformers' attention interface "
+                "(%d of %d layers); concurrent requests decode one sequence per forward pass",
+                calls,
+                self.num_layers,
+            )
+            return False
+        return True
 
     def _find_decoder_layers(self) -> tuple[tuple[torch.nn.Module, str], torch.nn.ModuleList]:
         """The decoder layers' ``ModuleList`` and ``(owner module, attribute name)``."""

@@ -43,8 +43,10 @@ class GenerationResult(BaseModel):
         generated_tokens: Number of generated tokens.
         finish_reason: ``"stop"`` (stop string), ``"eos"`` or ``"length"``.
         ttft_ms: Wall time from the call to the first token: tokenizing, lookup, loading,
-            stitching, re-rotation, repair and prefill included.
-        total_ms: Wall time of the whole call.
+            stitching, re-rotation, repair and prefill included (and, in a batch or under
+            concurrent calls, the wait for a place and the prefills before this one).
+        total_ms: Wall time of the whole call (in ``generate_batch``: from the call to this
+            prompt's last token).
         prompt_tokens: Tokens in the prompt.
         cached_tokens: Prompt tokens whose K/V was loaded from cache and used as loaded: prefix
             hits plus content hits, less the tokens the repair recomputed in this call.

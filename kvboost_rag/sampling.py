@@ -8,8 +8,12 @@ string or an unfinished UTF-8 character, and cuts the output at the first stop s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvboost_rag.options import GenerationOptions
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -33,6 +37,20 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def choose_token(logits: torch.Tensor, options: GenerationOptions, generator: torch.Generator | None) -> int:
+    """The next token of one sequence from its ``[vocab]`` logits, as its options ask.
+
+    Every generated token goes through here (the first one after prefill and each decode
+    step, alone or in a batch), so an option that shapes token choice applies everywhere.
+
+    Args:
+        logits: ``[vocab]`` logits of the sequence's last position.
+        options: That sequence's options.
+        generator: That sequence's generator (see :func:`make_generator`).
+    """
+    return sample_token(logits, options.temperature, options.top_p, generator)
 
 
 class TextAssembler:

@@ -57,3 +57,26 @@ def test_stopping_early_closes_the_iterator():
 
     assert asyncio.run(take_two()) == [0, 1]
     assert closed.wait(5)
+
+
+def test_calls_run_in_threads_of_their_own():
+    from kvboost_rag.async_stream import call_in_thread
+
+    # More calls than the loop's default executor has workers, all running at the same time.
+    count = 40
+    barrier = threading.Barrier(count, timeout=20)
+
+    async def run_all():
+        return await asyncio.gather(*(call_in_thread(lambda i=i: (barrier.wait(), i)[1]) for i in range(count)))
+
+    assert asyncio.run(run_all()) == list(range(count))
+
+
+def test_call_errors_reach_the_caller():
+    from kvboost_rag.async_stream import call_in_thread
+
+    def failing():
+        raise KeyError("missing")
+
+    with pytest.raises(KeyError, match="missing"):
+        asyncio.run(call_in_thread(failing))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -11,13 +10,15 @@ from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
 )
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict, model_validator
 
-from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
 from kvboost_rag.engine_registry import resolve_engine
@@ -227,7 +228,29 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         sync_manager = run_manager.get_sync() if run_manager else None
-        return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+        return await call_in_thread(self._generate, messages, stop, sync_manager, **kwargs)
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[BaseMessage]:
+        """Answer several inputs at once: every input runs at the same time (unless
+        ``max_concurrency`` is set), so the engine decodes them together, one forward pass
+        per step for all of them (``max_batch_size`` of the engine's settings caps it).
+
+        Callbacks, tracing and ``return_exceptions`` work as in ``invoke``; each answer's
+        usage and reuse figures are its own.
+        """
+        if not inputs:
+            return []
+        configs = get_config_list(config, len(inputs))
+        if all(c.get("max_concurrency") is None for c in configs):
+            configs = [{**c, "max_concurrency": len(inputs)} for c in configs]
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
     def _start_stream(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
@@ -15,7 +14,7 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
 from langchain_kvboost._common import KVBoostParams, generation_info
@@ -155,14 +154,13 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
         if not prompts:
             raise ValueError("KVBoostLLM got an empty list of prompts; pass at least one prompt.")
         params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        if self.streaming:
+            outputs = [self._generate_streaming(prompt, params, run_manager) for prompt in prompts]
+        else:
+            outputs = [self._text_and_info(result) for result in self.engine.generate_batch(prompts, **params)]
         generations: list[list[Generation]] = []
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        for prompt in prompts:
-            if self.streaming:
-                text, info = self._generate_streaming(prompt, params, run_manager)
-            else:
-                result = self.engine.generate(prompt, **params)
-                text, info = result.output_text, generation_info(result)
+        for text, info in outputs:
             logger.debug(
                 "kvboost: ttft %.0f ms, %d/%d prompt tokens from cache",
                 info["ttft_ms"],
@@ -178,6 +176,18 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             generations=generations,
             llm_output={"model_name": self.model_name, "token_usage": usage},
         )
+
+    @staticmethod
+    def _text_and_info(result: Any) -> tuple[str, dict[str, Any]]:
+        """One entry of ``generate_batch``: its text and figures, or the error that failed it.
+
+        Raises:
+            Exception: The prompt's own error (LangChain has no per-prompt error in one
+                ``_generate``; ``batch(..., return_exceptions=True)`` reports it for every input).
+        """
+        if isinstance(result, Exception):
+            raise result
+        return result.output_text, generation_info(result)
 
     def _generate_streaming(
         self,
@@ -201,7 +211,7 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         sync_manager = run_manager.get_sync() if run_manager else None
-        return await asyncio.to_thread(self._generate, prompts, stop, sync_manager, **kwargs)
+        return await call_in_thread(self._generate, prompts, stop, sync_manager, **kwargs)
 
     def _stream(
         self,

@@ -8,12 +8,11 @@ after each answer and served by prefix hash; retrieved documents that were warme
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
@@ -35,7 +34,7 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.llms.kvboost.formatting import message_dicts
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
-from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
 from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
@@ -46,8 +45,6 @@ if TYPE_CHECKING:
     from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Generation keywords a call may override, and the engine keyword each maps to.
 _CALL_KEYWORDS = {
@@ -443,7 +440,7 @@ class KVBoostLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Async ``complete``: rendering and generation run in a worker thread."""
-        return await _to_thread(self._complete_sync, prompt, formatted, kwargs)
+        return await call_in_thread(self._complete_sync, prompt, formatted, kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -457,7 +454,7 @@ class KVBoostLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async ``chat``: rendering and generation run in a worker thread."""
-        return await _to_thread(self._chat_sync, messages, kwargs)
+        return await call_in_thread(self._chat_sync, messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -557,7 +554,5 @@ def _as_chat_stream(responses: CompletionResponseGen) -> ChatResponseGen:
         yield _as_chat(response)
 
 
-async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(fn, *args)
 
 

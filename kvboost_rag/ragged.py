@@ -1,0 +1,133 @@
+"""One decode step for several sequences of different lengths, each over its own cache.
+
+Batched decoding feeds one new token per sequence through the model in one forward pass:
+the projections, MLPs and logits run as one ``[batch, 1, hidden]`` batch, while attention
+runs row by row, each row's query over that row's own K/V. Nothing is padded and no K/V is
+copied into a shared batch tensor: every sequence keeps the
+:class:`~kvboost_rag.model_adapter.BufferedCache` its prefill built (with room reserved for its
+new tokens), so a sequence joins or leaves the batch between two steps at no cost.
+
+:class:`RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
+K/V to sequence ``b``'s layer ``i`` and leaves the per-row K/V where the attention function
+registered here (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
+is switched to it) reads them. Each row attends causally up to its own position, within the
+layer's sliding window if it has one, with softcapping where the model applies it; it is
+the one-query case of :mod:`kvboost_rag.attention`'s block loop, so a row sees exactly what a
+one-sequence decode step sees.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvboost_rag.attention import attend_blocks
+
+RAGGED_ATTENTION = "kvboost_ragged_decode"
+_state = threading.local()
+
+
+class RaggedLayer(DynamicLayer):
+    """Layer ``i`` of several sequences' caches, one row each.
+
+    Args:
+        rows: Layer ``i`` of each sequence's cache, in batch order.
+    """
+
+    def __init__(self, rows: Sequence[DynamicLayer]) -> None:
+        super().__init__()
+        self.rows = list(rows)
+        first = self.rows[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append row ``b`` of ``[batch, kv_heads, 1, dim]`` to sequence ``b``; the rows' whole
+        K/V go to the attention function, the new states are returned unchanged."""
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for b, row in enumerate(self.rows):
+            k, v = row.update(key_states[b : b + 1], value_states[b : b + 1])
+            keys.append(k)
+            values.append(v)
+        _state.rows = (keys, values)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(row.get_seq_length() for row in self.rows)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+class RaggedCache(DynamicCache):
+    """The caches of several sequences seen by the model as one batch cache.
+
+    Args:
+        caches: One cache per row, each with the same number of layers.
+    """
+
+    def __init__(self, caches: Sequence[DynamicCache]) -> None:
+        super().__init__()
+        self.layer_class_to_replicate = None
+        self.layers = [RaggedLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
+
+
+def ragged_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one query per row over that row's own K/V (left by :class:`RaggedLayer`).
+
+    Args:
+        module: The attention module (unused).
+        query: ``[batch, heads, 1, dim]``.
+        key: The new keys only (the rows' whole K/V come from the cache's update).
+        value: The new values only.
+        attention_mask: Ignored; each row attends to every key it holds (its own position is
+            its last key).
+        scaling: Softmax scale (default ``dim ** -0.5``).
+        dropout: Must be 0 (inference only).
+        **kwargs: ``sliding_window`` and ``softcap`` are honoured.
+
+    Returns:
+        ``([batch, 1, heads, dim], None)`` like transformers' SDPA function.
+    """
+    rows = getattr(_state, "rows", None)
+    if rows is None or len(rows[0]) != query.shape[0] or query.shape[2] != 1:
+        raise RuntimeError("ragged decode attention used outside a RaggedCache decode step")
+    keys, values = rows
+    _state.rows = None
+    _state.calls = getattr(_state, "calls", 0) + 1
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // keys[0].shape[1]
+    out = torch.empty_like(query)
+    for b, (k, v) in enumerate(zip(keys, values)):
+        q = query[b : b + 1]
+        if window is None and softcap is None:  # the query is the last position: every key is visible
+            out[b : b + 1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        else:
+            out[b : b + 1] = attend_blocks(q, k, v, [k.shape[-2] - 1], scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_calls() -> int:
+    """Calls of :func:`ragged_decode_attention` in this thread so far (a model whose attention
+    does not go through transformers' attention interface never calls it)."""
+    return getattr(_state, "calls", 0)
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_decode_attention)

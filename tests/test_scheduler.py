@@ -1,0 +1,219 @@
+"""Continuous batching: concurrent generate/stream calls share decode steps."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+from kvboost_rag import KVBoost
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.scheduler import DecodeScheduler, ModelTurns
+
+
+def _prompts(docs: list[str]) -> list[str]:
+    return [rag_prompt([docs[i % 4], docs[(i + 1) % 4]], f"Question {i}?") for i in range(6)]
+
+
+def _engine(make_engine, docs, **settings) -> KVBoost:
+    engine = make_engine("llama", **settings)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    return engine
+
+
+def _reference(make_engine, docs, prompts, **options) -> list:
+    """Each prompt alone on an engine in the same starting state."""
+    return [_engine(make_engine, docs).generate(p, **options) for p in prompts]
+
+
+def _record_steps(engine: KVBoost) -> list[int]:
+    sizes: list[int] = []
+    step = engine._scheduler._step
+    engine._scheduler._step = lambda sequences: (sizes.append(len(sequences)), step(sequences))[1]
+    return sizes
+
+
+def _concurrently(fn, items) -> list:
+    barrier = threading.Barrier(len(items))
+
+    def run(item):
+        barrier.wait()
+        try:
+            return fn(item)
+        except Exception as error:  # noqa: BLE001 - compared by the test
+            return error
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(run, items))
+
+
+def test_concurrent_generates_share_steps_and_match_sequential_outputs(make_engine, docs):
+    prompts = _prompts(docs)
+    reference = _reference(make_engine, docs, prompts, max_new_tokens=24)
+    engine = _engine(make_engine, docs)
+    sizes = _record_steps(engine)
+    results = _concurrently(lambda p: engine.generate(p, max_new_tokens=24), prompts)
+    for ref, result in zip(reference, results):
+        assert result.token_ids == ref.token_ids and result.output_text == ref.output_text
+        assert result.prompt_tokens == ref.prompt_tokens
+    assert max(sizes) > 1, "concurrent requests never shared a decode step"
+    # Every token after the first came from one shared step: no step ran a request twice.
+    assert sum(sizes) == sum(r.generated_tokens - 1 + (r.finish_reason == "eos") for r in results)
+    assert engine._scheduler.admitted == 0
+
+
+def test_concurrent_streams_yield_per_request(make_engine, docs):
+    prompts = _prompts(docs)[:4]
+    reference = _reference(make_engine, docs, prompts, max_new_tokens=16)
+    engine = _engine(make_engine, docs)
+
+    def stream(prompt):
+        s = engine.stream(prompt, max_new_tokens=16)
+        pieces = list(s)
+        return pieces, s.result
+
+    outputs = _concurrently(stream, prompts)
+    for ref, (pieces, result) in zip(reference, outputs):
+        assert "".join(pieces) == ref.output_text == result.output_text
+        assert result.token_ids == ref.token_ids
+
+
+def test_batch_size_cap_is_respected(make_engine, docs):
+    prompts = _prompts(docs)
+    reference = _reference(make_engine, docs, prompts, max_new_tokens=10)
+    engine = _engine(make_engine, docs, max_batch_size=2)
+    sizes = _record_steps(engine)
+    results = engine.generate_batch(prompts, max_new_tokens=10)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert max(sizes) == 2
+    threaded = _concurrently(lambda p: engine.generate(p, max_new_tokens=10), prompts)
+    assert [r.token_ids for r in threaded] == [r.token_ids for r in reference]
+    assert max(sizes) == 2 and engine._scheduler.peak_batch == 2
+
+
+def test_cache_memory_cap_is_respected(make_engine, docs):
+    prompts = _prompts(docs)[:3]
+    engine = _engine(make_engine, docs)
+    # Room for the K/V buffers of one of these prompts, not two.
+    one = max(engine._kv_bytes(len(engine.tokenizer(p)["input_ids"]) + 8) for p in prompts)
+    engine.settings.max_batch_cache_bytes = one + one // 2
+    sizes = _record_steps(engine)
+    results = engine.generate_batch(prompts, max_new_tokens=8)
+    assert all(r.generated_tokens > 0 for r in results)
+    assert max(sizes) == 1
+    engine.settings.max_batch_cache_bytes = 3 * one
+    sizes.clear()
+    engine.generate_batch(prompts, max_new_tokens=8)
+    assert max(sizes) == 3
+
+
+def _wait_until(condition, seconds: float = 30.0) -> None:
+    """Poll ``condition`` (fails the test instead of hanging)."""
+    done = threading.Event()
+    for _ in range(int(seconds / 0.002)):
+        if condition():
+            return
+        done.wait(0.002)
+    raise AssertionError("condition not reached")
+
+
+def test_admission_is_first_come_first_served():
+    scheduler = DecodeScheduler(lambda sequences: [], ModelTurns(), KVBoostSettings(max_batch_size=1))
+    first = scheduler.reserve(10)
+    admitted: list[tuple[int, object]] = []
+    threads = []
+    for i in range(4):
+        thread = threading.Thread(target=lambda i=i: admitted.append((i, scheduler.reserve(10))))
+        thread.start()
+        threads.append(thread)
+        _wait_until(lambda: len(scheduler._waiting) == i + 1)  # it waits before the next arrives
+    scheduler.release(first)
+    for expected in range(4):
+        _wait_until(lambda: len(admitted) == expected + 1)
+        assert admitted[expected][0] == expected and scheduler.admitted == 1
+        scheduler.release(admitted[expected][1])
+    for thread in threads:
+        thread.join(5)
+    assert scheduler.admitted == 0
+
+
+def test_a_failing_request_does_not_break_the_others(make_engine, docs):
+    prompts = _prompts(docs)[:4]
+    reference = _reference(make_engine, docs, prompts, max_new_tokens=12)
+    engine = _engine(make_engine, docs)
+    calls = [*prompts[:2], "", prompts[2], "x\ud800", prompts[3]]
+    results = _concurrently(lambda p: engine.generate(p, max_new_tokens=12), calls)
+    assert isinstance(results[2], InvalidInputError) and isinstance(results[4], InvalidInputError)
+    good = [r for r in results if not isinstance(r, Exception)]
+    assert [r.token_ids for r in good] == [r.token_ids for r in reference]
+    assert engine._scheduler.admitted == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine, docs):
+    prompts = _prompts(docs)[:2]
+    engine = _engine(make_engine, docs)
+    step = engine._scheduler._step
+    failures = []
+
+    def failing_once(sequences):
+        if not failures:
+            failures.append(len(sequences))
+            raise RuntimeError("the model failed")
+        return step(sequences)
+
+    engine._scheduler._step = failing_once
+    results = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    assert all(isinstance(r, RuntimeError) for r in results) and failures == [2]
+    assert engine._scheduler.admitted == 0
+    again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    full = [_engine(make_engine, docs).generate(p, max_new_tokens=6, reuse=False) for p in prompts]
+    assert [r.token_ids for r in again] == [r.token_ids for r in full]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dying_worker_fails_its_requests_instead_of_leaving_them_waiting(make_engine, docs):
+    class Stop(BaseException):
+        pass
+
+    prompts = _prompts(docs)[:3]
+    engine = _engine(make_engine, docs)
+    step = engine._scheduler._step
+
+    def dying(sequences):
+        engine._scheduler._step = step  # the next worker steps normally
+        raise Stop()
+
+    engine._scheduler._step = dying
+    with pytest.raises(Stop):
+        engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    assert engine._scheduler.admitted == 0
+    again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    assert all(r.generated_tokens == 6 for r in again)
+
+
+def test_closing_a_stream_gives_its_place_back(make_engine, docs):
+    engine = _engine(make_engine, docs, max_batch_size=1)
+    stream = engine.stream(_prompts(docs)[0], max_new_tokens=200)
+    next(stream)
+    assert engine._scheduler.admitted == 1
+    stream.close()
+    result = engine.generate(_prompts(docs)[1], max_new_tokens=4)  # would wait forever on a leaked place
+    assert result.generated_tokens == 4
+    assert stream.result is None
+
+
+@pytest.mark.asyncio
+async def test_async_callers_share_steps(make_engine, docs):
+    import asyncio
+
+    prompts = _prompts(docs)[:4]
+    reference = _reference(make_engine, docs, prompts, max_new_tokens=16)
+    engine = _engine(make_engine, docs)
+    sizes = _record_steps(engine)
+    results = await asyncio.gather(*(asyncio.to_thread(engine.generate, p, max_new_tokens=16) for p in prompts))
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert max(sizes) > 1
