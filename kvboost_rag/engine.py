@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -37,7 +38,7 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import TextAssembler, make_generator, sample_token
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, make_generator, next_token
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
 
@@ -151,6 +152,8 @@ class KVBoost:
         self._prefiller = Prefiller(self._adapter, self._cache, self.settings)
         self._batch_warmer = BatchWarmer(self._adapter, self._cache)
         self._model_lock = threading.RLock()
+        self._constraints = ConstraintCompiler(tokenizer, self._logits_width(), self._eos_ids())
+        self._renders_tools: bool | None = None
         if not self._adapter.position_independent:
             if self.settings.strict:
                 raise UnsupportedModelError(
@@ -223,15 +226,56 @@ class KVBoost:
         """Number of tokens in ``text`` (no special tokens)."""
         return len(self.token_ids(text))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """Render chat messages with the model's chat template.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts (assistant tool calls and tool results in
+                the OpenAI layout the templates read).
+            add_generation_prompt: Append the opening of the assistant's turn.
+            tools: OpenAI-style tool definitions, passed to the template as ``tools=`` (only
+                templates for which :attr:`chat_template_renders_tools` is true show them).
 
         Raises:
             UnsupportedModelError: The tokenizer has no chat template.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise UnsupportedModelError("this tokenizer has no chat template; pass a plain prompt instead")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
+
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template shows tools passed as ``tools=`` (checked once, by
+        rendering one message with and without a probe tool)."""
+        if self._renders_tools is None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                self._renders_tools = False
+            else:
+                probe = [{"role": "user", "content": "?"}]
+                tool = {
+                    "type": "function",
+                    "function": {
+                        "name": "probe_tool_rendering",
+                        "description": "probe",
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                }
+                try:
+                    with_tool = self.apply_chat_template(probe, tools=[tool])
+                except Exception:  # noqa: BLE001 - a template that fails on tools= does not render them
+                    logger.debug("the chat template fails when given tools=", exc_info=True)
+                    self._renders_tools = False
+                else:
+                    self._renders_tools = "probe_tool_rendering" in with_tool
+        return self._renders_tools
 
     def _prompt_tokens(self, text: str, what: str = "prompt") -> PromptTokens:
         """Tokenize a prompt exactly as full prefill sees it (special tokens included)."""
@@ -445,10 +489,11 @@ class KVBoost:
             options: Decoding and reuse options (defaults when omitted).
             **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`
                 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``reuse``,
-                ``documents``, ``return_logits``), applied over ``options``.
+                ``documents``, ``return_logits``, ``constraint``), applied over ``options``.
 
         Raises:
-            InvalidInputError: Empty prompt, bad options (the message names the field).
+            InvalidInputError: Empty prompt, bad options (the message names the field), an
+                invalid constraint, or a constraint without llguidance installed.
             PromptTooLongError: The prompt does not fit the context window.
         """
         stream = self.stream(prompt, options, **overrides)
@@ -468,11 +513,19 @@ class KVBoost:
         tokens = self._prompt_tokens(prompt)
         for i, document in enumerate(resolved.documents):
             _check_text(document, f"documents[{i}]")
+        guide = self._constraints.compile(resolved.constraint) if resolved.constraint is not None else None
         stream = GenerationStream(iter(()))
-        stream._pieces = self._run(stream, tokens, resolved, start)
+        stream._pieces = self._run(stream, tokens, resolved, start, guide)
         return stream
 
-    def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
+    def _run(
+        self,
+        stream: GenerationStream,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        guide: GrammarGuide | None = None,
+    ) -> Iterator[str]:
         """text -> plan -> lookup/stitch/repair -> decode -> write-back, in that order."""
         n = len(tokens)
         budget = min(options.max_new_tokens, self.context_window - n)
@@ -482,16 +535,23 @@ class KVBoost:
         if options.reuse:
             self._cache.record(plan, outcome)
             self._warn_if_documents_missed(plan, outcome)
-        generator = make_generator(options.seed, self._adapter.device)
-        token = sample_token(outcome.logits, options.temperature, options.top_p, generator)
+        sampling = SequenceSampling(make_generator(options.seed, self._adapter.device), guide)
+        token = next_token(outcome.logits, options, sampling)
         ttft_ms = (time.perf_counter() - start) * 1000
         assembler = TextAssembler(self.tokenizer, options.stop)
         finish = "length"
         try:
-            finish = yield from self._decode(token, n, budget, outcome, options, generator, assembler)
+            finish = yield from self._decode(token, n, budget, outcome, options, sampling, assembler)
         finally:
             if options.reuse:
                 self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
+        if guide is not None and finish == "length" and not guide.complete:
+            _warnings.warning(
+                "constraint-cut",
+                "constrained output reached max_new_tokens=%d before its grammar completed; "
+                "raise max_new_tokens (finish_reason='length')",
+                options.max_new_tokens,
+            )
         token_ids = assembler.trimmed_token_ids()
         # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
         cached = outcome.prefix_tokens + outcome.content_tokens - outcome.recomputed_tokens
@@ -530,7 +590,7 @@ class KVBoost:
         budget: int,
         outcome: PrefillOutcome,
         options: GenerationOptions,
-        generator: torch.Generator | None,
+        sampling: SequenceSampling,
         assembler: TextAssembler,
     ) -> Iterator[str]:
         """Decode from the first sampled token; yields text pieces, returns the finish reason."""
@@ -553,7 +613,7 @@ class KVBoost:
             with self._model_lock:
                 logits = self._adapter.forward(torch.tensor([token]), torch.tensor([position]), outcome.cache)
             position += 1
-            token = sample_token(logits, options.temperature, options.top_p, generator)
+            token = next_token(logits, options, sampling)
         rest = assembler.finish()
         if rest:
             yield rest
@@ -591,6 +651,13 @@ class KVBoost:
             _warnings.warning("window-exceeded", message)
             return False
         return True
+
+    def _logits_width(self) -> int:
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            return int(weight.shape[0])
+        return int(getattr(self.model.config, "vocab_size", None) or len(self.tokenizer))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

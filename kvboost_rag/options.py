@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvboost_rag.constrained import OutputConstraint
 from kvboost_rag.errors import InvalidInputError
 
 
@@ -30,6 +31,11 @@ class GenerationOptions(BaseModel):
         documents: Texts the caller knows are in the prompt: cut on their boundaries and
             stored for next time even if never warmed.
         return_logits: Fill ``GenerationResult.first_token_logits``.
+        constraint: What the output must match (a JSON schema or a grammar; see
+            :class:`~kvboost_rag.constrained.OutputConstraint`); a dict is read as its fields.
+            Decoding masks every token that would leave the match, so the output is valid by
+            construction when it ends with ``finish_reason`` ``"eos"``; ``"length"`` means
+            ``max_new_tokens`` cut it first. Needs ``kvboost-rag[constrained]``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -42,6 +48,13 @@ class GenerationOptions(BaseModel):
     reuse: bool = True
     documents: tuple[str, ...] = ()
     return_logits: bool = False
+    constraint: OutputConstraint | None = None
+
+    @field_validator("constraint", mode="before")
+    @classmethod
+    def _constraint_from_dict(cls, value: Any) -> Any:
+        # Strict mode takes model instances only; a dict of its fields is also accepted.
+        return OutputConstraint(**value) if isinstance(value, Mapping) else value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -82,7 +95,7 @@ class GenerationOptions(BaseModel):
         """
         if options is not None and not isinstance(options, GenerationOptions):
             raise InvalidInputError(f"options must be a GenerationOptions, got {type(options).__name__}")
-        values = {**(options.model_dump() if options is not None else {}), **overrides}
+        values = {**(dict(options) if options is not None else {}), **overrides}
         try:
             return cls(**values)
         except ValidationError as exc:

@@ -8,8 +8,36 @@ string or an unfinished UTF-8 character, and cuts the output at the first stop s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvboost_rag.options import GenerationOptions
+
+
+class TokenGuide(Protocol):
+    """Per-sequence constraint state (see :mod:`kvboost_rag.constrained`)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with the tokens the constraint forbids next set to ``-inf``."""
+
+    def advance(self, token: int) -> None:
+        """Record the token chosen."""
+
+
+@dataclass
+class SequenceSampling:
+    """What one sequence's token choice needs besides its logits and options.
+
+    Attributes:
+        generator: Seeded generator of the sequence (``None``: the global RNG).
+        guide: Its output constraint's state, when ``options.constraint`` is set.
+    """
+
+    generator: torch.Generator | None = None
+    guide: TokenGuide | None = None
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -19,6 +47,20 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def next_token(logits: torch.Tensor, options: GenerationOptions, state: SequenceSampling) -> int:
+    """Choose one sequence's next token from its ``[vocab]`` logits.
+
+    The one place a token is chosen: the constraint (if any) masks the logits, the options'
+    temperature and top-p pick a token, and the constraint moves past it.
+    """
+    if state.guide is not None:
+        logits = state.guide.mask(logits)
+    token = sample_token(logits, options.temperature, options.top_p, state.generator)
+    if state.guide is not None:
+        state.guide.advance(token)
+    return token
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
