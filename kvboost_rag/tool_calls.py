@@ -1,0 +1,328 @@
+"""Tool calls on local models: prompt rendering, the decoding constraint, and parsing.
+
+Framework-free; both integrations use it. A tool call is written as Hermes-style text, the
+format Qwen2.5/Qwen3, SmolLM3 and Hermes chat templates teach their models::
+
+    <tool_call>
+    {"name": "search_docs", "arguments": {"query": "decorators"}}
+    </tool_call>
+
+Tools reach the prompt through the chat template's ``tools=`` when the template renders them
+(``KVBoost.chat_template_renders_tools``); otherwise :func:`tools_instructions` writes them
+into the system message (the fallback format). Decoding is constrained by
+:func:`tool_choice_constraint`:
+
+- ``"required"`` (also ``"any"``, ``True``) or a tool's name: the output is one tool call,
+  its name one of the tools (or that tool) and its arguments valid for the tool's schema;
+- ``"auto"``: either one such tool call, or plain text that does not start with ``<`` (so text
+  and a call can never be confused);
+- ``"none"``: plain text that does not start with ``<`` (the tools stay in the prompt, so its
+  cached K/V is the same as for the other choices).
+
+Object schemas without ``additionalProperties`` are closed (no keys beyond ``properties``)
+before compiling: extra arguments serve no tool, and an open object lets a weak model add keys
+until its token budget ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvboost_rag.constrained import JSON_LAYOUT, OutputConstraint
+from kvboost_rag.errors import InvalidInputError
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+RESPONSE_OPEN = "<tool_response>"
+RESPONSE_CLOSE = "</tool_response>"
+
+#: Normalized tool choices besides a tool's name.
+AUTO, REQUIRED, NONE = "auto", "required", "none"
+
+_CALL_PATTERN = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One tool as the model sees it.
+
+    Attributes:
+        name: The name calls use.
+        description: What it does.
+        parameters: JSON schema of its arguments (an object schema).
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    @classmethod
+    def from_openai(cls, tool: Mapping[str, Any]) -> ToolSpec:
+        """Read an OpenAI-style ``{"type": "function", "function": {...}}`` definition.
+
+        Raises:
+            InvalidInputError: No function name, or parameters that are not an object schema.
+        """
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidInputError(
+                f"a tool must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}, got {tool!r}"
+            )
+        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        if parameters.get("type", "object") != "object":
+            raise InvalidInputError(
+                f"tool {function['name']!r}: parameters must be a JSON object schema, got type {parameters.get('type')!r}"
+            )
+        return cls(str(function["name"]), str(function.get("description") or ""), parameters)
+
+    def openai(self) -> dict[str, Any]:
+        """The OpenAI-style definition chat templates read."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:
+    """``ToolSpec`` of each OpenAI-style tool definition.
+
+    Raises:
+        InvalidInputError: A malformed definition, or two tools with one name.
+    """
+    specs = [ToolSpec.from_openai(t) for t in tools]
+    names = [s.name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InvalidInputError(f"tool names must be unique; {duplicates} appear more than once: rename one")
+    return specs
+
+
+def normalize_tool_choice(choice: Any, names: Sequence[str]) -> str:
+    """``"auto"``, ``"required"``, ``"none"`` or one tool's name.
+
+    Accepts ``None`` (auto), ``"auto"``, ``"any"``/``"required"``/``True`` (required),
+    ``"none"``/``False``, a tool name, and ``{"type": "function", "function": {"name": ...}}``.
+
+    Raises:
+        InvalidInputError: A name that is not one of the tools, or a value of another kind.
+    """
+    if choice is None or choice == AUTO:
+        return AUTO
+    if choice is True or choice in ("any", REQUIRED):
+        return REQUIRED
+    if choice is False or choice == NONE:
+        return NONE
+    if isinstance(choice, Mapping):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise InvalidInputError(
+        f"tool_choice={choice!r} is not one of the bound tools {list(names)}; use one of those names, "
+        "'auto', 'any'/'required' or 'none'"
+    )
+
+
+def closed_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``schema`` where every object schema with ``properties`` and no
+    ``additionalProperties`` allows no other keys."""
+    result = copy.deepcopy(dict(schema))
+
+    def close(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(result)
+    return result
+
+
+def call_schema(spec: ToolSpec) -> dict[str, Any]:
+    """JSON schema of one call of ``spec``: its name, then its arguments (the arguments'
+    ``$defs`` move to the root, where their ``#/$defs/...`` references point)."""
+    arguments = closed_schema(spec.parameters)
+    definitions = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": spec.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        **definitions,
+        "x-guidance": JSON_LAYOUT,
+    }
+
+
+def tool_choice_constraint(specs: Sequence[ToolSpec], choice: str) -> OutputConstraint:
+    """The decoding constraint of a normalized ``choice`` over ``specs`` (see the module doc).
+
+    Raises:
+        InvalidInputError: ``"required"`` or a name with no tools.
+    """
+    text_rule = r"TEXT: /[^<\s][\s\S]*/"
+    if choice == NONE or not specs and choice == AUTO:
+        return OutputConstraint(grammar=f"start: TEXT\n{text_rule}\n")
+    chosen = [s for s in specs if choice in (AUTO, REQUIRED) or s.name == choice]
+    if not chosen:
+        raise InvalidInputError(f"tool_choice={choice!r} needs at least one bound tool: pass tools to bind_tools")
+    # One %json rule per tool: each schema keeps its own root for its references.
+    rules = [f"call_{i}: %json {json.dumps(call_schema(s))}" for i, s in enumerate(chosen)]
+    body = " | ".join(f"call_{i}" for i in range(len(chosen)))
+    call = f"call: {json.dumps(CALL_OPEN + chr(10))} ({body}) {json.dumps(chr(10) + CALL_CLOSE)}\n"
+    call += "\n".join(rules) + "\n"
+    if choice == AUTO:
+        return OutputConstraint(grammar=f"start: TEXT | call\n{text_rule}\n{call}")
+    return OutputConstraint(grammar=f"start: call\n{call}")
+
+
+def tools_instructions(specs: Sequence[ToolSpec]) -> str:
+    """The fallback format: tools described in the system message, for chat templates that
+    do not render ``tools=``."""
+    lines = [
+        "# Tools",
+        "",
+        "You may call one of the tools below. To call a tool, reply with only:",
+        CALL_OPEN,
+        '{"name": <tool name>, "arguments": <arguments as a JSON object>}',
+        CALL_CLOSE,
+        f"A tool's result comes back in {RESPONSE_OPEN}...{RESPONSE_CLOSE}. To answer without a tool, reply "
+        "with plain text.",
+        "",
+        "Available tools (name, description, JSON schema of the arguments):",
+    ]
+    for spec in specs:
+        lines.append(json.dumps({"name": spec.name, "description": spec.description, "parameters": spec.parameters}))
+    return "\n".join(lines)
+
+
+def call_text(name: str, arguments: Mapping[str, Any]) -> str:
+    """A tool call written the way the constraint makes the model write it."""
+    body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+def response_text(content: str) -> str:
+    """A tool's result as the fallback format shows it."""
+    return f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+
+
+def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """Chat messages for a template that does not render tools: the tools' description
+    appended to the system message (a system message is added when there is none), assistant
+    tool calls written out as text, tool results wrapped in ``<tool_response>`` tags.
+
+    Args:
+        messages: Dicts in the OpenAI layout (assistant ``tool_calls``; ``tool`` role results).
+        specs: The bound tools (none: only the history is rewritten).
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        content = str(message.get("content") or "")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [call_text(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in message["tool_calls"]]
+            content = "\n".join([content, *calls]) if content else "\n".join(calls)
+            out.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            out.append({"role": "tool", "content": response_text(content)})
+        else:
+            out.append({"role": role, "content": content})
+    if specs:
+        instructions = tools_instructions(specs)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{instructions}"}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out
+
+
+def _arguments(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or "{}")
+        except json.JSONDecodeError:
+            return {"raw": value}
+    return dict(value or {})
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call read from generated text.
+
+    Attributes:
+        id: A new unique id (``call_`` + 24 hex digits).
+        name: Tool name (``None`` when unreadable).
+        arguments: Parsed arguments (``None`` when unreadable).
+        raw: The call's JSON text.
+        error: Why it could not be read (``None`` for a valid call).
+    """
+
+    id: str
+    name: str | None
+    arguments: dict[str, Any] | None
+    raw: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """Generated text split into the text before any call and the calls."""
+
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+    @property
+    def valid_calls(self) -> list[ParsedCall]:
+        """Calls with a name and arguments."""
+        return [c for c in self.calls if c.error is None]
+
+    @property
+    def invalid_calls(self) -> list[ParsedCall]:
+        """Calls that could not be read (e.g. cut by ``max_new_tokens``)."""
+        return [c for c in self.calls if c.error is not None]
+
+
+def new_call_id() -> str:
+    """A unique tool-call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_calls(text: str, finish_reason: str | None = None) -> ParsedOutput:
+    """Split generated ``text`` into content and tool calls.
+
+    Args:
+        text: The model's output.
+        finish_reason: The engine's finish reason; ``"length"`` names ``max_new_tokens`` as
+            the cause of an unfinished call.
+    """
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return ParsedOutput(text)
+    calls = []
+    for match in _CALL_PATTERN.finditer(text, start):
+        raw = match.group(1)
+        calls.append(_read_call(raw, finish_reason))
+    return ParsedOutput(text[:start].strip(), calls)
+
+
+def _read_call(raw: str, finish_reason: str | None) -> ParsedCall:
+    cut = " (the output reached max_new_tokens first: raise max_new_tokens)" if finish_reason == "length" else ""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return ParsedCall(new_call_id(), None, None, raw, f"tool call is not valid JSON: {exc}{cut}")
+    name = data.get("name") if isinstance(data, dict) else None
+    arguments = data.get("arguments", {}) if isinstance(data, dict) else None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return ParsedCall(new_call_id(), name if isinstance(name, str) else None, None, raw,
+                          'a tool call must be {"name": <string>, "arguments": <object>}')
+    return ParsedCall(new_call_id(), name, arguments, raw)
