@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,10 @@ from typing import Any
 
 from kvboost_rag.constrained import JSON_LAYOUT, OutputConstraint
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.log_limits import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -90,17 +95,26 @@ class ToolSpec:
 
 
 def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:
-    """``ToolSpec`` of each OpenAI-style tool definition.
+    """``ToolSpec`` of each OpenAI-style tool definition, one per name.
+
+    Tools given twice under one name (a pydantic model and its JSON schema, say) count once:
+    the last definition wins, and a warning says so when the definitions differ.
 
     Raises:
-        InvalidInputError: A malformed definition, or two tools with one name.
+        InvalidInputError: A malformed definition.
     """
-    specs = [ToolSpec.from_openai(t) for t in tools]
-    names = [s.name for s in specs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise InvalidInputError(f"tool names must be unique; {duplicates} appear more than once: rename one")
-    return specs
+    by_name: dict[str, ToolSpec] = {}
+    for tool in tools:
+        spec = ToolSpec.from_openai(tool)
+        if spec.name in by_name and by_name[spec.name] != spec:
+            _warnings.warning(
+                "duplicate-tool",
+                "two different tools are named %r; the last one given is used: rename one to keep both",
+                spec.name,
+            )
+        by_name.pop(spec.name, None)
+        by_name[spec.name] = spec
+    return list(by_name.values())
 
 
 def normalize_tool_choice(choice: Any, names: Sequence[str]) -> str:
@@ -306,6 +320,9 @@ def parse_tool_calls(text: str, finish_reason: str | None = None) -> ParsedOutpu
     """
     start = text.find(CALL_OPEN)
     if start < 0:
+        stripped = text.strip()
+        if stripped and CALL_OPEN.startswith(stripped):  # the opening tag itself was cut
+            return ParsedOutput("", [_read_call("", finish_reason)])
         return ParsedOutput(text)
     calls = []
     for match in _CALL_PATTERN.finditer(text, start):

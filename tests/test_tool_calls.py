@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvboost_rag import InvalidInputError
+from kvboost_rag import InvalidInputError, tool_calls
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.tool_calls import (
     AUTO,
     NONE,
@@ -83,9 +84,17 @@ def test_unknown_tool_choice_names_the_tools():
         normalize_tool_choice("multiply", ["add", "now"])
 
 
-def test_duplicate_and_malformed_tools_are_rejected():
-    with pytest.raises(InvalidInputError, match="unique"):
-        tool_specs([TOOLS[0], TOOLS[0]])
+def test_duplicate_names_keep_the_last_definition(caplog, monkeypatch):
+    monkeypatch.setattr(tool_calls, "_warnings", RateLimitedLogger(tool_calls.logger))
+    renamed = {"type": "function", "function": {**TOOLS[2]["function"], "name": "add"}}
+    assert [s.name for s in tool_specs([TOOLS[0], TOOLS[1], TOOLS[0]])] == ["lookup", "add"]
+    assert "different tools" not in caplog.text
+    [spec] = tool_specs([TOOLS[0], renamed])
+    assert spec.description == "The time."
+    assert "two different tools are named 'add'" in caplog.text
+
+
+def test_malformed_tools_are_rejected():
     with pytest.raises(InvalidInputError, match="'name'"):
         tool_specs([{"type": "function", "function": {"description": "x"}}])
     with pytest.raises(InvalidInputError, match="object schema"):
@@ -167,6 +176,8 @@ def test_parse_text_calls_and_cut_calls():
     [call] = cut.invalid_calls
     assert "max_new_tokens" in call.error and call.raw == '{"name": "add", "argu'
     assert parse_tool_calls("plain answer").calls == []
+    [opening_cut] = parse_tool_calls("<tool_", "length").invalid_calls
+    assert "max_new_tokens" in opening_cut.error
 
 
 def test_fallback_messages_describe_tools_and_write_history_as_text():

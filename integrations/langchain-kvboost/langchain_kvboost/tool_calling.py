@@ -1,0 +1,203 @@
+"""Tool calling and structured output for ``ChatKVBoost``: per-call tool and format arguments
+to a decoding constraint, and generated text back to LangChain tool calls.
+
+The prompt side (tools in the chat template, or the fallback system-message format) and the
+grammar of each ``tool_choice`` live in :mod:`kvboost_rag.tool_calls`; this module only
+translates between them and LangChain's types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+
+from kvboost_rag.constrained import OutputConstraint
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.tool_calls import (
+    ParsedOutput,
+    ToolSpec,
+    closed_schema,
+    normalize_tool_choice,
+    parse_tool_calls,
+    tool_choice_constraint,
+    tool_specs,
+)
+
+#: Per-call keyword arguments this module reads (``bind_tools`` / ``with_structured_output``
+#: bind them).
+TOOL_CALL_PARAMS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+
+#: ``with_structured_output`` methods.
+STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """What one call's output must be: the tools in its prompt and its decoding constraint.
+
+    Attributes:
+        specs: Tools shown in the prompt (empty: none).
+        constraint: The decoding constraint (``None``: free text).
+    """
+
+    specs: tuple[ToolSpec, ...] = ()
+    constraint: OutputConstraint | None = None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is read for tool calls."""
+        return bool(self.specs)
+
+
+def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
+    """Take ``tools``, ``tool_choice`` and ``response_format`` out of ``kwargs``.
+
+    Raises:
+        InvalidInputError: Malformed tools, a ``tool_choice`` that names no bound tool,
+            ``parallel_tool_calls=True``, or a ``response_format`` of another kind.
+    """
+    tools = kwargs.pop("tools", None)
+    choice = kwargs.pop("tool_choice", None)
+    response_format = kwargs.pop("response_format", None)
+    if kwargs.pop("parallel_tool_calls", False):
+        raise InvalidInputError(
+            "ChatKVBoost makes one tool call per turn; pass parallel_tool_calls=False (or leave it out)"
+        )
+    specs = tuple(tool_specs([convert_to_openai_tool(t) for t in tools or []]))
+    if response_format is not None:
+        return CallFormat(specs, response_format_constraint(response_format))
+    if not specs and choice is None:
+        return CallFormat()
+    normalized = normalize_tool_choice(choice, [s.name for s in specs])
+    return CallFormat(specs, tool_choice_constraint(specs, normalized))
+
+
+def response_format_constraint(response_format: Mapping[str, Any]) -> OutputConstraint:
+    """The constraint of an OpenAI-style ``response_format``.
+
+    Accepts ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}``.
+
+    Raises:
+        InvalidInputError: Any other value.
+    """
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "json_object":
+        return OutputConstraint.any_json_object()
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if isinstance(schema, Mapping):
+            return OutputConstraint.from_json_schema(closed_schema(schema))
+    raise InvalidInputError(
+        f"response_format={response_format!r} is not supported; use {{'type': 'json_object'}} or "
+        "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}"
+    )
+
+
+def ai_message(text: str, finish_reason: str, call_format: CallFormat, **fields: Any) -> AIMessage:
+    """The reply to one call: text, or tool calls when tools were bound."""
+    if not call_format.parses_tool_calls:
+        return AIMessage(content=text, **fields)
+    parsed = parse_tool_calls(text, finish_reason)
+    return AIMessage(
+        content=parsed.content,
+        tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.valid_calls],
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.raw, id=c.id, error=c.error) for c in parsed.invalid_calls],
+        **fields,
+    )
+
+
+def tool_call_chunks(parsed: ParsedOutput) -> list[Any]:
+    """Streamed tool calls, one whole chunk per call."""
+    return [
+        tool_call_chunk(name=c.name, args=json.dumps(c.arguments) if c.error is None else c.raw, id=c.id, index=i)
+        for i, c in enumerate(parsed.calls)
+    ]
+
+
+def message_dict(message: BaseMessage, role: str, text: str) -> dict[str, Any]:
+    """A chat-template dict for ``message``: assistant tool calls and tool results in the
+    OpenAI layout chat templates read."""
+    entry: dict[str, Any] = {"role": role, "content": text}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in message.tool_calls
+        ]
+    elif isinstance(message, ToolMessage):
+        entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+    return entry
+
+
+def structured_output(
+    model: Any, schema: Any, method: str, include_raw: bool, strict: bool | None
+) -> Runnable[Any, Any]:
+    """The runnable ``with_structured_output`` returns (see ``ChatKVBoost``)."""
+    if method not in STRUCTURED_METHODS:
+        raise InvalidInputError(f"method={method!r} is not one of {list(STRUCTURED_METHODS)}")
+    if schema is None and method != "json_mode":
+        raise InvalidInputError(f"method={method!r} needs a schema: a pydantic model, a TypedDict or a JSON schema")
+    is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+    trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+    if method == "function_calling":
+        from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+
+        name = convert_to_openai_tool(schema)["function"]["name"]
+        llm = model.bind_tools([schema], tool_choice=name, ls_structured_output_format=trace)
+        parser: Runnable[Any, Any] = (
+            PydanticToolsParser(tools=[schema], first_tool_only=True)
+            if is_pydantic
+            else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        )
+    else:
+        if method == "json_mode":
+            response_format: dict[str, Any] = {"type": "json_object"}
+        else:
+            json_schema = _json_schema(schema)
+            response_format = {"type": "json_schema", "json_schema": {"name": json_schema.get("title", "output"), "schema": json_schema}}
+        if schema is None:
+            trace.pop("schema")
+        llm = model.bind(response_format=response_format, ls_structured_output_format=trace)
+        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+    if not include_raw:
+        return llm | parser
+    parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+    fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+    return RunnableMap(raw=llm) | parse.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _json_schema(schema: Any) -> dict[str, Any]:
+    """JSON schema of a pydantic model, a TypedDict, a JSON schema or an OpenAI tool dict.
+
+    Raises:
+        InvalidInputError: Anything else.
+    """
+    if isinstance(schema, type) and is_basemodel_subclass(schema):
+        if hasattr(schema, "model_json_schema"):
+            return dict(schema.model_json_schema())
+        return dict(schema.schema())  # pydantic.v1 models
+    if isinstance(schema, Mapping) and "function" not in schema and "parameters" not in schema:
+        return dict(schema)  # a JSON schema, used as given
+    try:
+        return dict(convert_to_json_schema(schema))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(
+            f"cannot read a JSON schema from {schema!r}: pass a pydantic model, a TypedDict or a JSON schema dict ({exc})"
+        ) from None
+
+
+def render_tools(specs: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """OpenAI-style definitions of ``specs`` for a chat template's ``tools=``."""
+    return [s.openai() for s in specs]
