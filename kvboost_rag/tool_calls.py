@@ -198,6 +198,95 @@ def tool_choice_constraint(specs: Sequence[ToolSpec], choice: str) -> OutputCons
     return OutputConstraint(grammar=f"start: call\n{call}")
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """What one chat call's output must be: the tools in its prompt and its constraint.
+
+    Attributes:
+        specs: Tools shown in the prompt (empty: none).
+        constraint: The decoding constraint (``None``: free text).
+        instructions: Text for the system message saying what to reply (the JSON schema of a
+            structured output: the constraint enforces it, and a model that reads it writes
+            sensible values instead of filling the shape blindly).
+    """
+
+    specs: tuple[ToolSpec, ...] = ()
+    constraint: OutputConstraint | None = None
+    instructions: str = ""
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is read for tool calls."""
+        return bool(self.specs)
+
+
+def call_format(
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    choice: Any = None,
+    response_format: Mapping[str, Any] | None = None,
+) -> CallFormat:
+    """The tools and constraint of one call.
+
+    Args:
+        tools: OpenAI-style tool definitions.
+        choice: A tool choice (see :func:`normalize_tool_choice`).
+        response_format: An OpenAI-style response format (see
+            :func:`response_format_constraint`); it wins over the tool choice.
+
+    Raises:
+        InvalidInputError: Malformed tools, a choice naming no tool, a bad response format.
+    """
+    specs = tuple(tool_specs(tools or []))
+    if response_format is not None:
+        constraint = response_format_constraint(response_format)
+        return CallFormat(specs, constraint, format_instructions(constraint))
+    if not specs and choice is None:
+        return CallFormat()
+    return CallFormat(specs, tool_choice_constraint(specs, normalize_tool_choice(choice, [s.name for s in specs])))
+
+
+def response_format_constraint(response_format: Mapping[str, Any]) -> OutputConstraint:
+    """The constraint of an OpenAI-style ``response_format``.
+
+    Accepts ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}`` (the schema's objects are closed, see the module doc).
+
+    Raises:
+        InvalidInputError: Any other value.
+    """
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "json_object":
+        return OutputConstraint.any_json_object()
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if isinstance(schema, Mapping):
+            return OutputConstraint.from_json_schema(closed_schema(schema))
+    raise InvalidInputError(
+        f"response_format={response_format!r} is not supported; use {{'type': 'json_object'}} or "
+        "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}"
+    )
+
+
+def format_instructions(constraint: OutputConstraint) -> str:
+    """What the system message says about a structured output's format."""
+    if constraint.json_schema is None or constraint.json_schema == {"type": "object"}:
+        return "Reply with only a JSON object."
+    return "Reply with only a JSON object valid for this JSON schema:\n" + json.dumps(constraint.json_schema)
+
+
+def with_system_text(messages: Sequence[Mapping[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` appended to the system message (one is added first when
+    there is none)."""
+    out = [dict(m) for m in messages]
+    if not text:
+        return out
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
 def tools_instructions(specs: Sequence[ToolSpec]) -> str:
     """The fallback format: tools described in the system message, for chat templates that
     do not render ``tools=``."""
@@ -250,13 +339,7 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Too
             out.append({"role": "tool", "content": response_text(content)})
         else:
             out.append({"role": role, "content": content})
-    if specs:
-        instructions = tools_instructions(specs)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{instructions}"}
-        else:
-            out.insert(0, {"role": "system", "content": instructions})
-    return out
+    return with_system_text(out, tools_instructions(specs)) if specs else out
 
 
 def _arguments(value: Any) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from kvboost_rag.tool_calls import (
     AUTO,
     NONE,
     REQUIRED,
+    CallFormat,
+    call_format,
     call_text,
     closed_schema,
     fallback_messages,
@@ -19,6 +21,7 @@ from kvboost_rag.tool_calls import (
     parse_tool_calls,
     tool_choice_constraint,
     tool_specs,
+    with_system_text,
 )
 
 pytest.importorskip("llguidance", reason="constrained decoding is the optional extra kvboost-rag[constrained]")
@@ -207,3 +210,21 @@ def test_template_tool_rendering_is_detected(engine):
     )
     engine._renders_tools = None
     assert engine.chat_template_renders_tools is True
+
+
+def test_response_formats_constrain_and_instruct():
+    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"]}
+    structured = call_format(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert structured.constraint.json_schema == {**schema, "additionalProperties": False}
+    assert structured.instructions.endswith(json.dumps(structured.constraint.json_schema))
+    json_mode = call_format(response_format={"type": "json_object"})
+    assert json_mode.constraint.json_schema == {"type": "object"}
+    assert json_mode.instructions == "Reply with only a JSON object."
+    with pytest.raises(InvalidInputError, match="response_format"):
+        call_format(response_format={"type": "text"})
+    assert call_format() == CallFormat()
+    messages = [{"role": "user", "content": "hi"}]
+    assert with_system_text(messages, "Be JSON.") == [{"role": "system", "content": "Be JSON."}, *messages]
+    system = [{"role": "system", "content": "Be brief."}, *messages]
+    assert with_system_text(system, "Be JSON.")[0] == {"role": "system", "content": "Be brief.\n\nBe JSON."}
+    assert system[0]["content"] == "Be brief."  # the input is left alone

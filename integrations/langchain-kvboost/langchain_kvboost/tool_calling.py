@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
@@ -21,46 +20,16 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from kvboost_rag.constrained import OutputConstraint
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import (
-    ParsedOutput,
-    ToolSpec,
-    closed_schema,
-    normalize_tool_choice,
-    parse_tool_calls,
-    tool_choice_constraint,
-    tool_specs,
-)
-
-#: Per-call keyword arguments this module reads (``bind_tools`` / ``with_structured_output``
-#: bind them).
-TOOL_CALL_PARAMS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+from kvboost_rag.tool_calls import CallFormat, ParsedOutput, ToolSpec, call_format, parse_tool_calls
 
 #: ``with_structured_output`` methods.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
 
 
-@dataclass(frozen=True)
-class CallFormat:
-    """What one call's output must be: the tools in its prompt and its decoding constraint.
-
-    Attributes:
-        specs: Tools shown in the prompt (empty: none).
-        constraint: The decoding constraint (``None``: free text).
-    """
-
-    specs: tuple[ToolSpec, ...] = ()
-    constraint: OutputConstraint | None = None
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        """Whether the output is read for tool calls."""
-        return bool(self.specs)
-
-
 def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
-    """Take ``tools``, ``tool_choice`` and ``response_format`` out of ``kwargs``.
+    """Take ``tools``, ``tool_choice``, ``response_format`` and ``parallel_tool_calls`` out
+    of ``kwargs``.
 
     Raises:
         InvalidInputError: Malformed tools, a ``tool_choice`` that names no bound tool,
@@ -73,35 +42,7 @@ def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
         raise InvalidInputError(
             "ChatKVBoost makes one tool call per turn; pass parallel_tool_calls=False (or leave it out)"
         )
-    specs = tuple(tool_specs([convert_to_openai_tool(t) for t in tools or []]))
-    if response_format is not None:
-        return CallFormat(specs, response_format_constraint(response_format))
-    if not specs and choice is None:
-        return CallFormat()
-    normalized = normalize_tool_choice(choice, [s.name for s in specs])
-    return CallFormat(specs, tool_choice_constraint(specs, normalized))
-
-
-def response_format_constraint(response_format: Mapping[str, Any]) -> OutputConstraint:
-    """The constraint of an OpenAI-style ``response_format``.
-
-    Accepts ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-    {"name": ..., "schema": {...}}}``.
-
-    Raises:
-        InvalidInputError: Any other value.
-    """
-    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
-    if kind == "json_object":
-        return OutputConstraint.any_json_object()
-    if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if isinstance(schema, Mapping):
-            return OutputConstraint.from_json_schema(closed_schema(schema))
-    raise InvalidInputError(
-        f"response_format={response_format!r} is not supported; use {{'type': 'json_object'}} or "
-        "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}"
-    )
+    return call_format([convert_to_openai_tool(t) for t in tools or []], choice, response_format)
 
 
 def ai_message(text: str, finish_reason: str, call_format: CallFormat, **fields: Any) -> AIMessage:

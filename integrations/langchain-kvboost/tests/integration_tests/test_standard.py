@@ -19,9 +19,9 @@ SYSTEM = "You are a concise assistant for questions about the Python programming
 
 @pytest.mark.slow
 class TestChatKVBoostIntegration(ChatModelIntegrationTests):
-    """Tools, structured output and media inputs stay off: the suite's defaults for a model
-    that overrides neither ``bind_tools`` nor ``with_structured_output``. Cache reads are
-    reported, so the suite's cache-read checks are switched on."""
+    """Tool calling, tool choice, structured output (all found by the suite from the
+    overridden methods) and JSON mode are on; media inputs stay off (text-only model). Cache
+    reads are reported, so the suite's cache-read checks are switched on."""
 
     @property
     def chat_model_class(self) -> type[ChatKVBoost]:
@@ -29,8 +29,13 @@ class TestChatKVBoostIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        # Every instance shares the one embedded-model engine; short answers keep it quick.
-        return {"max_new_tokens": 16}
+        # Every instance shares the one embedded-model engine; short answers keep it quick, and
+        # 48 tokens hold the suite's tool calls and structured outputs.
+        return {"max_new_tokens": 48}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
     @property
     def supported_usage_metadata_details(
