@@ -23,6 +23,9 @@ class GenerationOptions(BaseModel):
         max_new_tokens: Upper bound on generated tokens (an integer >= 1).
         temperature: 0 for greedy decoding, else the softmax temperature (finite, >= 0).
         top_p: Nucleus sampling mass in (0, 1].
+        repetition_penalty: Above 1, lowers the logits of tokens this call already generated
+            (the transformers rule; prompt tokens are not penalized, so answers may quote the
+            documents). Small models loop less inside constrained strings with about 1.2.
         seed: Seed of the sampling generator (reproducible sampling).
         stop: Strings that end the output; it is cut before the first one. A single string
             is one stop string.
@@ -43,6 +46,7 @@ class GenerationOptions(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=1.0, allow_inf_nan=False)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     reuse: bool = True

@@ -8,7 +8,7 @@ string or an unfinished UTF-8 character, and cuts the output at the first stop s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,10 +34,12 @@ class SequenceSampling:
     Attributes:
         generator: Seeded generator of the sequence (``None``: the global RNG).
         guide: Its output constraint's state, when ``options.constraint`` is set.
+        generated: Tokens chosen so far (what ``repetition_penalty`` penalizes).
     """
 
     generator: torch.Generator | None = None
     guide: TokenGuide | None = None
+    generated: list[int] = field(default_factory=list)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -52,15 +54,29 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
 def next_token(logits: torch.Tensor, options: GenerationOptions, state: SequenceSampling) -> int:
     """Choose one sequence's next token from its ``[vocab]`` logits.
 
-    The one place a token is chosen: the constraint (if any) masks the logits, the options'
+    The one place a token is chosen: the repetition penalty (if any) lowers the logits of
+    tokens already generated, the constraint (if any) masks the logits, the options'
     temperature and top-p pick a token, and the constraint moves past it.
     """
+    if options.repetition_penalty != 1.0 and state.generated:
+        logits = penalize_repeats(logits, state.generated, options.repetition_penalty)
     if state.guide is not None:
         logits = state.guide.mask(logits)
     token = sample_token(logits, options.temperature, options.top_p, state.generator)
     if state.guide is not None:
         state.guide.advance(token)
+    state.generated.append(token)
     return token
+
+
+def penalize_repeats(logits: torch.Tensor, generated: Sequence[int], penalty: float) -> torch.Tensor:
+    """``logits`` with each generated token's logit divided by ``penalty`` when positive and
+    multiplied by it when negative (the CTRL / transformers rule), prompt tokens left alone."""
+    ids = torch.tensor(sorted(set(generated)), device=logits.device)
+    scores = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return out
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:

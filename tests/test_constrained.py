@@ -157,3 +157,24 @@ def test_next_token_applies_the_guide_before_sampling(temperature):
 def test_next_token_without_guide_is_plain_sampling():
     logits = torch.arange(10, dtype=torch.float32)
     assert next_token(logits, GenerationOptions(), SequenceSampling()) == 9
+
+
+def test_repetition_penalty_lowers_generated_tokens_only():
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.5])
+    options = GenerationOptions(repetition_penalty=2.0)
+    state = SequenceSampling(generated=[0, 1])
+    # Token 2 is greedy anyway; the generated tokens' logits are lowered (positive halved,
+    # negative doubled), the others untouched.
+    assert next_token(logits, options, state) == 2
+    assert state.generated == [0, 1, 2]
+    from kvboost_rag.sampling import penalize_repeats
+
+    assert penalize_repeats(logits, [0, 1, 0], 2.0).tolist() == [1.0, -2.0, 3.0, 0.5]
+    flipped = torch.tensor([3.0, 2.5])
+    assert next_token(flipped, options, SequenceSampling(generated=[0])) == 1  # 3/2 < 2.5
+
+
+def test_repetition_penalty_is_validated(engine):
+    with pytest.raises(InvalidInputError, match="repetition_penalty"):
+        engine.generate("Hello.", repetition_penalty=0.5)
+    assert engine.generate("Hello.", max_new_tokens=8, repetition_penalty=1.3).generated_tokens <= 8

@@ -213,3 +213,20 @@ def test_template_that_renders_tools_gets_them_as_tools(engine: Any) -> None:
     prompt = chat.render_prompt(history, tools=[lookup, add])
     assert prompt.startswith("<|im_start|>system\nTOOLS lookup,add<|im_end|>")
     assert "# Tools" not in prompt and "CALL lookup" in prompt and "<|im_start|>tool\nfound" in prompt
+
+
+def test_repetition_penalty_reaches_the_engine(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float] = []
+    real = engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        seen.append(params["repetition_penalty"])
+        return real(prompt, **params)
+
+    monkeypatch.setattr(engine, "generate", generate)
+    chat = ChatKVBoost(engine=engine, max_new_tokens=4, repetition_penalty=1.2)
+    chat.invoke(_messages())
+    chat.invoke(_messages(), repetition_penalty=1.5)
+    assert seen == [1.2, 1.5]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        ChatKVBoost(engine=engine, repetition_penalty=0.5)
