@@ -10,6 +10,11 @@ For xgrammar, outlines-core and llguidance this times, in one run and on the sam
 - ``% of decode step``: that cost against one decode step (one token forward pass) of the
   embedded SmolLM2-135M-Instruct on the same machine, timed in the same run.
 
+A last row times the engine's own hook on the same schema: ``GrammarGuide.mask`` and
+``advance`` (llguidance plus unpacking the bitmask into a boolean row), which is what
+``GenerationOptions.constraint`` costs per token. It drives the engine's JSON layout
+(``", "`` and ``": "`` separators), so its token sequence is a few tokens longer.
+
 Libraries that are not installed are skipped with a line saying so. The engine uses
 llguidance (``pip install kvboost-rag[constrained]``); the others are compared here only.
 
@@ -143,6 +148,24 @@ def outlines_candidate(tokenizer: Any, vocab: int) -> Candidate:
     return Candidate("outlines-core", setup, compile, step)
 
 
+def engine_hook_candidate(tokenizer: Any, vocab: int) -> Candidate:
+    from kvboost_rag.constrained import ConstraintCompiler, OutputConstraint
+
+    def setup() -> Any:
+        compiler = ConstraintCompiler(tokenizer, vocab, [int(tokenizer.eos_token_id)])
+        compiler.compile(OutputConstraint.any_json_object())  # builds the tokenizer view
+        return compiler
+
+    def compile(compiler: Any) -> Any:
+        return compiler.compile(OutputConstraint(json_schema=TOOL_CALL_SCHEMA))
+
+    def step(guide: Any, logits: torch.Tensor, token: int) -> None:
+        guide.mask(logits)
+        guide.advance(token)
+
+    return Candidate("kvboost-rag hook", setup, compile, step)
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
     visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -220,7 +243,13 @@ def main() -> None:
     print()
     print("| library | version | setup ms | compile ms | mask us/token (median) | p90 | % of decode step |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    builders = {"llguidance": llguidance_candidate, "xgrammar": xgrammar_candidate, "outlines-core": outlines_candidate}
+    builders = {
+        "llguidance": llguidance_candidate,
+        "xgrammar": xgrammar_candidate,
+        "outlines-core": outlines_candidate,
+        "kvboost-rag hook": engine_hook_candidate,
+    }
+    spaced = tokenizer(json.dumps(TOOL_CALL), add_special_tokens=False)["input_ids"]
     from importlib.metadata import PackageNotFoundError, version
 
     for name, build in builders.items():
@@ -229,9 +258,9 @@ def main() -> None:
         except ImportError as exc:
             print(f"| {name} | not installed ({exc.name}) | | | | | |")
             continue
-        row = measure(candidate, tokens, vocab, args.repeats)
+        row = measure(candidate, spaced if name == "kvboost-rag hook" else tokens, vocab, args.repeats)
         try:
-            release = version(name)
+            release = version("llguidance" if name == "kvboost-rag hook" else name)
         except PackageNotFoundError:
             release = "?"
         print(
