@@ -190,3 +190,18 @@ def test_custom_messages_to_prompt_cannot_show_tools(tiny_engine: KVBoost, looku
     llm = KVBoostLLM(engine=tiny_engine, messages_to_prompt=lambda messages: "\n".join(m.content for m in messages))
     with pytest.raises(InvalidInputError, match="custom messages_to_prompt"):
         llm.chat_with_tools([lookup], user_msg="find")
+
+
+def test_repetition_penalty_is_a_field_and_a_call_keyword(tiny_engine: KVBoost, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[float] = []
+    real = tiny_engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        seen.append(params["repetition_penalty"])
+        return real(prompt, **params)
+
+    monkeypatch.setattr(tiny_engine, "generate", generate)
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4, repetition_penalty=1.2)
+    llm.complete("Hello")
+    llm.complete("Hello", repetition_penalty=1.4)
+    assert seen == [1.2, 1.4]

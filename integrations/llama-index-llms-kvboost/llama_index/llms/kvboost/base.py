@@ -68,6 +68,7 @@ _CALL_KEYWORDS = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
     "seed": "seed",
     "stop": "stop",
     "reuse": "reuse",
@@ -121,6 +122,14 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     )
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (used when temperature > 0).")
+    repetition_penalty: float = Field(
+        default=1.0,
+        ge=1.0,
+        description=(
+            "Above 1, lowers the logits of tokens the answer already holds (prompt tokens are not "
+            "penalized); about 1.2 keeps small models from looping inside structured outputs."
+        ),
+    )
     seed: int | None = Field(default=None, description="Seed for sampling; None leaves the generator as is.")
     stop: list[str] = Field(
         default_factory=list, description="Strings that end generation; the output is cut before them."
@@ -372,6 +381,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "stop": list(self.stop) or None,
             "reuse": self.reuse,
@@ -465,7 +475,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
                 template (after the system prompt), or ``completion_to_prompt`` renders it.
             formatted: ``prompt`` is final text; send it as is.
             **kwargs: Per-call ``max_new_tokens`` (or ``max_tokens``), ``temperature``,
-                ``top_p``, ``seed``, ``stop``, ``reuse``.
+                ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``reuse``.
 
         Returns:
             The completion; ``raw`` holds usage, timing and reuse figures.
