@@ -239,7 +239,7 @@ def call_format(
     specs = tuple(tool_specs(tools or []))
     if response_format is not None:
         constraint = response_format_constraint(response_format)
-        return CallFormat(specs, constraint, format_instructions(constraint))
+        return CallFormat(specs, constraint, format_instructions(response_format, constraint))
     if not specs and choice is None:
         return CallFormat()
     return CallFormat(specs, tool_choice_constraint(specs, normalize_tool_choice(choice, [s.name for s in specs])))
@@ -248,14 +248,20 @@ def call_format(
 def response_format_constraint(response_format: Mapping[str, Any]) -> OutputConstraint:
     """The constraint of an OpenAI-style ``response_format``.
 
-    Accepts ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-    {"name": ..., "schema": {...}}}`` (the schema's objects are closed, see the module doc).
+    Accepts ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` and
+    ``{"type": "json_object"}`` (any JSON object), which may carry the ``"schema"`` the caller
+    will parse the object with: decoding then follows that schema too (JSON mode with a known
+    schema; the schema is not shown in the prompt). Schemas' objects are closed (see the module
+    doc).
 
     Raises:
         InvalidInputError: Any other value.
     """
     kind = response_format.get("type") if isinstance(response_format, Mapping) else None
     if kind == "json_object":
+        schema = response_format.get("schema")
+        if isinstance(schema, Mapping):
+            return OutputConstraint.from_json_schema(closed_schema(schema))
         return OutputConstraint.any_json_object()
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
@@ -267,11 +273,14 @@ def response_format_constraint(response_format: Mapping[str, Any]) -> OutputCons
     )
 
 
-def format_instructions(constraint: OutputConstraint) -> str:
-    """What the system message says about a structured output's format."""
-    if constraint.json_schema is None or constraint.json_schema == {"type": "object"}:
+def format_instructions(response_format: Mapping[str, Any], constraint: OutputConstraint) -> str:
+    """What the system message says about a structured output's format (JSON mode: only that
+    it is a JSON object; the caller's prompt describes the shape)."""
+    if response_format.get("type") == "json_object" or constraint.json_schema is None:
         return "Reply with only a JSON object."
-    return "Reply with only a JSON object valid for this JSON schema:\n" + json.dumps(constraint.json_schema)
+    return "Reply with only a JSON object valid for this JSON schema:\n" + json.dumps(
+        constraint.json_schema, ensure_ascii=False
+    )
 
 
 def with_system_text(messages: Sequence[Mapping[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -303,7 +312,11 @@ def tools_instructions(specs: Sequence[ToolSpec]) -> str:
         "Available tools (name, description, JSON schema of the arguments):",
     ]
     for spec in specs:
-        lines.append(json.dumps({"name": spec.name, "description": spec.description, "parameters": spec.parameters}))
+        lines.append(
+            json.dumps(
+                {"name": spec.name, "description": spec.description, "parameters": spec.parameters}, ensure_ascii=False
+            )
+        )
     return "\n".join(lines)
 
 
@@ -332,7 +345,9 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Too
         role = message.get("role")
         content = str(message.get("content") or "")
         if role == "assistant" and message.get("tool_calls"):
-            calls = [call_text(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in message["tool_calls"]]
+            calls = [
+                call_text(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in message["tool_calls"]
+            ]
             content = "\n".join([content, *calls]) if content else "\n".join(calls)
             out.append({"role": "assistant", "content": content})
         elif role == "tool":

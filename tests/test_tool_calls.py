@@ -220,6 +220,9 @@ def test_response_formats_constrain_and_instruct():
     json_mode = call_format(response_format={"type": "json_object"})
     assert json_mode.constraint.json_schema == {"type": "object"}
     assert json_mode.instructions == "Reply with only a JSON object."
+    json_mode_schema = call_format(response_format={"type": "json_object", "schema": schema})
+    assert json_mode_schema.constraint == structured.constraint
+    assert json_mode_schema.instructions == "Reply with only a JSON object."
     with pytest.raises(InvalidInputError, match="response_format"):
         call_format(response_format={"type": "text"})
     assert call_format() == CallFormat()

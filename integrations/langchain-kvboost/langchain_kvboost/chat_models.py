@@ -287,7 +287,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
                 (output: a dict). Optional with ``method="json_mode"``.
             method: ``"json_schema"``: decoding constrained to JSON valid for the schema;
                 ``"function_calling"``: a forced call of a tool whose arguments are the
-                schema; ``"json_mode"``: any JSON object (describe the shape in the prompt).
+                schema; ``"json_mode"``: a JSON object, described by your prompt (with a schema,
+                decoding also follows it, but only "a JSON object" is said in the prompt).
                 Objects without ``additionalProperties`` are closed before compiling.
             include_raw: Return ``{"raw", "parsed", "parsing_error"}`` instead of the parsed
                 value (parsing errors are then caught).

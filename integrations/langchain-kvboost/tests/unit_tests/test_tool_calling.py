@@ -176,6 +176,14 @@ def test_structured_output_include_raw(chat: ChatKVBoost) -> None:
     assert Answer.model_validate_json(out["raw"].content) == out["parsed"]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_json_mode_with_a_schema_parses_into_it(chat: ChatKVBoost, seed: int) -> None:
+    out = chat.with_structured_output(Answer, method="json_mode", include_raw=True).invoke(
+        "Is a tuple immutable? Reply in JSON with 'kind' and 'confidence'.", seed=seed
+    )
+    assert isinstance(out["parsed"], Answer)
+
+
 def test_json_mode_output_starts_a_json_object(chat: ChatKVBoost) -> None:
     raw = chat.bind(response_format={"type": "json_object"}).invoke(_messages(), max_new_tokens=8)
     assert raw.content.startswith("{")

@@ -322,27 +322,30 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     # -- prompt rendering -------------------------------------------------------------------
 
     def _render_messages(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, format: CallFormat = CallFormat()
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        output_format: CallFormat = CallFormat(),
     ) -> str:
         if self._custom_messages_to_prompt:
-            if format.specs:
+            if output_format.specs:
                 raise InvalidInputError(
                     "tools cannot be shown through a custom messages_to_prompt; leave it unset to use "
                     "the chat template"
                 )
             return self.messages_to_prompt(messages)  # type: ignore[misc]
-        dicts = with_system_text(message_dicts(messages), format.instructions)
+        dicts = with_system_text(message_dicts(messages), output_format.instructions)
         if not self._has_chat_template:
-            if format.specs:
+            if output_format.specs:
                 raise InvalidInputError("tools need a chat template; this tokenizer has none")
-            if format.instructions:
-                messages = [ChatMessage(role=MessageRole.SYSTEM, content=format.instructions), *messages]
+            if output_format.instructions:
+                messages = [ChatMessage(role=MessageRole.SYSTEM, content=output_format.instructions), *messages]
             return generic_messages_to_prompt(messages)
         if self._engine.chat_template_renders_tools:
-            tools = [spec.openai() for spec in format.specs] or None
+            tools = [spec.openai() for spec in output_format.specs] or None
             return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
-        if format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
-            dicts = fallback_messages(dicts, format.specs)
+        if output_format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
+            dicts = fallback_messages(dicts, output_format.specs)
         return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
 
     def _default_messages_to_prompt(self, messages: Sequence[ChatMessage]) -> str:
@@ -353,10 +356,10 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         """The prompt ``complete`` sends for an unformatted ``prompt``."""
         return self._completion_prompt(prompt, formatted=False)
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], format: CallFormat = CallFormat()) -> str:
+    def _chat_prompt(self, messages: Sequence[ChatMessage], output_format: CallFormat = CallFormat()) -> str:
         if not messages:
             raise ValueError("chat needs at least one message")
-        return self._render_messages(messages, format=format)
+        return self._render_messages(messages, output_format=output_format)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if not formatted:
@@ -414,10 +417,12 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         }
         return {**metrics, "usage": usage, "model": self.model_name}
 
-    def _generate(self, prompt: str, overrides: dict[str, Any], format: CallFormat = CallFormat()) -> CompletionResponse:
+    def _generate(
+        self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
+    ) -> CompletionResponse:
         params = self._call_params(overrides)
-        if format.constraint is not None:
-            params["constraint"] = format.constraint
+        if output_format.constraint is not None:
+            params["constraint"] = output_format.constraint
         with self._answer(prompt) as documents:
             result = self._engine.generate(prompt, documents=documents or None, **params)
         logger.debug(
@@ -428,10 +433,12 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         )
         return CompletionResponse(text=result.output_text, raw=self._raw(result))
 
-    def _stream(self, prompt: str, overrides: dict[str, Any], format: CallFormat = CallFormat()) -> CompletionResponseGen:
+    def _stream(
+        self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
+    ) -> CompletionResponseGen:
         params = self._call_params(overrides)
-        if format.constraint is not None:
-            params["constraint"] = format.constraint
+        if output_format.constraint is not None:
+            params["constraint"] = output_format.constraint
 
         def gen() -> CompletionResponseGen:
             with self._answer(prompt) as documents:
@@ -458,13 +465,14 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
 
     def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         kwargs = dict(kwargs)
-        format = pop_call_format(kwargs)
-        return _as_chat(self._generate(self._chat_prompt(messages, format), kwargs, format), format)
+        output_format = pop_call_format(kwargs)
+        return _as_chat(self._generate(self._chat_prompt(messages, output_format), kwargs, output_format), output_format)
 
     def _chat_stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         kwargs = dict(kwargs)
-        format = pop_call_format(kwargs)
-        return _as_chat_stream(self._stream(self._chat_prompt(messages, format), kwargs, format), format)
+        output_format = pop_call_format(kwargs)
+        responses = self._stream(self._chat_prompt(messages, output_format), kwargs, output_format)
+        return _as_chat_stream(responses, output_format)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -680,26 +688,26 @@ class _Formatter:
         return f"<KVBoostLLM {self._description}>"
 
 
-def _as_chat(response: CompletionResponse, format: CallFormat = CallFormat()) -> ChatResponse:
+def _as_chat(response: CompletionResponse, output_format: CallFormat = CallFormat()) -> ChatResponse:
     finish = (response.raw or {}).get("finish_reason", "")
     return ChatResponse(
-        message=assistant_message(response.text, finish, format),
+        message=assistant_message(response.text, finish, output_format),
         delta=response.delta,
         raw=response.raw,
     )
 
 
-def _as_chat_stream(responses: CompletionResponseGen, format: CallFormat = CallFormat()) -> ChatResponseGen:
+def _as_chat_stream(responses: CompletionResponseGen, output_format: CallFormat = CallFormat()) -> ChatResponseGen:
     """Chat responses of a stream. With tools, an output starting with ``<`` (a call: plain
     text under a tool constraint never starts so) is not shown as content while it streams;
     the last response carries the parsed calls."""
     holding = False
     for response in responses:
-        if format.parses_tool_calls and (holding or response.text.startswith("<")):
+        if output_format.parses_tool_calls and (holding or response.text.startswith("<")):
             holding = True
             if response.raw is None:
                 continue
-        yield _as_chat(response, format)
+        yield _as_chat(response, output_format)
 
 
 def _parse_structured(output_cls: type[M], response: ChatResponse) -> M:

@@ -61,11 +61,11 @@ def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
     return call_format(tools, choice, kwargs.pop("response_format", None))
 
 
-def assistant_message(text: str, finish_reason: str, format: CallFormat) -> ChatMessage:
+def assistant_message(text: str, finish_reason: str, output_format: CallFormat) -> ChatMessage:
     """The assistant's reply: text, and its tool calls when tools were bound (valid ones in
     ``additional_kwargs["tool_calls"]``, unreadable ones, such as a call cut by
     ``max_new_tokens``, in ``additional_kwargs["invalid_tool_calls"]``)."""
-    if not format.parses_tool_calls:
+    if not output_format.parses_tool_calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
     parsed = parse_tool_calls(text, finish_reason)
     extra: dict[str, Any] = {}
