@@ -238,3 +238,23 @@ def test_repetition_penalty_reaches_the_engine(engine: Any, monkeypatch: pytest.
     assert seen == [1.2, 1.5]
     with pytest.raises(ValueError, match="repetition_penalty"):
         ChatKVBoost(engine=engine, repetition_penalty=0.5)
+
+
+def test_documents_in_a_tool_result_are_read_from_cache(chat: ChatKVBoost, engine: Any) -> None:
+    from kvboost_rag.corpus import python_reference_documents
+
+    documents = python_reference_documents(max_chars=300)[:2]
+    engine.warm_documents(documents)
+
+    @tool
+    def search(section: Literal["reference"]) -> str:
+        """Search the documentation."""
+        return "\n\n".join(documents)
+
+    model = chat.bind_tools([search], tool_choice="search")
+    first = model.invoke(_messages())
+    call = first.tool_calls[0]
+    reply = model.invoke([*_messages(), first, ToolMessage(search.invoke(call["args"]), tool_call_id=call["id"])])
+    assert reply.response_metadata["documents_found"] == 2
+    assert reply.response_metadata["content_hit_tokens"] > 0
+    assert reply.tool_calls[0]["name"] == "search"
