@@ -162,11 +162,12 @@ def main() -> None:
             meta = reply.response_metadata
             usage = reply.usage_metadata or {}
             choice = "any" if i == 0 else "none" if i == args.max_steps - 1 else "auto"
-            shown = (
-                f"call {reply.tool_calls[0]['name']}({reply.tool_calls[0]['args']})"
-                if reply.tool_calls
-                else repr(str(reply.content)[:70])
-            )
+            if reply.tool_calls:
+                shown = f"call {reply.tool_calls[0]['name']}({reply.tool_calls[0]['args']})"
+            elif reply.invalid_tool_calls:
+                shown = f"invalid call: {reply.invalid_tool_calls[0]['error']}"
+            else:
+                shown = repr(str(reply.content)[:70])
             cached = usage.get("input_token_details", {}).get("cache_read", 0)
             print(f"| {q} | {i + 1} | {choice} | {meta['ttft_ms']:.0f} | {usage.get('input_tokens')} | {cached} | {shown} |")
         final_messages, final_reply = steps[-1]

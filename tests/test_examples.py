@@ -74,7 +74,7 @@ def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
 def test_agentic_rag_example_calls_the_retriever_and_reuses_its_documents():
     out = run_example(
         "agentic_rag.py", "--question", "What does the pass statement do?", "--docs", "12", "--k", "2",
-        "--max-chars", "200", "--max-new-tokens", "24", "--max-steps", "2",
+        "--max-chars", "200", "--max-new-tokens", "48", "--max-steps", "2",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     steps = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| 1 | ")]
