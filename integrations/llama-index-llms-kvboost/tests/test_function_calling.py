@@ -205,3 +205,16 @@ def test_repetition_penalty_is_a_field_and_a_call_keyword(tiny_engine: KVBoost, 
     llm.complete("Hello")
     llm.complete("Hello", repetition_penalty=1.4)
     assert seen == [1.2, 1.4]
+
+
+def test_stream_structured_predict_ends_with_a_valid_instance(llm: KVBoostLLM) -> None:
+    prompt = PromptTemplate("Is a {kind} immutable?")
+    parts = list(llm.stream_structured_predict(Answer, prompt, kind="tuple"))
+    assert isinstance(parts[-1], Answer)
+    assert len(parts) > 1 and all(not isinstance(p, Answer) for p in parts[:-1])
+    assert parts[-2].model_dump() == parts[-1].model_dump()  # the last partial holds every field
+
+    async def collect() -> list[Any]:
+        return [p async for p in await llm.astream_structured_predict(Answer, prompt, kind="tuple")]
+
+    assert isinstance(asyncio.run(collect())[-1], Answer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,6 +34,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.llms.utils import parse_partial_json
+from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.llms.kvboost.formatting import message_dicts
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 from llama_index.llms.kvboost.tool_calling import (
@@ -589,6 +591,9 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
 
         Raises:
             ValueError: The output was cut by ``max_new_tokens`` before the JSON ended.
+
+        ``stream_structured_predict`` / ``astream_structured_predict`` decode the same way and
+        yield partial copies (``FlexibleModel``) before the validated instance.
         """
         messages = self._get_messages(prompt, **prompt_args)
         response = self.chat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
@@ -605,6 +610,54 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         messages = self._get_messages(prompt, **prompt_args)
         response = await self.achat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
         return _parse_structured(output_cls, response)
+
+    def _structured_stream_call(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Generator[M | FlexibleModel, None, None]:
+        """What ``stream_structured_predict`` yields: partial copies (``FlexibleModel``) as the
+        JSON decodes under the output class's schema, then the validated instance."""
+        messages = self._get_messages(prompt, **prompt_args)
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        flexible = create_flexible_model(output_cls)
+
+        def gen() -> Generator[M | FlexibleModel, None, None]:
+            last: ChatResponse | None = None
+            for last in self.stream_chat(messages, **kwargs):
+                partial = _partial_object(flexible, last)
+                if partial is not None:
+                    yield partial
+            if last is not None:
+                yield _parse_structured(output_cls, last)
+
+        return gen()
+
+    async def _structured_astream_call(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncGenerator[M | FlexibleModel, None]:
+        """Async :meth:`_structured_stream_call`."""
+        messages = self._get_messages(prompt, **prompt_args)
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        flexible = create_flexible_model(output_cls)
+        responses = await self.astream_chat(messages, **kwargs)
+
+        async def gen() -> AsyncGenerator[M | FlexibleModel, None]:
+            last: ChatResponse | None = None
+            async for last in responses:
+                partial = _partial_object(flexible, last)
+                if partial is not None:
+                    yield partial
+            if last is not None:
+                yield _parse_structured(output_cls, last)
+
+        return gen()
 
     @staticmethod
     def _structured_kwargs(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -708,6 +761,16 @@ def _as_chat_stream(responses: CompletionResponseGen, output_format: CallFormat 
             if response.raw is None:
                 continue
         yield _as_chat(response, output_format)
+
+
+def _partial_object(flexible: type[FlexibleModel], response: ChatResponse) -> FlexibleModel | None:
+    """The fields decoded so far (``None`` before the first or for a final, empty delta)."""
+    if not response.delta:
+        return None
+    try:
+        return flexible.model_validate(parse_partial_json(response.message.content or ""))
+    except ValueError:  # not yet an object (json.JSONDecodeError and pydantic errors are ValueErrors)
+        return None
 
 
 def _parse_structured(output_cls: type[M], response: ChatResponse) -> M:
