@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
-from kvboost_rag.sampling import TextAssembler, choose_token
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, next_token
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -35,7 +35,7 @@ class DecodeSequence:
         position: Position of the token it feeds next.
         budget: Most tokens it may produce.
         options: Its generation options.
-        generator: Its sampler's generator (``None``: the global RNG).
+        sampling: Its token choice state (seeded generator, output constraint, tokens so far).
         assembler: Its text so far (stop strings are applied here).
         eos_ids: Tokens that end it.
         token: The token it feeds next (chosen, not fed yet).
@@ -48,7 +48,7 @@ class DecodeSequence:
     position: int
     budget: int
     options: GenerationOptions
-    generator: torch.Generator | None
+    sampling: SequenceSampling
     assembler: TextAssembler
     eos_ids: frozenset[int] = frozenset()
     token: int | None = None
@@ -119,7 +119,7 @@ def decode_step(adapter: ModelAdapter, sequences: Sequence[DecodeSequence]) -> l
         sequence.position += 1
         sequence.token = None
         try:
-            results.append(StepResult(sequence.take(choose_token(row, sequence.options, sequence.generator))))
+            results.append(StepResult(sequence.take(next_token(row, sequence.options, sequence.sampling))))
         except Exception as exc:  # noqa: BLE001 - ends this sequence only; its caller re-raises it
             results.append(StepResult(error=exc))
     return results

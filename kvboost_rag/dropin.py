@@ -26,7 +26,10 @@ _UNSUPPORTED_GENERATION = {
     "min_length": "stop strings or max_new_tokens",
     "num_beams": "greedy decoding (temperature=0); beam search is not supported",
     "num_return_sequences": "one call per sequence, each with its own seed",
-    "repetition_penalty": "a plain model call; repetition penalties are not supported",
+    "repetition_penalty": (
+        "the repetition_penalty field of ChatKVBoost or GenerationOptions (it penalizes generated "
+        "tokens only; transformers also penalizes the prompt's, which a RAG answer quotes)"
+    ),
     "no_repeat_ngram_size": "a plain model call; n-gram blocking is not supported",
     "eos_token_id": "stop=[...] strings (the model's own EOS tokens always end generation)",
     "stopping_criteria": "stop=[...] strings",

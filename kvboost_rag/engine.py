@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,6 +17,7 @@ from kvboost_rag.batch_decode import DecodeSequence, decode_step
 from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -39,7 +40,7 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import TextAssembler, choose_token, make_generator
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, make_generator, next_token
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
@@ -204,6 +205,8 @@ class KVBoost:
         self._batch_warmer = BatchWarmer(self._adapter, self._cache)
         self._turns = ModelTurns()
         self._scheduler = DecodeScheduler(partial(decode_step, self._adapter), self._turns, self.settings)
+        self._constraints = ConstraintCompiler(tokenizer, self._logits_width(), self._eos_ids())
+        self._renders_tools: bool | None = None
         if not self._adapter.position_independent:
             if self.settings.strict:
                 raise UnsupportedModelError(
@@ -276,15 +279,56 @@ class KVBoost:
         """Number of tokens in ``text`` (no special tokens)."""
         return len(self.token_ids(text))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """Render chat messages with the model's chat template.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts (assistant tool calls and tool results in
+                the OpenAI layout the templates read).
+            add_generation_prompt: Append the opening of the assistant's turn.
+            tools: OpenAI-style tool definitions, passed to the template as ``tools=`` (only
+                templates for which :attr:`chat_template_renders_tools` is true show them).
 
         Raises:
             UnsupportedModelError: The tokenizer has no chat template.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise UnsupportedModelError("this tokenizer has no chat template; pass a plain prompt instead")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
+
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        """Whether the chat template shows tools passed as ``tools=`` (checked once, by
+        rendering one message with and without a probe tool)."""
+        if self._renders_tools is None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                self._renders_tools = False
+            else:
+                probe = [{"role": "user", "content": "?"}]
+                tool = {
+                    "type": "function",
+                    "function": {
+                        "name": "probe_tool_rendering",
+                        "description": "probe",
+                        "parameters": {"type": "object", "properties": {}},
+                    },
+                }
+                try:
+                    with_tool = self.apply_chat_template(probe, tools=[tool])
+                except Exception:  # noqa: BLE001 - a template that fails on tools= does not render them
+                    logger.debug("the chat template fails when given tools=", exc_info=True)
+                    self._renders_tools = False
+                else:
+                    self._renders_tools = "probe_tool_rendering" in with_tool
+        return self._renders_tools
 
     def _prompt_tokens(self, text: str, what: str = "prompt") -> PromptTokens:
         """Tokenize a prompt exactly as full prefill sees it (special tokens included)."""
@@ -501,10 +545,11 @@ class KVBoost:
             options: Decoding and reuse options (defaults when omitted).
             **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`
                 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``reuse``,
-                ``documents``, ``return_logits``), applied over ``options``.
+                ``documents``, ``return_logits``, ``constraint``), applied over ``options``.
 
         Raises:
-            InvalidInputError: Empty prompt, bad options (the message names the field).
+            InvalidInputError: Empty prompt, bad options (the message names the field), an
+                invalid constraint, or a constraint without llguidance installed.
             PromptTooLongError: The prompt does not fit the context window.
         """
         stream = self.stream(prompt, options, **overrides)
@@ -523,8 +568,9 @@ class KVBoost:
         resolved = GenerationOptions.resolve(options, overrides)
         tokens = self._prompt_tokens(prompt)
         _check_documents(resolved)
+        guide = self._constraints.compile(resolved.constraint) if resolved.constraint is not None else None
         stream = GenerationStream(iter(()))
-        stream._pieces = self._run(stream, tokens, resolved, start)
+        stream._pieces = self._run(stream, tokens, resolved, start, guide)
         return stream
 
     def generate_batch(
@@ -564,6 +610,8 @@ class KVBoost:
         prompts = list(prompts)
         resolved = GenerationOptions.resolve(options, overrides)
         _check_documents(resolved)
+        if resolved.constraint is not None:
+            self._constraints.compile(resolved.constraint)  # shared by every prompt: a bad one fails the call
         outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
         started: list[tuple[int, _Request]] = []
 
@@ -620,9 +668,16 @@ class KVBoost:
         if outcome.logits is not None:  # something was computed: store it
             self._cache.write_back(plan, outcome, store_documents=False)
 
-    def _run(self, stream: GenerationStream, tokens: PromptTokens, options: GenerationOptions, start: float) -> Iterator[str]:
+    def _run(
+        self,
+        stream: GenerationStream,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        guide: GrammarGuide | None = None,
+    ) -> Iterator[str]:
         """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order."""
-        request = self._start(tokens, options, start)
+        request = self._start(tokens, options, start, guide=guide)
         try:
             stream.result = yield from self._follow(request, end_at_last_token=False)
         finally:
@@ -636,6 +691,7 @@ class KVBoost:
         *,
         hold: bool = False,
         on_wait: Callable[[], None] | None = None,
+        guide: GrammarGuide | None = None,
     ) -> _Request:
         """Plan and prefill a prompt and choose its first token, after waiting for a place in
         the batch.
@@ -647,7 +703,11 @@ class KVBoost:
             hold: Keep the sequence until :meth:`_Request.submit` (a batch joins at once);
                 else it is handed to the decode worker now (unless its first token ended it).
             on_wait: Called once if the request must wait for a place.
+            guide: The state of the output constraint, already compiled (else compiled here
+                from ``options.constraint``, when set: every sequence has its own).
         """
+        if guide is None and options.constraint is not None:
+            guide = self._constraints.compile(options.constraint)
         n = len(tokens)
         budget = min(options.max_new_tokens, self.context_window - n)
         plan = self._plan_generation(tokens, options, budget)
@@ -663,11 +723,11 @@ class KVBoost:
                 position=n,
                 budget=budget,
                 options=options,
-                generator=make_generator(options.seed, self._adapter.device),
+                sampling=SequenceSampling(make_generator(options.seed, self._adapter.device), guide),
                 assembler=TextAssembler(self.tokenizer, options.stop),
                 eos_ids=frozenset(self._eos_ids()),
             )
-            first_pieces = sequence.take(choose_token(outcome.logits, options, sequence.generator))
+            first_pieces = sequence.take(next_token(outcome.logits, options, sequence.sampling))
         except BaseException:
             self._scheduler.release(reservation)
             raise
@@ -698,6 +758,14 @@ class KVBoost:
             if options.reuse:
                 self._cache.write_back(plan, outcome, store_documents=self._stores_documents)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
+        guide = sequence.sampling.guide
+        if guide is not None and sequence.finish_reason == "length" and not guide.complete:
+            _warnings.warning(
+                "constraint-cut",
+                "constrained output reached max_new_tokens=%d before its grammar completed; "
+                "raise max_new_tokens (finish_reason='length')",
+                options.max_new_tokens,
+            )
         token_ids = sequence.assembler.trimmed_token_ids()
         n = plan.num_tokens
         # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
@@ -768,6 +836,13 @@ class KVBoost:
             _warnings.warning("window-exceeded", message)
             return False
         return True
+
+    def _logits_width(self) -> int:
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            return int(weight.shape[0])
+        return int(getattr(self.model.config, "vocab_size", None) or len(self.tokenizer))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

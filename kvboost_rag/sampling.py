@@ -8,12 +8,42 @@ string or an unfinished UTF-8 character, and cuts the output at the first stop s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from kvboost_rag.options import GenerationOptions
+
+
+class TokenGuide(Protocol):
+    """Per-sequence constraint state (see :mod:`kvboost_rag.constrained`)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with the tokens the constraint forbids next set to ``-inf``."""
+
+    def advance(self, token: int) -> None:
+        """Record the token chosen."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the output so far is a whole match (it may end here)."""
+
+
+@dataclass
+class SequenceSampling:
+    """What one sequence's token choice needs besides its logits and options.
+
+    Attributes:
+        generator: Seeded generator of the sequence (``None``: the global RNG).
+        guide: Its output constraint's state, when ``options.constraint`` is set.
+        generated: Tokens chosen so far (what ``repetition_penalty`` penalizes).
+    """
+
+    generator: torch.Generator | None = None
+    guide: TokenGuide | None = None
+    generated: list[int] = field(default_factory=list)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -23,6 +53,34 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def next_token(logits: torch.Tensor, options: GenerationOptions, state: SequenceSampling) -> int:
+    """Choose one sequence's next token from its ``[vocab]`` logits.
+
+    The one place a token is chosen: the repetition penalty (if any) lowers the logits of
+    tokens already generated, the constraint (if any) masks the logits, the options'
+    temperature and top-p pick a token, and the constraint moves past it.
+    """
+    if options.repetition_penalty != 1.0 and state.generated:
+        logits = penalize_repeats(logits, state.generated, options.repetition_penalty)
+    if state.guide is not None:
+        logits = state.guide.mask(logits)
+    token = sample_token(logits, options.temperature, options.top_p, state.generator)
+    if state.guide is not None:
+        state.guide.advance(token)
+    state.generated.append(token)
+    return token
+
+
+def penalize_repeats(logits: torch.Tensor, generated: Sequence[int], penalty: float) -> torch.Tensor:
+    """``logits`` with each generated token's logit divided by ``penalty`` when positive and
+    multiplied by it when negative (the CTRL / transformers rule), prompt tokens left alone."""
+    ids = torch.tensor(sorted(set(generated)), device=logits.device)
+    scores = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return out
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -37,20 +95,6 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-
-
-def choose_token(logits: torch.Tensor, options: GenerationOptions, generator: torch.Generator | None) -> int:
-    """The next token of one sequence from its ``[vocab]`` logits, as its options ask.
-
-    Every generated token goes through here (the first one after prefill and each decode
-    step, alone or in a batch), so an option that shapes token choice applies everywhere.
-
-    Args:
-        logits: ``[vocab]`` logits of the sequence's last position.
-        options: That sequence's options.
-        generator: That sequence's generator (see :func:`make_generator`).
-    """
-    return sample_token(logits, options.temperature, options.top_p, generator)
 
 
 class TextAssembler:

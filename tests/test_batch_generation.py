@@ -9,7 +9,7 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from kvboost_rag import KVBoost
 from kvboost_rag.batch_decode import DecodeSequence
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
-from kvboost_rag.sampling import TextAssembler
+from kvboost_rag.sampling import SequenceSampling, TextAssembler
 from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
 # Llama-style RoPE, Qwen2 (biases), a partial-rotary family, interleaved sliding-window
@@ -189,7 +189,7 @@ def test_a_failing_sequence_ends_alone(make_engine, docs):
 def test_decode_sequence_ends_on_eos_stop_and_budget(tokenizer):
     def sequence(budget=5, stop=()):
         return DecodeSequence(
-            cache=None, position=0, budget=budget, options=None, generator=None,
+            cache=None, position=0, budget=budget, options=None, sampling=SequenceSampling(),
             assembler=TextAssembler(tokenizer, stop), eos_ids=frozenset({2}),
         )
 

@@ -69,3 +69,17 @@ def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
     assert [r.split(" | ")[1] for r in rows] == ["ChatHuggingFace", "HuggingFaceLLM", "HuggingFaceLLM"]
     assert all(int(r.split(" | ")[5].rstrip("%")) >= 80 for r in rows), rows  # document tokens from cache
     assert all(float(r.split(" | ")[6].rstrip(" |")) < 1.0 for r in rows), rows  # MiB: no growth per query
+
+
+def test_agentic_rag_example_calls_the_retriever_and_reuses_its_documents():
+    out = run_example(
+        "agentic_rag.py", "--question", "What does the pass statement do?", "--docs", "12", "--k", "2",
+        "--max-chars", "200", "--max-new-tokens", "48", "--max-steps", "2",
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    steps = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| 1 | ")]
+    assert steps[0][2] == "any" and steps[0][6].startswith("call search_python_docs(")
+    assert steps[1][2] == "none" and not steps[1][6].startswith("call ")
+    assert int(steps[1][5]) > int(steps[0][5])  # the answer step reads the retrieved documents from cache
+    assert "ChatHuggingFace made" in out.stdout
+    assert "Median answer-step TTFT speedup" in out.stdout

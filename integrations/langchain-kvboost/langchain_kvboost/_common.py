@@ -31,7 +31,16 @@ DOCUMENTS_METADATA_KEY = "documents"
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries", "base_url")
 
 #: Per-call keyword arguments understood by ``_generate`` / ``_stream``.
-CALL_PARAMS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "reuse", "documents")
+CALL_PARAMS = (
+    "max_new_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "reuse",
+    "documents",
+)
 
 #: Keyword arguments LangChain core itself may pass down to ``_generate`` / ``_stream``.
 _CORE_KWARGS = ("stream",)
@@ -94,6 +103,10 @@ class KVBoostParams(BaseModel):
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass (used when ``temperature`` > 0)."""
+
+    repetition_penalty: float = Field(default=1.0, ge=1.0)
+    """Above 1, lowers the logits of tokens the answer already holds (prompt tokens are not
+    penalized). About 1.2 keeps small models from looping inside structured outputs."""
 
     seed: int | None = None
     """Seed of the sampler, for reproducible sampled outputs."""
@@ -221,6 +234,7 @@ class KVBoostParams(BaseModel):
             "max_new_tokens": self.max_new_tokens if budget is None else budget,
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
+            "repetition_penalty": kwargs.get("repetition_penalty", self.repetition_penalty),
             "seed": kwargs.get("seed", self.seed),
             "stop": list(call_stop) if call_stop else None,
             "reuse": kwargs.get("reuse", self.reuse),

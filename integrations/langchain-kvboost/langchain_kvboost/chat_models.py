@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
@@ -14,15 +14,33 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams, Langu
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
-from pydantic import ConfigDict, model_validator
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
 from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.tool_calls import (
+    CallFormat,
+    fallback_messages,
+    normalize_tool_choice,
+    parse_tool_calls,
+    tool_specs,
+    with_system_text,
+)
 from langchain_kvboost._common import KVBoostParams, generation_info
+from langchain_kvboost.tool_calling import (
+    ai_message,
+    message_dict,
+    pop_call_format,
+    render_tools,
+    structured_output,
+    tool_call_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +71,15 @@ def _message_text(message: BaseMessage) -> str:
     return "".join(parts)
 
 
-def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as ``{"role", "content"}`` dicts for the model's chat template.
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as ``{"role", "content"}`` dicts for the model's chat template
+    (assistant tool calls and tool results in the OpenAI layout: ``tool_calls``,
+    ``tool_call_id``).
 
     Raises:
         ValueError: A message type with no chat role, or non-text content.
     """
-    dicts: list[dict[str, str]] = []
+    dicts: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, ChatMessage):
             role = message.role
@@ -67,7 +87,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             role = _ROLES.get(message.type, "")
         if not role:
             raise ValueError(f"ChatKVBoost cannot place a {message.type!r} message in a chat template.")
-        dicts.append({"role": role, "content": _message_text(message)})
+        dicts.append(message_dict(message, role, _message_text(message)))
     return dicts
 
 
@@ -119,8 +139,13 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     in any order, system message included. Nothing is pinned per call: what stays cached is
     evictable; pin a fixed system prompt yourself with ``chat.engine.warm(text)``.
 
-    A drop-in replacement for ``ChatHuggingFace``: text in, text out; no tool calling,
-    structured output or images.
+    A drop-in replacement for ``ChatHuggingFace`` (text only, no images) that also makes tool
+    calls (:meth:`bind_tools`) and structured output (:meth:`with_structured_output`) valid by
+    construction: decoding is constrained to a call of a bound tool with schema-valid
+    arguments, or to JSON valid for the schema (needs ``kvboost-rag[constrained]``). Tools
+    reach the prompt through the chat template's ``tools=`` when the template renders them,
+    else as a "# Tools" section of the system message (see ``kvboost_rag.tool_calls``); the
+    tool text is part of the prompt's cached prefix like any system text.
 
     Instantiate:
         .. code-block:: python
@@ -183,19 +208,99 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._langsmith_params("chat", stop, **kwargs)
 
-    def render_prompt(self, messages: Sequence[BaseMessage]) -> str:
+    def render_prompt(self, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None) -> str:
         """The prompt string the model reads for ``messages`` (chat template applied).
 
         Args:
             messages: The conversation.
+            tools: Tools shown to the model (anything ``bind_tools`` takes).
 
         Returns:
             The rendering with the generation prompt for the assistant's turn appended.
         """
-        return self._render(to_chat_dicts(messages))
+        specs = tuple(tool_specs([convert_to_openai_tool(t) for t in tools or []]))
+        return self._render(to_chat_dicts(messages), CallFormat(specs))
 
-    def _render(self, dicts: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return str(self.engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt))
+    def _render(self, dicts: list[dict[str, Any]], call_format: CallFormat = CallFormat()) -> str:
+        dicts = with_system_text(dicts, call_format.instructions)
+        if self.engine.chat_template_renders_tools:
+            tools = render_tools(call_format.specs) or None
+            return str(self.engine.apply_chat_template(dicts, tools=tools))
+        if call_format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
+            dicts = fallback_messages(dicts, call_format.specs)
+        return str(self.engine.apply_chat_template(dicts))
+
+    def _prepare(
+        self,
+        messages: Sequence[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[str, dict[str, Any], CallFormat]:
+        """The prompt, the engine parameters and the tool/format setting of one call."""
+        kwargs = dict(kwargs)
+        call_format = pop_call_format(kwargs)
+        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
+        if call_format.constraint is not None:
+            params["constraint"] = call_format.constraint
+        return self._render(to_chat_dicts(messages), call_format), params, call_format
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """A model that may call ``tools``; its replies carry ``AIMessage.tool_calls``.
+
+        Args:
+            tools: Tools as LangChain tools, functions, pydantic models, TypedDicts or
+                OpenAI-style dicts.
+            tool_choice: ``"auto"`` (default: a plain-text answer or one call),
+                ``"any"``/``"required"``/``True`` (one call of any tool), a tool's name (one
+                call of that tool), or ``"none"`` (plain text; the tools stay in the prompt).
+                Decoding is constrained accordingly, so every call names a bound tool and its
+                arguments are valid for the tool's schema. One call per turn.
+            **kwargs: Other per-call parameters to bind.
+
+        Raises:
+            InvalidInputError: A ``tool_choice`` that names no bound tool, or a malformed tool.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        choice = normalize_tool_choice(tool_choice, [s.name for s in tool_specs(formatted)])
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """A model whose output is parsed into ``schema``; valid by construction.
+
+        Args:
+            schema: A pydantic model (output: an instance), a TypedDict or a JSON schema
+                (output: a dict). Optional with ``method="json_mode"``.
+            method: ``"json_schema"``: decoding constrained to JSON valid for the schema;
+                ``"function_calling"``: a forced call of a tool whose arguments are the
+                schema; ``"json_mode"``: a JSON object, described by your prompt (with a schema,
+                decoding also follows it, but only "a JSON object" is said in the prompt).
+                Objects without ``additionalProperties`` are closed before compiling.
+            include_raw: Return ``{"raw", "parsed", "parsing_error"}`` instead of the parsed
+                value (parsing errors are then caught).
+            strict: Accepted for API compatibility: the output always follows the schema.
+            **kwargs: Not accepted (a ``ValueError`` names them).
+
+        Raises:
+            InvalidInputError: An unknown method, or no schema where one is needed.
+        """
+        if kwargs:
+            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
+        return structured_output(self, schema, method, include_raw, strict)
 
     def _result_message_fields(self, result: Any) -> tuple[dict[str, Any], UsageMetadata, dict[str, Any]]:
         info = generation_info(result)
@@ -209,11 +314,15 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
-        result = self.engine.generate(self.render_prompt(messages), **params)
+        prompt, params, call_format = self._prepare(messages, stop, run_manager, kwargs)
+        result = self.engine.generate(prompt, **params)
         info, usage, response_metadata = self._result_message_fields(result)
-        message = AIMessage(
-            content=result.output_text, usage_metadata=usage, response_metadata=response_metadata
+        message = ai_message(
+            result.output_text,
+            result.finish_reason,
+            call_format,
+            usage_metadata=usage,
+            response_metadata=response_metadata,
         )
         return ChatResult(
             generations=[ChatGeneration(message=message, generation_info=info)],
@@ -258,9 +367,25 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         stop: list[str] | None,
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
-    ) -> Any:
-        params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
-        return self.engine.stream(self.render_prompt(messages), **params)
+    ) -> tuple[Any, CallFormat]:
+        prompt, params, call_format = self._prepare(messages, stop, run_manager, kwargs)
+        return self.engine.stream(prompt, **params), call_format
+
+    @staticmethod
+    def _chunks(pieces: Iterator[str], call_format: CallFormat) -> Iterator[ChatGenerationChunk]:
+        """Text pieces as chunks; a tool call (output starting with ``<``, which plain text
+        under a tool constraint never does) is held back and sent whole as tool-call chunks."""
+        held: list[str] = []
+        for piece in pieces:
+            if call_format.parses_tool_calls and (held or piece.startswith("<")):
+                held.append(piece)
+                continue
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        if held:
+            parsed = parse_tool_calls("".join(held))
+            yield ChatGenerationChunk(
+                message=AIMessageChunk(content=parsed.content, tool_call_chunks=tool_call_chunks(parsed))
+            )
 
     def _last_chunk(self, stream: Any) -> ChatGenerationChunk:
         info, usage, response_metadata = self._result_message_fields(stream.result)
@@ -280,9 +405,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         # LangChain core reports each yielded chunk to the callbacks itself.
-        stream = self._start_stream(messages, stop, run_manager, kwargs)
-        for piece in stream:
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        stream, call_format = self._start_stream(messages, stop, run_manager, kwargs)
+        yield from self._chunks(stream, call_format)
         yield self._last_chunk(stream)
 
     async def _astream(
@@ -294,13 +418,13 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         started: list[Any] = []
 
-        def start() -> Iterator[str]:
+        def start() -> Iterator[ChatGenerationChunk]:
             # Rendering and starting the stream block: keep them off the loop.
-            started.append(self._start_stream(messages, stop, run_manager, kwargs))
-            return iter(started[0])
+            started.extend(self._start_stream(messages, stop, run_manager, kwargs))
+            return self._chunks(iter(started[0]), started[1])
 
-        async for piece in iterate_in_thread(start):
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        async for chunk in iterate_in_thread(start):
+            yield chunk
         yield self._last_chunk(started[0])
 
     def get_token_ids(self, text: str) -> list[int]:
@@ -318,11 +442,6 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         messages: list[BaseMessage],
         tools: Sequence[Any] | None = None,
     ) -> int:
-        """Number of tokens the model reads for ``messages``, chat template included.
-
-        Raises:
-            ValueError: ``tools`` were given; this model does not take tools.
-        """
-        if tools:
-            raise ValueError("ChatKVBoost does not support tools; count messages without them.")
-        return self.get_num_tokens(self.render_prompt(messages))
+        """Number of tokens the model reads for ``messages``, chat template and ``tools``
+        included."""
+        return self.get_num_tokens(self.render_prompt(messages, tools))

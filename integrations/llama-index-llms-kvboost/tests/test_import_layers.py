@@ -1,4 +1,5 @@
-"""The package's modules import each other one way: formatting <- prewarm, retrieval <- base."""
+"""The package's modules import each other one way: formatting <- prewarm, retrieval <- base;
+tool_calling <- base."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ ALLOWED = {
     "formatting": set(),
     "prewarm": {"formatting"},
     "retrieval": {"formatting"},
-    "base": {"formatting", "retrieval"},
+    "tool_calling": set(),
+    "base": {"formatting", "retrieval", "tool_calling"},
 }
 
 

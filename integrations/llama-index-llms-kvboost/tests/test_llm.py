@@ -32,7 +32,7 @@ def test_metadata_reports_the_model_window_output_name_and_chat_mode(tiny_engine
     assert meta.num_output == 12
     assert meta.model_name == tiny_engine.model_name
     assert meta.is_chat_model is True  # the tiny tokenizer has a chat template
-    assert meta.is_function_calling_model is False
+    assert meta.is_function_calling_model is True
 
 
 def test_repr_and_serialization_do_not_recurse(tiny_engine: KVBoost) -> None:

@@ -128,7 +128,7 @@ def test_stop_and_per_call_overrides(chat: ChatKVBoost) -> None:
     with pytest.raises(ValueError, match="conflict"):
         chat.invoke(messages, max_tokens=2, max_new_tokens=3)
     with pytest.raises(ValueError, match="unknown parameter"):
-        chat.invoke(messages, tools=[{"name": "x"}])
+        chat.invoke(messages, frequency_penalty=0.5)
 
 
 def test_non_text_content_is_rejected(chat: ChatKVBoost) -> None:

@@ -19,8 +19,8 @@ def _shared_tiny_engine() -> Any:
 
 
 class TestChatKVBoostStandard(ChatModelUnitTests):
-    """Tools, structured output and media inputs stay off: the suite's defaults for a model
-    that overrides neither ``bind_tools`` nor ``with_structured_output``."""
+    """Tool calling, tool choice, structured output and JSON mode are on (the suite finds the
+    first three from the overridden methods); media inputs stay off (text-only model)."""
 
     @property
     def chat_model_class(self) -> type[ChatKVBoost]:
@@ -29,3 +29,19 @@ class TestChatKVBoostStandard(ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"engine": _shared_tiny_engine()}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True

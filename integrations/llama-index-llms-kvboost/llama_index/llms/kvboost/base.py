@@ -9,10 +9,10 @@ after each answer and served by prefix hash; retrieved documents that were warme
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
@@ -28,11 +28,21 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.llms.utils import parse_partial_json
+from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.llms.kvboost.formatting import message_dicts
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+from llama_index.llms.kvboost.tool_calling import (
+    assistant_message,
+    chat_with_tools_arguments,
+    pop_call_format,
+    tool_selections,
+)
 
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
@@ -40,11 +50,17 @@ from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.tool_calls import CallFormat, fallback_messages, with_system_text
 
 if TYPE_CHECKING:
+    from llama_index.core.prompts import BasePromptTemplate
+    from llama_index.core.tools.types import BaseTool
+
     from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 #: Generation keywords a call may override, and the engine keyword each maps to.
 _CALL_KEYWORDS = {
@@ -52,14 +68,15 @@ _CALL_KEYWORDS = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
     "seed": "seed",
     "stop": "stop",
     "reuse": "reuse",
 }
 
 
-class KVBoostLLM(CustomLLM):
-    """LlamaIndex LLM backed by the KVBoost reuse engine.
+class KVBoostLLM(CustomLLM, FunctionCallingLLM):
+    """LlamaIndex LLM backed by the KVBoost reuse engine; a function-calling LLM.
 
     Build it from an engine, a local model folder, a loaded model and tokenizer, or nothing
     (the embedded SmolLM2-135M-Instruct). Prompts go through the model's chat template;
@@ -68,6 +85,14 @@ class KVBoostLLM(CustomLLM):
     call (pin a fixed instruction block with :meth:`warm_prefix`). Each response's
     ``raw`` holds ``usage`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``) and
     the engine's timing and reuse figures (``ttft_ms``, ``kv_reuse_ratio``, ...).
+
+    Function calling (``chat_with_tools``, ``FunctionAgent``, ``QueryEngineTool``) and
+    structured output (``structured_predict``, ``as_structured_llm``) are valid by
+    construction: decoding is constrained to a call of a given tool with schema-valid
+    arguments, or to JSON valid for the output class (needs ``kvboost-rag[constrained]``).
+    Tools reach the prompt through the chat template's ``tools=`` when it renders them, else
+    as a "# Tools" section of the system message (``kvboost_rag.tool_calls``). One tool call
+    per turn.
 
     Examples:
         ```python
@@ -97,6 +122,14 @@ class KVBoostLLM(CustomLLM):
     )
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (used when temperature > 0).")
+    repetition_penalty: float = Field(
+        default=1.0,
+        ge=1.0,
+        description=(
+            "Above 1, lowers the logits of tokens the answer already holds (prompt tokens are not "
+            "penalized); about 1.2 keeps small models from looping inside structured outputs."
+        ),
+    )
     seed: int | None = Field(default=None, description="Seed for sampling; None leaves the generator as is.")
     stop: list[str] = Field(
         default_factory=list, description="Strings that end generation; the output is cut before them."
@@ -237,7 +270,7 @@ class KVBoostLLM(CustomLLM):
             num_output=self.max_new_tokens,
             model_name=self.model_name,
             is_chat_model=self.is_chat_model,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
         )
 
     @property
@@ -288,14 +321,32 @@ class KVBoostLLM(CustomLLM):
 
     # -- prompt rendering -------------------------------------------------------------------
 
-    def _render_messages(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def _render_messages(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        output_format: CallFormat = CallFormat(),
+    ) -> str:
         if self._custom_messages_to_prompt:
+            if output_format.specs:
+                raise InvalidInputError(
+                    "tools cannot be shown through a custom messages_to_prompt; leave it unset to use "
+                    "the chat template"
+                )
             return self.messages_to_prompt(messages)  # type: ignore[misc]
-        if self._has_chat_template:
-            return self._engine.apply_chat_template(
-                message_dicts(messages), add_generation_prompt=add_generation_prompt
-            )
-        return generic_messages_to_prompt(messages)
+        dicts = with_system_text(message_dicts(messages), output_format.instructions)
+        if not self._has_chat_template:
+            if output_format.specs:
+                raise InvalidInputError("tools need a chat template; this tokenizer has none")
+            if output_format.instructions:
+                messages = [ChatMessage(role=MessageRole.SYSTEM, content=output_format.instructions), *messages]
+            return generic_messages_to_prompt(messages)
+        if self._engine.chat_template_renders_tools:
+            tools = [spec.openai() for spec in output_format.specs] or None
+            return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+        if output_format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
+            dicts = fallback_messages(dicts, output_format.specs)
+        return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
 
     def _default_messages_to_prompt(self, messages: Sequence[ChatMessage]) -> str:
         """The prompt ``chat`` sends for ``messages``: the model's chat template rendering."""
@@ -305,10 +356,10 @@ class KVBoostLLM(CustomLLM):
         """The prompt ``complete`` sends for an unformatted ``prompt``."""
         return self._completion_prompt(prompt, formatted=False)
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+    def _chat_prompt(self, messages: Sequence[ChatMessage], output_format: CallFormat = CallFormat()) -> str:
         if not messages:
             raise ValueError("chat needs at least one message")
-        return self._render_messages(messages)
+        return self._render_messages(messages, output_format=output_format)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if not formatted:
@@ -333,6 +384,7 @@ class KVBoostLLM(CustomLLM):
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "stop": list(self.stop) or None,
             "reuse": self.reuse,
@@ -365,8 +417,12 @@ class KVBoostLLM(CustomLLM):
         }
         return {**metrics, "usage": usage, "model": self.model_name}
 
-    def _generate(self, prompt: str, overrides: dict[str, Any]) -> CompletionResponse:
+    def _generate(
+        self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
+    ) -> CompletionResponse:
         params = self._call_params(overrides)
+        if output_format.constraint is not None:
+            params["constraint"] = output_format.constraint
         with self._answer(prompt) as documents:
             result = self._engine.generate(prompt, documents=documents or None, **params)
         logger.debug(
@@ -377,8 +433,12 @@ class KVBoostLLM(CustomLLM):
         )
         return CompletionResponse(text=result.output_text, raw=self._raw(result))
 
-    def _stream(self, prompt: str, overrides: dict[str, Any]) -> CompletionResponseGen:
+    def _stream(
+        self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
+    ) -> CompletionResponseGen:
         params = self._call_params(overrides)
+        if output_format.constraint is not None:
+            params["constraint"] = output_format.constraint
 
         def gen() -> CompletionResponseGen:
             with self._answer(prompt) as documents:
@@ -404,7 +464,15 @@ class KVBoostLLM(CustomLLM):
         return self._generate(self._completion_prompt(prompt, formatted), kwargs)
 
     def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        return _as_chat(self._generate(self._chat_prompt(messages), kwargs))
+        kwargs = dict(kwargs)
+        output_format = pop_call_format(kwargs)
+        return _as_chat(self._generate(self._chat_prompt(messages, output_format), kwargs, output_format), output_format)
+
+    def _chat_stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        kwargs = dict(kwargs)
+        output_format = pop_call_format(kwargs)
+        responses = self._stream(self._chat_prompt(messages, output_format), kwargs, output_format)
+        return _as_chat_stream(responses, output_format)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -415,7 +483,7 @@ class KVBoostLLM(CustomLLM):
                 template (after the system prompt), or ``completion_to_prompt`` renders it.
             formatted: ``prompt`` is final text; send it as is.
             **kwargs: Per-call ``max_new_tokens`` (or ``max_tokens``), ``temperature``,
-                ``top_p``, ``seed``, ``stop``, ``reuse``.
+                ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``reuse``.
 
         Returns:
             The completion; ``raw`` holds usage, timing and reuse figures.
@@ -429,13 +497,24 @@ class KVBoostLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        """Answer a conversation rendered with the model's chat template."""
+        """Answer a conversation rendered with the model's chat template.
+
+        Args:
+            messages: The conversation (tool results as ``tool`` messages with
+                ``additional_kwargs["tool_call_id"]``).
+            **kwargs: The generation keywords of :meth:`complete`, and ``tools``
+                (OpenAI-style definitions), ``tool_choice`` (``"auto"``, ``"required"``, a
+                tool name, ``"none"``), ``tool_required``, ``response_format``
+                (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"schema": ...}}``).
+        """
         return self._chat_sync(messages, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        """Stream the answer to a conversation; the last response carries ``raw``."""
-        return _as_chat_stream(self._stream(self._chat_prompt(messages), kwargs))
+        """Stream the answer to a conversation; the last response carries ``raw`` (and, with
+        tools, the tool calls: a call's text is not streamed as content)."""
+        return self._chat_stream(messages, kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -461,9 +540,128 @@ class KVBoostLLM(CustomLLM):
         """Async ``stream_chat``: tokens are produced in a worker thread."""
 
         def make() -> ChatResponseGen:
-            return _as_chat_stream(self._stream(self._chat_prompt(messages), kwargs))
+            return self._chat_stream(messages, kwargs)
 
         return iterate_in_thread(make)
+
+    # -- function calling and structured output ------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``chat`` arguments for ``chat_with_tools``: ``tool_required`` (or a ``tool_choice``
+        keyword) constrains decoding to a call; otherwise the reply is text or one call."""
+        if allow_parallel_tool_calls:
+            logger.debug("KVBoostLLM makes one tool call per turn; allow_parallel_tool_calls is ignored")
+        return chat_with_tools_arguments(tools, user_msg, chat_history, tool_required, kwargs)
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The tool calls of a ``chat_with_tools`` response.
+
+        Raises:
+            ValueError: No tool call and ``error_on_no_tool_call``.
+        """
+        return tool_selections(response.message, error_on_no_tool_call)
+
+    def structured_predict(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> M:
+        """An ``output_cls`` instance for ``prompt``, decoded as JSON valid for its schema.
+
+        Args:
+            output_cls: A pydantic model.
+            prompt: The prompt template.
+            llm_kwargs: Generation keywords (``max_new_tokens``, ...).
+            **prompt_args: Template variables.
+
+        Raises:
+            ValueError: The output was cut by ``max_new_tokens`` before the JSON ended.
+
+        ``stream_structured_predict`` / ``astream_structured_predict`` decode the same way and
+        yield partial copies (``FlexibleModel``) before the validated instance.
+        """
+        messages = self._get_messages(prompt, **prompt_args)
+        response = self.chat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
+        return _parse_structured(output_cls, response)
+
+    async def astructured_predict(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> M:
+        """Async :meth:`structured_predict`."""
+        messages = self._get_messages(prompt, **prompt_args)
+        response = await self.achat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
+        return _parse_structured(output_cls, response)
+
+    def _structured_stream_call(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Generator[M | FlexibleModel, None, None]:
+        """What ``stream_structured_predict`` yields: partial copies (``FlexibleModel``) as the
+        JSON decodes under the output class's schema, then the validated instance."""
+        messages = self._get_messages(prompt, **prompt_args)
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        flexible = create_flexible_model(output_cls)
+
+        def gen() -> Generator[M | FlexibleModel, None, None]:
+            last: ChatResponse | None = None
+            for last in self.stream_chat(messages, **kwargs):
+                partial = _partial_object(flexible, last)
+                if partial is not None:
+                    yield partial
+            if last is not None:
+                yield _parse_structured(output_cls, last)
+
+        return gen()
+
+    async def _structured_astream_call(
+        self,
+        output_cls: type[M],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncGenerator[M | FlexibleModel, None]:
+        """Async :meth:`_structured_stream_call`."""
+        messages = self._get_messages(prompt, **prompt_args)
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        flexible = create_flexible_model(output_cls)
+        responses = await self.astream_chat(messages, **kwargs)
+
+        async def gen() -> AsyncGenerator[M | FlexibleModel, None]:
+            last: ChatResponse | None = None
+            async for last in responses:
+                partial = _partial_object(flexible, last)
+                if partial is not None:
+                    yield partial
+            if last is not None:
+                yield _parse_structured(output_cls, last)
+
+        return gen()
+
+    @staticmethod
+    def _structured_kwargs(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        schema = output_cls.model_json_schema()
+        response_format = {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": schema}}
+        return {**(llm_kwargs or {}), "response_format": response_format}
 
 
 def _huggingface_llm_arguments(
@@ -541,17 +739,46 @@ class _Formatter:
         return f"<KVBoostLLM {self._description}>"
 
 
-def _as_chat(response: CompletionResponse) -> ChatResponse:
+def _as_chat(response: CompletionResponse, output_format: CallFormat = CallFormat()) -> ChatResponse:
+    finish = (response.raw or {}).get("finish_reason", "")
     return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+        message=assistant_message(response.text, finish, output_format),
         delta=response.delta,
         raw=response.raw,
     )
 
 
-def _as_chat_stream(responses: CompletionResponseGen) -> ChatResponseGen:
+def _as_chat_stream(responses: CompletionResponseGen, output_format: CallFormat = CallFormat()) -> ChatResponseGen:
+    """Chat responses of a stream. With tools, an output starting with ``<`` (a call: plain
+    text under a tool constraint never starts so) is not shown as content while it streams;
+    the last response carries the parsed calls."""
+    holding = False
     for response in responses:
-        yield _as_chat(response)
+        if output_format.parses_tool_calls and (holding or response.text.startswith("<")):
+            holding = True
+            if response.raw is None:
+                continue
+        yield _as_chat(response, output_format)
+
+
+def _partial_object(flexible: type[FlexibleModel], response: ChatResponse) -> FlexibleModel | None:
+    """The fields decoded so far (``None`` before the first or for a final, empty delta)."""
+    if not response.delta:
+        return None
+    try:
+        return flexible.model_validate(parse_partial_json(response.message.content or ""))
+    except ValueError:  # not yet an object (json.JSONDecodeError and pydantic errors are ValueErrors)
+        return None
+
+
+def _parse_structured(output_cls: type[M], response: ChatResponse) -> M:
+    text = response.message.content or ""
+    if (response.raw or {}).get("finish_reason") == "length":
+        raise ValueError(
+            f"the {output_cls.__name__} JSON was cut by max_new_tokens before it ended: raise max_new_tokens "
+            f"(got {text!r})"
+        )
+    return output_cls.model_validate_json(text)
 
 
 

@@ -1,0 +1,97 @@
+"""Function calling for ``KVBoostLLM``: LlamaIndex tool arguments to a decoding constraint,
+and generated text back to tool calls (``additional_kwargs["tool_calls"]``).
+
+The prompt side and the grammar of each tool choice live in :mod:`kvboost_rag.tool_calls`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.llms.llm import ToolSelection
+
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.tool_calls import REQUIRED, CallFormat, call_format, parse_tool_calls
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
+
+def chat_with_tools_arguments(
+    tools: Sequence[BaseTool],
+    user_msg: str | ChatMessage | None,
+    chat_history: list[ChatMessage] | None,
+    tool_required: bool,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``chat`` arguments of ``chat_with_tools``: the messages, the tools as OpenAI-style
+    definitions and the tool choice (``tool_choice`` from ``kwargs`` wins over
+    ``tool_required``)."""
+    messages = list(chat_history or [])
+    if isinstance(user_msg, str):
+        user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+    if user_msg is not None:
+        messages.append(user_msg)
+    choice = kwargs.pop("tool_choice", None)
+    if choice is None and tool_required:
+        choice = REQUIRED
+    return {
+        "messages": messages,
+        "tools": [tool.metadata.to_openai_tool() for tool in tools],
+        "tool_choice": choice,
+        **kwargs,
+    }
+
+
+def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
+    """Take ``tools``, ``tool_choice``, ``tool_required`` and ``response_format`` out of a
+    call's ``kwargs``.
+
+    Raises:
+        InvalidInputError: Malformed tools, a choice naming no tool, parallel tool calls.
+    """
+    tools = kwargs.pop("tools", None)
+    choice = kwargs.pop("tool_choice", None)
+    if kwargs.pop("tool_required", False) and choice is None:
+        choice = REQUIRED
+    if kwargs.pop("allow_parallel_tool_calls", False):
+        raise InvalidInputError("KVBoostLLM makes one tool call per turn; pass allow_parallel_tool_calls=False")
+    return call_format(tools, choice, kwargs.pop("response_format", None))
+
+
+def assistant_message(text: str, finish_reason: str, output_format: CallFormat) -> ChatMessage:
+    """The assistant's reply: text, and its tool calls when tools were bound (valid ones in
+    ``additional_kwargs["tool_calls"]``, unreadable ones, such as a call cut by
+    ``max_new_tokens``, in ``additional_kwargs["invalid_tool_calls"]``)."""
+    if not output_format.parses_tool_calls:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    parsed = parse_tool_calls(text, finish_reason)
+    extra: dict[str, Any] = {}
+    if parsed.valid_calls:
+        extra["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.valid_calls
+        ]
+    if parsed.invalid_calls:
+        extra["invalid_tool_calls"] = [{"id": c.id, "raw": c.raw, "error": c.error} for c in parsed.invalid_calls]
+    return ChatMessage(role=MessageRole.ASSISTANT, content=parsed.content, additional_kwargs=extra)
+
+
+def tool_selections(message: ChatMessage, error_on_no_tool_call: bool) -> list[ToolSelection]:
+    """The tool calls of an assistant message.
+
+    Raises:
+        ValueError: No tool call and ``error_on_no_tool_call`` (the reason is named when the
+            call was cut).
+    """
+    calls = message.additional_kwargs.get("tool_calls") or []
+    if not calls and error_on_no_tool_call:
+        invalid = message.additional_kwargs.get("invalid_tool_calls") or []
+        reason = f": {invalid[0]['error']}" if invalid else ""
+        raise ValueError(f"expected at least one tool call in the response{reason}")
+    return [
+        ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"], tool_kwargs=c["function"]["arguments"])
+        for c in calls
+    ]
