@@ -178,3 +178,25 @@ def test_repetition_penalty_is_validated(engine):
     with pytest.raises(InvalidInputError, match="repetition_penalty"):
         engine.generate("Hello.", repetition_penalty=0.5)
     assert engine.generate("Hello.", max_new_tokens=8, repetition_penalty=1.3).generated_tokens <= 8
+
+
+def test_batched_and_concurrent_decoding_apply_each_sequences_constraint(make_engine):
+    # Every sequence of a batch decodes under its own constraint state: each output is valid
+    # for the schema and equals the same prompt decoded alone.
+    engine = make_engine("llama")
+    schema = {"json_schema": Lookup.model_json_schema()}
+    prompts = ["Look something up.", "Find the tutorial on loops.", "Search the library reference."]
+    alone = [engine.generate(p, max_new_tokens=96, constraint=schema) for p in prompts]
+    batch = engine.generate_batch(prompts, max_new_tokens=96, constraint=schema)
+    for single, batched in zip(alone, batch):
+        assert not isinstance(batched, Exception), batched
+        assert batched.finish_reason == "eos", batched.output_text
+        Lookup.model_validate_json(batched.output_text)
+        assert batched.token_ids == single.token_ids
+
+
+def test_a_bad_constraint_fails_the_whole_batch_before_any_prefill(make_engine):
+    engine = make_engine("llama")
+    with pytest.raises(InvalidInputError):
+        engine.generate_batch(["Look something up.", "Again."], constraint={"json_schema": {"type": "no-such-type"}})
+    assert engine._scheduler.admitted == 0
