@@ -100,24 +100,26 @@ class GrammarGuide:
     """
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import llguidance.torch
+
         self._matcher = matcher
-        self._vocab_size = vocab_size
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[vocab]`` logits with every token the grammar forbids next set to ``-inf``.
+        """A copy of the ``[vocab]`` logits with every token the grammar forbids next set to
+        ``-inf`` (llguidance fills its bitmask and applies it).
 
         Raises:
             RuntimeError: The matcher is in an error state (a token it forbade was consumed).
         """
+        import llguidance.torch
+
         if self._matcher.is_error():
             raise RuntimeError(f"constrained decoding failed: {self._matcher.get_error()}")
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
-        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).bool().view(-1)
-        width = logits.shape[-1]
-        if allowed.numel() < width:
-            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.numel())])
-        return logits.masked_fill(~allowed[:width].to(logits.device), float("-inf"))
+        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask)
+        masked = logits.clone()
+        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device, non_blocking=True))
+        return masked
 
     def advance(self, token: int) -> None:
         """Move past the chosen ``token`` (the end-of-sequence token included)."""
