@@ -205,7 +205,8 @@ class KVBoost:
         self._batch_warmer = BatchWarmer(self._adapter, self._cache)
         self._turns = ModelTurns()
         self._scheduler = DecodeScheduler(partial(decode_step, self._adapter), self._turns, self.settings)
-        self._constraints = ConstraintCompiler(tokenizer, self._logits_width(), self._eos_ids())
+        self._eos_ids = _eos_ids(self.model, tokenizer)
+        self._constraints = ConstraintCompiler(tokenizer, self._logits_width(), self._eos_ids)
         self._renders_tools: bool | None = None
         if not self._adapter.position_independent:
             if self.settings.strict:
@@ -725,7 +726,7 @@ class KVBoost:
                 options=options,
                 sampling=SequenceSampling(make_generator(options.seed, self._adapter.device), guide),
                 assembler=TextAssembler(self.tokenizer, options.stop),
-                eos_ids=frozenset(self._eos_ids()),
+                eos_ids=self._eos_ids,
             )
             first_pieces = sequence.take(next_token(outcome.logits, options, sequence.sampling))
         except BaseException:
@@ -844,16 +845,6 @@ class KVBoost:
             return int(weight.shape[0])
         return int(getattr(self.model.config, "vocab_size", None) or len(self.tokenizer))
 
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return ids
-
     # ------------------------------------------------------------------ checks and stats
     def verify_correctness(
         self, prompts: Sequence[str], max_new_tokens: int = 32, kl_tolerance: float = 0.05
@@ -900,6 +891,18 @@ class KVBoost:
     def clear_cache(self) -> None:
         """Drop every cached entry and registered document."""
         self._cache.clear()
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """Token ids that end a sequence: the generation config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
 
 
 def _check_text(text: object, what: str) -> None:
