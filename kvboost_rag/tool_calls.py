@@ -33,11 +33,14 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvboost_rag.constrained import JSON_LAYOUT, OutputConstraint
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.log_limits import RateLimitedLogger
+
+if TYPE_CHECKING:
+    from kvboost_rag.engine import KVBoost
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -355,6 +358,31 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Too
         else:
             out.append({"role": role, "content": content})
     return with_system_text(out, tools_instructions(specs)) if specs else out
+
+
+def render_chat(
+    engine: KVBoost,
+    messages: Sequence[Mapping[str, Any]],
+    call_format: CallFormat,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat template's rendering of ``messages`` with ``call_format``'s instructions and
+    tools: through the template's ``tools=`` when it shows them, else in the fallback format
+    (:func:`fallback_messages`, also used for a tool-call history when no tool is bound).
+
+    Args:
+        engine: The engine whose chat template renders the messages.
+        messages: Dicts in the OpenAI layout.
+        call_format: The call's tools, tool choice and response format.
+        add_generation_prompt: Append the opening of the assistant's turn.
+    """
+    dicts = with_system_text(messages, call_format.instructions)
+    if engine.chat_template_renders_tools:
+        tools = [spec.openai() for spec in call_format.specs] or None
+        return engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+    if call_format.specs or any("tool_calls" in d or d.get("role") == "tool" for d in dicts):
+        dicts = fallback_messages(dicts, call_format.specs)
+    return engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
 
 
 def _arguments(value: Any) -> dict[str, Any]:

@@ -26,18 +26,16 @@ from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
 from kvboost_rag.engine_registry import resolve_engine
 from kvboost_rag.tool_calls import (
     CallFormat,
-    fallback_messages,
     normalize_tool_choice,
     parse_tool_calls,
+    render_chat,
     tool_specs,
-    with_system_text,
 )
 from langchain_kvboost._common import KVBoostParams, generation_info
 from langchain_kvboost.tool_calling import (
     ai_message,
     message_dict,
     pop_call_format,
-    render_tools,
     structured_output,
     tool_call_chunks,
 )
@@ -222,13 +220,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         return self._render(to_chat_dicts(messages), CallFormat(specs))
 
     def _render(self, dicts: list[dict[str, Any]], call_format: CallFormat = CallFormat()) -> str:
-        dicts = with_system_text(dicts, call_format.instructions)
-        if self.engine.chat_template_renders_tools:
-            tools = render_tools(call_format.specs) or None
-            return str(self.engine.apply_chat_template(dicts, tools=tools))
-        if call_format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
-            dicts = fallback_messages(dicts, call_format.specs)
-        return str(self.engine.apply_chat_template(dicts))
+        return render_chat(self.engine, dicts, call_format)
 
     def _prepare(
         self,

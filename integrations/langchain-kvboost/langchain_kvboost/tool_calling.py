@@ -9,7 +9,7 @@ translates between them and LangChain's types.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any
 
@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import CallFormat, ParsedOutput, ToolSpec, call_format, parse_tool_calls
+from kvboost_rag.tool_calls import CallFormat, ParsedOutput, call_format, parse_tool_calls
 
 #: ``with_structured_output`` methods.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
@@ -141,8 +141,3 @@ def _json_schema(schema: Any) -> dict[str, Any]:
         raise InvalidInputError(
             f"cannot read a JSON schema from {schema!r}: pass a pydantic model, a TypedDict or a JSON schema dict ({exc})"
         ) from None
-
-
-def render_tools(specs: Sequence[ToolSpec]) -> list[dict[str, Any]]:
-    """OpenAI-style definitions of ``specs`` for a chat template's ``tools=``."""
-    return [s.openai() for s in specs]

@@ -50,7 +50,7 @@ from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
-from kvboost_rag.tool_calls import CallFormat, fallback_messages, with_system_text
+from kvboost_rag.tool_calls import CallFormat, render_chat
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -334,19 +334,13 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
                     "the chat template"
                 )
             return self.messages_to_prompt(messages)  # type: ignore[misc]
-        dicts = with_system_text(message_dicts(messages), output_format.instructions)
         if not self._has_chat_template:
             if output_format.specs:
                 raise InvalidInputError("tools need a chat template; this tokenizer has none")
             if output_format.instructions:
                 messages = [ChatMessage(role=MessageRole.SYSTEM, content=output_format.instructions), *messages]
             return generic_messages_to_prompt(messages)
-        if self._engine.chat_template_renders_tools:
-            tools = [spec.openai() for spec in output_format.specs] or None
-            return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
-        if output_format.specs or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
-            dicts = fallback_messages(dicts, output_format.specs)
-        return self._engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        return render_chat(self._engine, message_dicts(messages), output_format, add_generation_prompt)
 
     def _default_messages_to_prompt(self, messages: Sequence[ChatMessage]) -> str:
         """The prompt ``chat`` sends for ``messages``: the model's chat template rendering."""
