@@ -11,7 +11,7 @@ For xgrammar, outlines-core and llguidance this times, in one run and on the sam
   embedded SmolLM2-135M-Instruct on the same machine, timed in the same run.
 
 A last row times the engine's own hook on the same schema: ``GrammarGuide.mask`` and
-``advance`` (llguidance plus unpacking the bitmask into a boolean row), which is what
+``advance`` (llguidance filling its bitmask and applying it with ``llguidance.torch``), which is what
 ``GenerationOptions.constraint`` costs per token. It drives the engine's JSON layout
 (``", "`` and ``": "`` separators), so its token sequence is a few tokens longer.
 
