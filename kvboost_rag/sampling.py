@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
 if TYPE_CHECKING:
     from kvboost_rag.options import GenerationOptions
@@ -75,12 +76,10 @@ def next_token(logits: torch.Tensor, options: GenerationOptions, state: Sequence
 
 def penalize_repeats(logits: torch.Tensor, generated: Sequence[int], penalty: float) -> torch.Tensor:
     """``logits`` with each generated token's logit divided by ``penalty`` when positive and
-    multiplied by it when negative (the CTRL / transformers rule), prompt tokens left alone."""
-    ids = torch.tensor(sorted(set(generated)), device=logits.device)
-    scores = logits[ids]
-    out = logits.clone()
-    out[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
-    return out
+    multiplied by it when negative (transformers' ``RepetitionPenaltyLogitsProcessor``, given
+    the generated tokens only, so prompt tokens are left alone)."""
+    ids = torch.tensor([list(generated)], device=logits.device)
+    return RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.unsqueeze(0))[0]
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
