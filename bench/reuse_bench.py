@@ -4,14 +4,15 @@ Embedded model (or ``--model PATH``). Each prompt asks one question of ``bench/q
 over the document that answers it plus distractors, all in shuffled order: plain completion
 prompts, or (``--chat``) the model's chat template with the instructions in the system turn
 and the documents plus the question in the user turn. Documents are prewarmed behind the
-system prompt. Every method is timed the same way (wall time from the call to the first
+system prompt and ``warm_context_documents`` other documents. Every method is timed the same way (wall time from the call to the first
 token) in the same run and compared with full prefill of the same prompt: first-token KL,
 top-1 agreement, greedy 32-token agreement (share of the output before the first difference,
 and the share of outputs identical), QA exact match, and how many prompts came out worse
 than no repair at all.
 
 Run: ``python bench/reuse_bench.py --threads 2`` (``--quick`` for fewer prompts; ``--chat``;
-``--docs 16 --doc-chars 3000`` for long prompts).
+``--docs 16 --doc-chars 3000`` for long prompts; ``--ratios`` for more CacheBlend rows;
+``--context-documents 0`` for documents warmed behind the system prompt alone).
 """
 
 from __future__ import annotations
@@ -92,6 +93,21 @@ def build_prompts(
     return prompts, used
 
 
+def frontier_rows(ratios: str, stages: int) -> list[tuple[str, dict]]:
+    """CacheBlend rows at each of the comma-separated ``ratios`` with ``stages`` blend stages."""
+    rows = []
+    for text in ratios.split(","):
+        ratio = float(text)
+        if not 0.0 <= ratio <= 1.0:
+            raise SystemExit(f"--ratios: {ratio} is not between 0 and 1")
+        name = f"cacheblend {ratio:.0%}" + (f", {stages} stages" if stages > 1 else "")
+        settings = {"recompute_strategy": "cacheblend", "recompute_ratio": ratio, "keep_document_start": 0}
+        if stages > 1:
+            settings["blend_stages"] = stages
+        rows.append((name, settings))
+    return rows
+
+
 def agreement(a: list[int], b: list[int]) -> float:
     """Share of positions where two greedy outputs agree, up to the first difference."""
     n = max(len(a), len(b), 1)
@@ -114,9 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", action="store_true", help="chat-template prompts (documents in the user turn)")
     parser.add_argument("--check-layer", type=int, default=None, help="override settings.check_layer")
     parser.add_argument(
+        "--context-documents", type=int, default=None, help="override settings.warm_context_documents"
+    )
+    parser.add_argument(
         "--methods",
         default=None,
         help="row names to run, separated by ';' (or ',' when no name has a comma); default: all",
+    )
+    parser.add_argument(
+        "--ratios",
+        default=None,
+        help="comma-separated CacheBlend ratios to add as rows (e.g. 0.05,0.1,0.2) to trace a frontier",
+    )
+    parser.add_argument(
+        "--stages", type=int, default=1, help="blend_stages of the rows --ratios adds (default 1)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -133,10 +160,15 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown method(s) {unknown}; choose from {[name for name, _ in METHODS]}")
         methods = [m for m in METHODS if m[0] in wanted]
+    if args.ratios:
+        named = {name for name, _ in methods}
+        methods = [*methods, *(row for row in frontier_rows(args.ratios, args.stages) if row[0] not in named)]
 
     settings = {"show_progress": False}
     if args.check_layer is not None:
         settings["check_layer"] = args.check_layer
+    if args.context_documents is not None:
+        settings["warm_context_documents"] = args.context_documents
     engine = KVBoost.from_pretrained(args.model, **settings)
     if args.chat:
         beginning = engine.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], add_generation_prompt=False)
@@ -196,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         f"prompts={args.prompts} prompt_tokens(median)={int(statistics.median(prompt_tokens))} "
         f"(min {min(prompt_tokens)}, max {max(prompt_tokens)}) docs/prompt={args.docs} "
         f"doc_chars<={args.doc_chars} chat={args.chat} check_layer={engine.settings.check_layer} "
+        f"context_documents={engine.settings.warm_context_documents} "
         f"warm={warm_s:.1f}s ({len(pool)} docs)\n"
     )
     print(

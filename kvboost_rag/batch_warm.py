@@ -82,12 +82,13 @@ class BatchWarmer:
 
         Returns:
             New document tokens stored, by job index; ``None`` when the context is not stored
-            whole (the caller warms those documents one by one).
+            whole or the jobs' contexts differ (the caller warms those documents one by one).
         """
         plan0 = jobs[0].plan
         pieces = self.cache.match_prefix(plan0)
         h = sum(piece.length for piece in pieces)
-        if h != plan0.lookup_limit or any(job.plan.lookup_limit != h for job in jobs):
+        lead = plan0.tokens.ids[:h]
+        if h != plan0.lookup_limit or any(job.plan.lookup_limit != h or job.plan.tokens.ids[:h] != lead for job in jobs):
             return None
         layers, heads, dim = self.adapter.num_layers, self.adapter.layout.kv_heads, self.adapter.layout.head_dim
         lead_keys = torch.empty((layers, heads, h, dim), dtype=self.adapter.dtype, device=self.adapter.device)

@@ -51,6 +51,8 @@ _warnings = RateLimitedLogger(logger)
 #: Text documents are warmed behind when no ``warm_prefix`` is set, so a document's first
 #: tokens are not computed at position 0 (where they would act as attention sinks).
 DEFAULT_DOCUMENT_LEAD_IN = "Reference documents:\n\n"
+#: Follows each context document a document is warmed behind (see ``warm_context_documents``).
+CONTEXT_DOCUMENT_SEPARATOR = "\n\n"
 
 
 class GenerationStream:
@@ -188,6 +190,8 @@ class KVBoost:
         source = str(getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.model_name = Path(source).name if Path(source).is_dir() else source
         self._last_warmed_beginning: str | None = None
+        # The first distinct documents warmed: others are warmed behind them.
+        self._context_documents: list[str] = []
         # The text documents are warmed behind changes their K/V only as much as any other
         # context would: it is not part of the namespace, so documents hit under any prompt.
         extra = [f"bits={self.settings.kv_cache_bits}", f"group={self.settings.kv_group_size}"]
@@ -405,7 +409,8 @@ class KVBoost:
 
         Each document is computed behind :attr:`document_context` (so its first tokens are not
         attention sinks; ideally the system prompt that precedes documents in your prompts)
-        and stored in ``chunk_size`` pieces, beside a record of its text and tokens that lets
+        followed by ``warm_context_documents`` other documents (the first ones this engine
+        warmed; in a RAG prompt other retrieved documents come before it too), and stored in ``chunk_size`` pieces, beside a record of its text and tokens that lets
         any process over the same disk folder or Redis find it in prompts. Documents already
         cached (by this process or another) are registered without computing anything, and
         without reading their K/V. A document longer than the context window is warmed up to it
@@ -436,11 +441,19 @@ class KVBoost:
             )
         progress = self.settings.show_progress if show_progress is None else show_progress
         records = [self._document_record(text) for text in texts]
-        # The lead-in is warmed only when some document needs computing: warming stored
+        self._remember_context_documents(records)
+        # A lead-in is warmed only when a document behind it needs computing: warming stored
         # documents reads their records, no K/V.
-        needs_compute = any(self._cache.missing_chunks(record) for record in records)
-        lead = self._lead_in() if needs_compute else None
-        warms = [self._plan_document_warm(record, lead) for record in records]
+        leads: dict[tuple[str, ...], PromptTokens] = {}
+        warms = []
+        for record in records:
+            lead = None
+            if self._cache.missing_chunks(record):
+                context = self._context_for(record)
+                lead = leads.get(context)
+                if lead is None:
+                    lead = leads[context] = self._lead_in(context)
+            warms.append(self._plan_document_warm(record, lead))
         first: dict[str, int] = {}
         for i, warm in enumerate(warms):
             if warm.job is None:
@@ -452,9 +465,17 @@ class KVBoost:
         bar = tqdm(total=len(texts), desc="warming documents", unit="doc", disable=not progress or len(texts) < 2)
         with bar:
             bar.update(sum(1 for warm in warms if warm.job is None))
-            jobs = [warm.job for warm in warms if warm.job is not None]
+            behind: dict[tuple[int, ...], list[WarmJob]] = {}
+            for warm in warms:
+                if warm.job is not None:
+                    plan = warm.job.plan
+                    behind.setdefault(tuple(plan.tokens.ids[: plan.lookup_limit]), []).append(warm.job)
             budget = self.settings.warm_batch_tokens
-            groups = batches(jobs, budget) if budget and batchable(self._adapter) else [[job] for job in jobs]
+            groups = [
+                group
+                for jobs in behind.values()  # a batch shares one lead-in
+                for group in (batches(jobs, budget) if budget and batchable(self._adapter) else [[job] for job in jobs])
+            ]
             for group in groups:
                 start = time.perf_counter()
                 stored = self._warm_batch(group)
@@ -488,9 +509,29 @@ class KVBoost:
         record = self._cache.registry.lookup(text)
         return record is not None and not self._cache.missing_chunks(record)
 
-    def _lead_in(self) -> PromptTokens:
-        """The document context, warmed (pinned) as a beginning; empty when it is blank."""
-        lead_in = self.document_context
+    def _remember_context_documents(self, records: list[DocumentRecord]) -> None:
+        """Keep the first distinct documents warmed (one more than ``warm_context_documents``,
+        so that each of them has others to be warmed behind), skipping documents too long to
+        leave room in the context window."""
+        wanted = self.settings.warm_context_documents
+        if not wanted:
+            return
+        longest = self.context_window // (4 * wanted)
+        for record in records:
+            if len(self._context_documents) > wanted:
+                return
+            if record.text not in self._context_documents and len(record.token_ids) <= longest:
+                self._context_documents.append(record.text)
+
+    def _context_for(self, record: DocumentRecord) -> tuple[str, ...]:
+        """The documents ``record`` is warmed behind: the first context documents but itself."""
+        others = (text for text in self._context_documents if text != record.text)
+        return tuple(others)[: self.settings.warm_context_documents]
+
+    def _lead_in(self, context: tuple[str, ...] = ()) -> PromptTokens:
+        """The document context followed by the ``context`` documents, warmed (pinned) as a
+        beginning; empty when it is all blank."""
+        lead_in = self.document_context + "".join(text + CONTEXT_DOCUMENT_SEPARATOR for text in context)
         if not lead_in.strip():
             return PromptTokens("", [], [])
         self._warm_beginning(lead_in)

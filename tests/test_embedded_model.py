@@ -37,7 +37,8 @@ def test_cacheblend_beats_no_repair_on_shuffled_documents(embedded_engine, corpu
             engine.settings.recompute_strategy = strategy
             engine.settings.recompute_ratio = 0.15
             res = engine.generate(prompt, max_new_tokens=1, return_logits=True)
-            assert res.content_hit_tokens > 0.8 * res.prompt_tokens - engine.count_tokens(SYSTEM_PROMPT) - 40
+            # A prompt that starts with a context document hits it as part of the prefix.
+            assert res.prefix_hit_tokens + res.content_hit_tokens > 0.8 * res.prompt_tokens - 40
             kl[strategy].append(first_token_kl(full.first_token_logits, res.first_token_logits))
     engine.settings.recompute_strategy = "cacheblend"
     assert statistics.mean(kl["cacheblend"]) < statistics.mean(kl["none"])

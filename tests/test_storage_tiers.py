@@ -484,13 +484,14 @@ def test_engine_restart_reuses_the_disk_tier(make_engine, docs, tmp_path, one_th
 
 
 def test_engine_answers_from_full_prefill_when_every_stored_file_is_corrupt(make_engine, docs, tmp_path, one_thread, caplog):
-    warm = make_engine(disk_cache_dir=tmp_path)
+    # One lead-in (no context documents), so that warming it below reads every stored prefix.
+    warm = make_engine(disk_cache_dir=tmp_path, warm_context_documents=0)
     warm.warm_documents(docs[:3])
     prompt = _prompt(docs[:3])
     for path in tmp_path.glob(f"*{SUFFIX}"):
         _corrupt_flip(path)
 
-    fresh = make_engine(disk_cache_dir=tmp_path)
+    fresh = make_engine(disk_cache_dir=tmp_path, warm_context_documents=0)
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
         fresh.warm_documents(docs[:3])
         result = fresh.generate(prompt, max_new_tokens=6)
