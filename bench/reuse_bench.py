@@ -108,6 +108,15 @@ def frontier_rows(ratios: str, stages: int) -> list[tuple[str, dict]]:
     return rows
 
 
+def apply_settings(settings, values: dict) -> None:
+    """Set ``values`` on the engine's validated settings in an order every step of which is
+    valid: ``recompute_ratio="auto"`` needs CacheBlend, so the strategy changes first when the
+    ratio becomes ``"auto"`` and last otherwise."""
+    first = "recompute_strategy" if values.get("recompute_ratio") == "auto" else "recompute_ratio"
+    for key in sorted(values, key=lambda key: key != first):
+        setattr(settings, key, values[key])
+
+
 def agreement(a: list[int], b: list[int]) -> float:
     """Share of positions where two greedy outputs agree, up to the first difference."""
     n = max(len(a), len(b), 1)
@@ -202,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         none_kl = None
         for name, method in methods:
-            for key, value in {**defaults, **method}.items():
-                setattr(engine.settings, key, value)
+            apply_settings(engine.settings, {**defaults, **method})
             res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
             kl = first_token_kl(full.first_token_logits, res.first_token_logits)
             if name == "none":

@@ -14,12 +14,15 @@ loaded by the frameworks' own ``HuggingFaceEmbeddings`` / ``HuggingFaceEmbedding
   arguments.
 
 Each question is asked of both with one new token, so the wall time of the chain call is its
-time to first token, retrieval included (the same for both). kvboost's documents were
+time to first token, retrieval included (the same for both); ``--new-tokens 32`` times whole
+greedy answers instead. "same answers" counts the questions whose answer text is the same
+from both. kvboost's documents were
 prewarmed at ingest; "docs from cache" is the share of the prompts' document tokens kvboost
 loaded from cache (``content_hit_tokens``), "memory +" what its cache grew during the layout.
 
 Run:
     python examples/side_by_side.py --threads 1
+    python examples/side_by_side.py --threads 1 --new-tokens 32   # do the answers match?
     python examples/side_by_side.py --k 4 --max-chars 1000 --questions 6
     python examples/side_by_side.py --docs 12 --max-chars 300 --k 2 --questions 1   # a quick check
 
@@ -69,19 +72,24 @@ class Row:
     kvboost_ms: list[float]
     document_share: float
     memory_mib: float
+    same_answers: int
 
     def line(self) -> str:
         base, boost = statistics.median(self.baseline_ms), statistics.median(self.kvboost_ms)
         return (
             f"| {self.layout} | {self.baseline} | {base:.0f} | {boost:.0f} | {base / boost:.2f}x | "
-            f"{self.document_share:.0%} | {self.memory_mib:+.1f} |"
+            f"{self.document_share:.0%} | {self.memory_mib:+.1f} | {self.same_answers}/{len(self.kvboost_ms)} |"
         )
 
 
-def _timed(call: Callable[[], Any]) -> float:
+def _timed(call: Callable[[], Any]) -> tuple[float, str]:
+    """Wall time of ``call`` in ms and the answer text it returned."""
     start = time.perf_counter()
-    call()
-    return (time.perf_counter() - start) * 1000
+    result = call()
+    elapsed = (time.perf_counter() - start) * 1000
+    if isinstance(result, dict):  # LangChain's retrieval chain
+        return elapsed, str(result.get("answer", "")).strip()
+    return elapsed, str(getattr(result, "response", result)).strip()  # LlamaIndex responses
 
 
 def _compare(
@@ -98,10 +106,13 @@ def _compare(
     ask_kvboost("What is Python?")
     before = engine.cache_stats()
     baseline_ms, kvboost_ms = [], []
-    documents = 0
+    documents = same = 0
     for question in questions:
-        baseline_ms.append(_timed(lambda: ask_baseline(question)))
-        kvboost_ms.append(_timed(lambda: ask_kvboost(question)))
+        base_ms, base_answer = _timed(lambda: ask_baseline(question))
+        boost_ms, boost_answer = _timed(lambda: ask_kvboost(question))
+        baseline_ms.append(base_ms)
+        kvboost_ms.append(boost_ms)
+        same += base_answer == boost_answer
         documents += document_tokens()
     after = engine.cache_stats()
     hits = after.counters.get("content_hit_tokens", 0) - before.counters.get("content_hit_tokens", 0)
@@ -112,6 +123,7 @@ def _compare(
         kvboost_ms,
         hits / max(documents, 1),
         (after.memory_bytes - before.memory_bytes) / 2**20,
+        same,
     )
 
 
@@ -133,7 +145,9 @@ class _LastPrompt:
         return sum(self.engine.count_tokens(t) for t in self.texts if t in self.prompt)
 
 
-def langchain_layout(model_dir: str, texts: list[str], k: int, questions: list[str]) -> tuple[Row, Any]:
+def langchain_layout(
+    model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int
+) -> tuple[Row, Any]:
     from langchain_classic.chains import create_retrieval_chain
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
     from langchain_community.vectorstores import FAISS
@@ -142,7 +156,7 @@ def langchain_layout(model_dir: str, texts: list[str], k: int, questions: list[s
 
     from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostPrewarmer
 
-    generation = {"max_new_tokens": 1, "do_sample": False, "return_full_text": False}
+    generation = {"max_new_tokens": new_tokens, "do_sample": False, "return_full_text": False}
     # The one line that changes: HuggingFacePipeline -> KVBoostLLM, ChatHuggingFace -> ChatKVBoost.
     baseline = ChatHuggingFace(
         llm=HuggingFacePipeline.from_model_id(model_id=model_dir, task="text-generation", pipeline_kwargs=generation)
@@ -173,7 +187,7 @@ def langchain_layout(model_dir: str, texts: list[str], k: int, questions: list[s
     return row, chat.engine
 
 
-def llamaindex_layouts(model_dir: str, texts: list[str], k: int, questions: list[str]) -> list[Row]:
+def llamaindex_layouts(model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int) -> list[Row]:
     from llama_index.core import Document, Settings, VectorStoreIndex
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.llms.huggingface import HuggingFaceLLM
@@ -187,7 +201,7 @@ def llamaindex_layouts(model_dir: str, texts: list[str], k: int, questions: list
         generate_kwargs={"do_sample": False},
         device_map="cpu",
         context_window=2048,
-        max_new_tokens=1,
+        max_new_tokens=new_tokens,
         is_chat_model=True,
     )
     baseline = HuggingFaceLLM(**arguments)
@@ -240,6 +254,9 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=1000, help="cut each reference topic to this many characters")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="questions per layout")
     parser.add_argument("--docs", type=int, default=None, help="use only the first N reference topics (default: all 79)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=1, help="greedy tokens per answer (1: the timings are time to first token)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -250,15 +267,22 @@ def main() -> None:
     model_dir = str(default_model_dir())
     texts = python_reference_documents(max_chars=args.max_chars)[: args.docs]
     questions = list(QUESTIONS[: args.questions])
-    langchain_row, _ = langchain_layout(model_dir, texts, args.k, questions)
-    rows = [langchain_row, *llamaindex_layouts(model_dir, texts, args.k, questions)]
+    if args.new_tokens < 1:
+        parser.error("--new-tokens must be at least 1")
+    langchain_row, _ = langchain_layout(model_dir, texts, args.k, questions, args.new_tokens)
+    rows = [langchain_row, *llamaindex_layouts(model_dir, texts, args.k, questions, args.new_tokens)]
+    timing = "TTFT" if args.new_tokens == 1 else f"{args.new_tokens}-token call"
 
     print(
         f"\nSmolLM2-135M-Instruct, CPU, {args.threads} thread(s), k={args.k}, {len(texts)} documents of up to "
-        f"{args.max_chars} characters, {len(questions)} questions per layout; median time to first token (ms)\n"
+        f"{args.max_chars} characters, {len(questions)} questions per layout, {args.new_tokens} greedy token(s); "
+        f"median wall time of the chain call (ms)\n"
     )
-    print("| layout | baseline | baseline TTFT ms | kvboost TTFT ms | speedup | docs from cache | memory + MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| layout | baseline | baseline {timing} ms | kvboost {timing} ms | speedup | docs from cache | memory + MiB "
+        "| same answers |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(row.line())
 
