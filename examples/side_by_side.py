@@ -23,6 +23,7 @@ loaded from cache (``content_hit_tokens``), "memory +" what its cache grew durin
 Run:
     python examples/side_by_side.py --threads 1
     python examples/side_by_side.py --threads 1 --new-tokens 32   # do the answers match?
+    python examples/side_by_side.py --threads 1 --new-tokens 32 --no-reuse   # ... without the cache
     python examples/side_by_side.py --k 4 --max-chars 1000 --questions 6
     python examples/side_by_side.py --docs 12 --max-chars 300 --k 2 --questions 1   # a quick check
 
@@ -146,7 +147,7 @@ class _LastPrompt:
 
 
 def langchain_layout(
-    model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int
+    model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int, reuse: bool
 ) -> tuple[Row, Any]:
     from langchain_classic.chains import create_retrieval_chain
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
@@ -161,7 +162,9 @@ def langchain_layout(
     baseline = ChatHuggingFace(
         llm=HuggingFacePipeline.from_model_id(model_id=model_dir, task="text-generation", pipeline_kwargs=generation)
     )
-    chat = ChatKVBoost(llm=KVBoostLLM.from_model_id(model_id=model_dir, task="text-generation", pipeline_kwargs=generation))
+    chat = ChatKVBoost(
+        llm=KVBoostLLM.from_model_id(model_id=model_dir, task="text-generation", pipeline_kwargs=generation, reuse=reuse)
+    )
 
     started = time.perf_counter()
     KVBoostPrewarmer(chat).warm_texts(texts)  # ingest: read every document once
@@ -187,7 +190,9 @@ def langchain_layout(
     return row, chat.engine
 
 
-def llamaindex_layouts(model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int) -> list[Row]:
+def llamaindex_layouts(
+    model_dir: str, texts: list[str], k: int, questions: list[str], new_tokens: int, reuse: bool
+) -> list[Row]:
     from llama_index.core import Document, Settings, VectorStoreIndex
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.llms.huggingface import HuggingFaceLLM
@@ -205,7 +210,7 @@ def llamaindex_layouts(model_dir: str, texts: list[str], k: int, questions: list
         is_chat_model=True,
     )
     baseline = HuggingFaceLLM(**arguments)
-    llm = KVBoostLLM(**arguments)
+    llm = KVBoostLLM(**arguments, reuse=reuse)
     Settings.embed_model = HuggingFaceEmbedding(model_name=_minilm_dir())
     started = time.perf_counter()
     index = VectorStoreIndex.from_documents(
@@ -255,6 +260,11 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="questions per layout")
     parser.add_argument("--docs", type=int, default=None, help="use only the first N reference topics (default: all 79)")
     parser.add_argument(
+        "--no-reuse",
+        action="store_true",
+        help="kvboost computes every prompt token (reuse=False): what differs then is not the cache",
+    )
+    parser.add_argument(
         "--new-tokens", type=int, default=1, help="greedy tokens per answer (1: the timings are time to first token)"
     )
     args = parser.parse_args()
@@ -269,13 +279,14 @@ def main() -> None:
     questions = list(QUESTIONS[: args.questions])
     if args.new_tokens < 1:
         parser.error("--new-tokens must be at least 1")
-    langchain_row, _ = langchain_layout(model_dir, texts, args.k, questions, args.new_tokens)
-    rows = [langchain_row, *llamaindex_layouts(model_dir, texts, args.k, questions, args.new_tokens)]
+    reuse = not args.no_reuse
+    langchain_row, _ = langchain_layout(model_dir, texts, args.k, questions, args.new_tokens, reuse)
+    rows = [langchain_row, *llamaindex_layouts(model_dir, texts, args.k, questions, args.new_tokens, reuse)]
     timing = "TTFT" if args.new_tokens == 1 else f"{args.new_tokens}-token call"
 
     print(
         f"\nSmolLM2-135M-Instruct, CPU, {args.threads} thread(s), k={args.k}, {len(texts)} documents of up to "
-        f"{args.max_chars} characters, {len(questions)} questions per layout, {args.new_tokens} greedy token(s); "
+        f"{args.max_chars} characters, {len(questions)} questions per layout, {args.new_tokens} greedy token(s), reuse={reuse}; "
         f"median wall time of the chain call (ms)\n"
     )
     print(
