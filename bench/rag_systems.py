@@ -28,6 +28,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from kvboost_rag.sampling import eos_token_ids
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,18 +113,6 @@ class FirstTokenStreamer(BaseStreamer):
         pass
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """End-of-sequence ids of the generation config and the tokenizer (as the engine uses)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
 def strip_eos(token_ids: Iterable[int], eos: Iterable[int]) -> list[int]:
     """Token ids up to (not including) the first end-of-sequence id."""
     stop = set(eos)
@@ -146,7 +136,7 @@ class TransformersGenerate(System):
         self.info = SystemInfo("transformers generate (full prefill)", "baseline")
         self.model = model
         self.tokenizer = tokenizer
-        self.eos = eos_token_ids(model, tokenizer)
+        self.eos = sorted(eos_token_ids(model, tokenizer))
 
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
         """Greedy decoding that returns the first-token logits and the cache."""
@@ -339,7 +329,7 @@ class PyPIKVBoost(System):
             recompute_ratio=ratio,
             device=str(model.device),
         )
-        self.eos = eos_token_ids(model, tokenizer)
+        self.eos = sorted(eos_token_ids(model, tokenizer))
 
     def warm(self, head: str, documents: Sequence[str]) -> float:
         """Warm the shared head and each document, as kvboost's README does."""

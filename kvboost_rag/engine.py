@@ -40,7 +40,7 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import SequenceSampling, TextAssembler, make_generator, next_token
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator, next_token
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
@@ -209,7 +209,7 @@ class KVBoost:
         self._batch_warmer = BatchWarmer(self._adapter, self._cache)
         self._turns = ModelTurns()
         self._scheduler = DecodeScheduler(partial(decode_step, self._adapter), self._turns, self.settings)
-        self._eos_ids = _eos_ids(self.model, tokenizer)
+        self._eos_ids = eos_token_ids(self.model, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, self._logits_width(), self._eos_ids)
         self._renders_tools: bool | None = None
         if not self._adapter.position_independent:
@@ -932,18 +932,6 @@ class KVBoost:
     def clear_cache(self) -> None:
         """Drop every cached entry and registered document."""
         self._cache.clear()
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    """Token ids that end a sequence: the generation config's and the tokenizer's EOS."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 def _check_text(text: object, what: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -150,3 +150,15 @@ class TextAssembler:
         piece = self.text[self._emitted : upto]
         self._emitted = upto
         return piece
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """Token ids that end a sequence: the generation config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
