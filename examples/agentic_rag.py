@@ -40,7 +40,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import BaseTool, tool  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStoreRetriever  # noqa: E402
@@ -48,7 +47,7 @@ from langchain_core.vectorstores import InMemoryVectorStore, VectorStoreRetrieve
 from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 from kvboost_rag.default_model import default_model_dir  # noqa: E402
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer  # noqa: E402
-from minilm import MiniLMEncoder  # noqa: E402
+from langchain_rag import MiniLMEmbeddings  # noqa: E402
 
 logger = logging.getLogger("agentic_rag")
 
@@ -61,19 +60,6 @@ QUESTIONS = (
     "How are exceptions handled with the try statement?",
     "What does the with statement do?",
 )
-
-
-class MiniLMEmbeddings(Embeddings):
-    """LangChain embeddings over :class:`minilm.MiniLMEncoder`."""
-
-    def __init__(self) -> None:
-        self.encoder = MiniLMEncoder()
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self.encoder.encode(list(texts))
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.encoder.encode([text])[0]
 
 
 def retriever_tool(retriever: VectorStoreRetriever) -> BaseTool:
