@@ -410,8 +410,9 @@ class KVBoost:
         Each document is computed behind :attr:`document_context` (so its first tokens are not
         attention sinks; ideally the system prompt that precedes documents in your prompts)
         followed by ``warm_context_documents`` other documents (the first ones this engine
-        warmed; in a RAG prompt other retrieved documents come before it too), and stored in ``chunk_size`` pieces, beside a record of its text and tokens that lets
-        any process over the same disk folder or Redis find it in prompts. Documents already
+        warmed; in a RAG prompt other retrieved documents come before it too), and stored in
+        ``chunk_size`` pieces, beside a record of its text and tokens that lets any process
+        over the same disk folder or Redis find it in prompts. Documents already
         cached (by this process or another) are registered without computing anything, and
         without reading their K/V. A document longer than the context window is warmed up to it
         (``WarmResult.skipped_tokens`` counts the rest).
@@ -445,11 +446,11 @@ class KVBoost:
         # A lead-in is warmed only when a document behind it needs computing: warming stored
         # documents reads their records, no K/V.
         leads: dict[tuple[str, ...], PromptTokens] = {}
+        contexts = [self._context_for(record) for record in records]
         warms = []
-        for record in records:
+        for record, context in zip(records, contexts):
             lead = None
             if self._cache.missing_chunks(record):
-                context = self._context_for(record)
                 lead = leads.get(context)
                 if lead is None:
                     lead = leads[context] = self._lead_in(context)
@@ -465,11 +466,10 @@ class KVBoost:
         bar = tqdm(total=len(texts), desc="warming documents", unit="doc", disable=not progress or len(texts) < 2)
         with bar:
             bar.update(sum(1 for warm in warms if warm.job is None))
-            behind: dict[tuple[int, ...], list[WarmJob]] = {}
-            for warm in warms:
+            behind: dict[tuple[str, ...], list[WarmJob]] = {}
+            for warm, context in zip(warms, contexts):
                 if warm.job is not None:
-                    plan = warm.job.plan
-                    behind.setdefault(tuple(plan.tokens.ids[: plan.lookup_limit]), []).append(warm.job)
+                    behind.setdefault(context, []).append(warm.job)
             budget = self.settings.warm_batch_tokens
             groups = [
                 group
@@ -528,7 +528,7 @@ class KVBoost:
         others = (text for text in self._context_documents if text != record.text)
         return tuple(others)[: self.settings.warm_context_documents]
 
-    def _lead_in(self, context: tuple[str, ...] = ()) -> PromptTokens:
+    def _lead_in(self, context: tuple[str, ...]) -> PromptTokens:
         """The document context followed by the ``context`` documents, warmed (pinned) as a
         beginning; empty when it is all blank."""
         lead_in = self.document_context + "".join(text + CONTEXT_DOCUMENT_SEPARATOR for text in context)
