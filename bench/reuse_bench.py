@@ -45,6 +45,9 @@ METHODS: list[tuple[str, dict]] = [
     ("none", {"recompute_strategy": "none", "recompute_ratio": 0.0, "keep_document_start": 0}),
     ("legolink 16", {"recompute_strategy": "none", "recompute_ratio": 0.0, "keep_document_start": 16}),
     ("selective 15%", {"recompute_strategy": "selective", "recompute_ratio": 0.15, "keep_document_start": 0}),
+    ("attention 5%", {"recompute_strategy": "attention", "recompute_ratio": 0.05, "keep_document_start": 0}),
+    ("attention 15%", {"recompute_strategy": "attention", "recompute_ratio": 0.15, "keep_document_start": 0}),
+    ("attention auto", {"recompute_strategy": "attention", "recompute_ratio": "auto", "keep_document_start": 0}),
     ("cacheblend 5%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.05, "keep_document_start": 0}),
     ("cacheblend 15%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.15, "keep_document_start": 0}),
     ("cacheblend 30%", {"recompute_strategy": "cacheblend", "recompute_ratio": 0.30, "keep_document_start": 0}),
@@ -93,15 +96,15 @@ def build_prompts(
     return prompts, used
 
 
-def frontier_rows(ratios: str, stages: int) -> list[tuple[str, dict]]:
-    """CacheBlend rows at each of the comma-separated ``ratios`` with ``stages`` blend stages."""
+def frontier_rows(ratios: str, stages: int, strategy: str = "cacheblend") -> list[tuple[str, dict]]:
+    """Rows of ``strategy`` at each of the comma-separated ``ratios`` with ``stages`` blend stages."""
     rows = []
     for text in ratios.split(","):
         ratio = float(text)
         if not 0.0 <= ratio <= 1.0:
             raise SystemExit(f"--ratios: {ratio} is not between 0 and 1")
-        name = f"cacheblend {ratio:.0%}" + (f", {stages} stages" if stages > 1 else "")
-        settings = {"recompute_strategy": "cacheblend", "recompute_ratio": ratio, "keep_document_start": 0}
+        name = f"{strategy} {ratio:.0%}" + (f", {stages} stages" if stages > 1 else "")
+        settings = {"recompute_strategy": strategy, "recompute_ratio": ratio, "keep_document_start": 0}
         if stages > 1:
             settings["blend_stages"] = stages
         rows.append((name, settings))
@@ -110,7 +113,7 @@ def frontier_rows(ratios: str, stages: int) -> list[tuple[str, dict]]:
 
 def apply_settings(settings, values: dict) -> None:
     """Set ``values`` on the engine's validated settings in an order every step of which is
-    valid: ``recompute_ratio="auto"`` needs CacheBlend, so the strategy changes first when the
+    valid: ``recompute_ratio="auto"`` needs the attention or CacheBlend strategy, so the strategy changes first when the
     ratio becomes ``"auto"`` and last otherwise."""
     first = "recompute_strategy" if values.get("recompute_ratio") == "auto" else "recompute_ratio"
     for key in sorted(values, key=lambda key: key != first):
@@ -149,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ratios",
         default=None,
-        help="comma-separated CacheBlend ratios to add as rows (e.g. 0.05,0.1,0.2) to trace a frontier",
+        help="comma-separated ratios to add as rows (e.g. 0.05,0.1,0.2) to trace a frontier",
+    )
+    parser.add_argument(
+        "--ratio-strategies",
+        default="cacheblend",
+        help="comma-separated strategies of the rows --ratios adds (default cacheblend)",
     )
     parser.add_argument(
         "--stages", type=int, default=1, help="blend_stages of the rows --ratios adds (default 1)"
@@ -171,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         methods = [m for m in METHODS if m[0] in wanted]
     if args.ratios:
         named = {name for name, _ in methods}
-        methods = [*methods, *(row for row in frontier_rows(args.ratios, args.stages) if row[0] not in named)]
+        added = [row for strategy in args.ratio_strategies.split(",") for row in frontier_rows(args.ratios, args.stages, strategy.strip())]
+        methods = [*methods, *(row for row in added if row[0] not in named)]
 
     settings = {"show_progress": False}
     if args.check_layer is not None:

@@ -70,6 +70,23 @@ def query_positions(positions: torch.Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def last_query_attention() -> Iterator[list[torch.Tensor]]:
+    """Within the block, sparse attention also records what its last query attends to.
+
+    Each layer's call appends a ``[keys]`` float32 tensor to the yielded list: the attention
+    weights of the last query (the prompt's last token in a prefill) over every key, averaged
+    over heads (zero beyond its position and outside its sliding window). Used to choose which
+    reused tokens to recompute; the attention output itself is unchanged.
+    """
+    recorded: list[torch.Tensor] = []
+    _state.recorded = recorded
+    try:
+        yield recorded
+    finally:
+        _state.recorded = None
+
+
+@contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[None]:
     """Within the block (this thread), sparse attention uses ``backend``.
 
@@ -125,6 +142,9 @@ def sparse_causal_attention(
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    recorded: list[torch.Tensor] | None = getattr(_state, "recorded", None)
+    if recorded is not None:
+        recorded.append(_last_query_weights(query, key, int(positions[-1]), scale, window, softcap))
     backend = getattr(_state, "backend", None) or default_backend(query.device)
     if backend == "blocks":
         out = attend_blocks(query, key, value, positions.tolist(), scale, window, softcap)
@@ -135,6 +155,23 @@ def sparse_causal_attention(
     else:
         out = _masked(query, key, value, positions, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _last_query_weights(
+    query: torch.Tensor, key: torch.Tensor, position: int, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
+    """``[N]`` attention weights of the last query (at ``position``) over ``key``, mean over
+    heads and batch rows."""
+    first = max(0, position - window + 1) if window else 0
+    k = key[:, :, first : position + 1].float()  # [batch, kv_heads, keys, dim]
+    batch, kv_heads = k.shape[:2]
+    q = query[:, :, -1].float().view(batch, kv_heads, -1, query.shape[-1])  # [batch, kv_heads, groups, dim]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, kv_heads, groups, keys]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.zeros(key.shape[2], dtype=torch.float32, device=key.device)
+    weights[first : position + 1] = scores.softmax(dim=-1).mean(dim=(0, 1, 2))
+    return weights
 
 
 # ---------------------------------------------------------------------- one masked SDPA call

@@ -1,4 +1,4 @@
-"""Choosing which reused tokens to recompute (CacheBlend, selective, none).
+"""Choosing which reused tokens to recompute (attention, CacheBlend, selective, none).
 
 Pure tensor functions: they take positions and K/V and return positions; running the model
 over the chosen tokens is the engine's job (one forward pass over a stitched cache).
@@ -41,6 +41,28 @@ def adaptive_budget(deviation: torch.Tensor, scale: torch.Tensor, target: float,
     return max(low, min(high, needed))
 
 
+def attention_budget(attention: torch.Tensor, target: float, low: int, high: int) -> int:
+    """Fewest tokens to recompute so that the attention left on stale tokens is ``<= target``.
+
+    Args:
+        attention: ``[tokens]`` the last token's attention to each cached token, averaged
+            over layers (so the sum over every key of the prompt is 1).
+        target: Share of the last token's attention that may stay on tokens not recomputed.
+        low: Least number of tokens to recompute.
+        high: Largest number of tokens to recompute.
+    """
+    count = int(attention.numel())
+    if count == 0:
+        return 0
+    ranked = attention.float().sort(descending=True).values
+    left = ranked.sum() - torch.cumsum(ranked, 0)  # left[k - 1]: attention left after k recomputed
+    within = (left <= target).nonzero()
+    needed = int(within[0]) + 1 if within.numel() else count
+    if float(ranked.sum()) <= target:
+        needed = 0
+    return max(low, min(high, needed))
+
+
 def kv_deviation(
     fresh_keys: torch.Tensor, fresh_values: torch.Tensor, cached_keys: torch.Tensor, cached_values: torch.Tensor
 ) -> torch.Tensor:
@@ -65,11 +87,12 @@ def kv_energy(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return keys.float().pow(2).sum(dim=(0, 2)) + values.float().pow(2).sum(dim=(0, 2))
 
 
-def select_by_deviation(positions: torch.Tensor, deviation: torch.Tensor, budget: int) -> torch.Tensor:
-    """CacheBlend: the ``budget`` positions with the largest deviation (sorted)."""
+def select_highest(positions: torch.Tensor, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """The ``budget`` positions with the highest score (sorted): CacheBlend scores by K/V
+    deviation, the attention strategy by the last token's attention."""
     if budget <= 0 or positions.numel() == 0:
         return positions[:0]
-    top = torch.topk(deviation, k=min(budget, positions.numel())).indices
+    top = torch.topk(scores, k=min(budget, positions.numel())).indices
     return positions[top].sort().values
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-RecomputeStrategy = Literal["cacheblend", "selective", "none"]
+RecomputeStrategy = Literal["attention", "cacheblend", "selective", "none"]
 #: Shortest accepted ``cache_secret_key`` (a short secret can be guessed offline from one entry).
 MIN_SECRET_KEY_CHARS = 16
 
@@ -22,19 +22,27 @@ class KVBoostSettings(BaseModel):
 
     Attributes:
         recompute_strategy: How documents served from cache at new positions are repaired:
-            ``"cacheblend"`` recomputes the tokens whose K/V deviate most at ``check_layer``;
-            ``"selective"`` recomputes the first tokens of each document (just after each seam);
-            ``"none"`` does no repair.
+            ``"attention"`` recomputes the cached tokens the prompt's last token attends to
+            most, read from one pass of the tokens computed anyway (question, separators)
+            over the cache as loaded; ``"cacheblend"`` recomputes the tokens whose K/V deviate
+            most at ``check_layer``; ``"selective"`` recomputes the first tokens of each
+            document (just after each seam); ``"none"`` does no repair.
         recompute_ratio: Share of the document tokens served from cache that are recomputed,
-            or ``"auto"`` (CacheBlend only): per prompt, the most deviating tokens are
-            recomputed until the relative K/V deviation left at ``check_layer`` is below
-            ``max_deviation``, between ``min_recompute_ratio`` and ``max_recompute_ratio``.
-        max_deviation: Target of ``recompute_ratio="auto"``: mean relative K/V deviation
+            or ``"auto"`` (attention and CacheBlend): per prompt, as many tokens as it takes
+            to bring the last token's attention left on stale tokens under
+            ``max_stale_attention`` (attention) or the relative K/V deviation left at
+            ``check_layer`` under ``max_deviation`` (CacheBlend), between
+            ``min_recompute_ratio`` and ``max_recompute_ratio``.
+        max_deviation: Target of ``recompute_ratio="auto"`` with CacheBlend: mean relative K/V deviation
             (squared deviation over squared norm of the fresh K/V at ``check_layer``) left in
             the tokens that are not recomputed. The default recomputes about 10-20% of the
             document tokens of typical RAG prompts on SmolLM2-135M at ``check_layer=1`` with
             documents warmed behind one context document (the bench's left deviation at 15%:
             1.2e-4 on 2.1k-token plain prompts, 7e-5 on 3.7k-token chat prompts).
+        max_stale_attention: Target of ``recompute_ratio="auto"`` with the attention strategy:
+            share of the last token's attention (averaged over layers) that may stay on cached
+            tokens that are not recomputed. SmolLM2-135M's last token puts about a third of its
+            attention on the documents of RAG prompts.
         min_recompute_ratio: Least share ``"auto"`` recomputes (5% measured worse than no
             repair on 3 of 6 chat prompts, 10% on none).
         max_recompute_ratio: Largest share ``"auto"`` recomputes.
@@ -104,9 +112,10 @@ class KVBoostSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
-    recompute_strategy: RecomputeStrategy = "cacheblend"
+    recompute_strategy: RecomputeStrategy = "attention"
     recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
     max_deviation: float = Field(1e-4, gt=0.0, le=1.0)
+    max_stale_attention: float = Field(0.08, gt=0.0, le=1.0)
     min_recompute_ratio: float = Field(0.10, ge=0.0, le=1.0)
     max_recompute_ratio: float = Field(0.5, ge=0.0, le=1.0)
     chunk_size: int = Field(128, ge=8, le=8192)
@@ -158,11 +167,11 @@ class KVBoostSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _auto_needs_cacheblend(self) -> KVBoostSettings:
-        if self.recompute_ratio == "auto" and self.recompute_strategy != "cacheblend":
+    def _auto_needs_a_measure(self) -> KVBoostSettings:
+        if self.recompute_ratio == "auto" and self.recompute_strategy not in ("attention", "cacheblend"):
             raise ValueError(
-                f"recompute_ratio='auto' needs recompute_strategy='cacheblend' (it reads CacheBlend's "
-                f"deviation), got {self.recompute_strategy!r}: set a number instead"
+                f"recompute_ratio='auto' needs recompute_strategy='attention' or 'cacheblend' (it reads "
+                f"their attention or deviation), got {self.recompute_strategy!r}: set a number instead"
             )
         if self.min_recompute_ratio > self.max_recompute_ratio:
             raise ValueError("min_recompute_ratio must not exceed max_recompute_ratio")

@@ -8,7 +8,9 @@ what was reused). It stores nothing: write-back reads the outcome.
 - Only prefix hits (or nothing cached): the prefix K/V goes into the buffers and the rest of
   the prompt is prefilled on top of it. Same logits as full prefill.
 - Document hits: their K/V is re-rotated to the new positions and stitched with the prefix
-  into full-length buffers. CacheBlend runs the non-prefix tokens through the first
+  into full-length buffers. The attention strategy runs the tokens that are not cached once
+  over the stitched cache and picks the cached tokens the last token attends to most;
+  CacheBlend runs the non-prefix tokens through the first
   ``check_layer + 1`` layers into scratch buffers and picks the cached tokens whose K/V
   deviates most at ``check_layer``; the blend pass then runs only those plus the live tokens
   over the stitched cache, scattering their K/V into it with attention made causal by
@@ -24,25 +26,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvboost_rag.attention import last_query_attention
 from kvboost_rag.blend import (
     adaptive_budget,
+    attention_budget,
     kv_deviation,
     kv_energy,
     layer_spans,
     leading_tokens,
     recompute_budget,
-    select_by_deviation,
     select_document_starts,
+    select_highest,
     stage_sizes,
 )
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.model_adapter import BufferedCache, ModelAdapter
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
 
 logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
 
 
 @dataclass
@@ -196,6 +202,8 @@ class Prefiller:
         stage_sizes: list[int] = []
         if strategy == "cacheblend":
             recompute, stage_sizes = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+        elif strategy == "attention":
+            recompute, stage_sizes = self._select_by_attention(ids, h, keys, values, cached, content_positions, budget)
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
@@ -283,7 +291,69 @@ class Prefiller:
             )
         spans = layer_spans(adapter.num_layers, self.settings.blend_stages)
         sizes = stage_sizes(budget, [last - first + 1 for first, last in spans], count)
-        return select_by_deviation(content_positions, deviation.cpu(), sizes[0]), sizes
+        return select_highest(content_positions, deviation.cpu(), sizes[0]), sizes
+
+    def _select_by_attention(
+        self,
+        ids: list[int],
+        h: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cached: torch.Tensor,
+        content_positions: torch.Tensor,
+        budget: int | None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Choose the cached tokens the prompt's last token attends to most.
+
+        The tokens that are not cached (after the prefix: the question, separators, the
+        last token) run once through every layer over the stitched cache as loaded, with no
+        repair, recording the last token's attention; the cached tokens with the most
+        attention summed over layers are the ones whose staleness moves the answer most.
+        The K/V this pass writes for its tokens is overwritten by the blend pass, which
+        computes them again over the repaired cache.
+
+        Args:
+            cached: ``[n]`` bool, the positions filled from cache.
+            budget: Tokens to recompute, or ``None`` to size it from the attention
+                (``recompute_ratio="auto"``).
+
+        Returns:
+            The chosen positions (sorted) and the stage sizes for the blend pass.
+        """
+        count = int(content_positions.numel())
+        spans = layer_spans(self.adapter.num_layers, self.settings.blend_stages)
+        if budget == 0:
+            return content_positions[:0], []
+        if budget is not None and budget >= count:  # every cached token: nothing to choose
+            return content_positions, stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+        adapter = self.adapter
+        n = len(ids)
+        live = ~cached
+        live[:h] = False
+        live[n - 1] = True
+        positions = live.nonzero().view(-1)
+        probe = adapter.cache_over(keys, values, n)
+        probe.arm(positions.to(adapter.device))
+        with last_query_attention() as recorded:
+            adapter.forward(torch.tensor(ids)[positions], positions, probe, sparse_queries=True)
+        if not recorded:  # the model's attention does not go through the registered function
+            _warnings.warning(
+                "attention_not_recorded",
+                "%s does not route attention through transformers' AttentionInterface; choosing "
+                "the tokens to recompute by CacheBlend's K/V deviation instead",
+                type(adapter.model).__name__,
+            )
+            return self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+        attention = torch.stack(recorded).sum(dim=0)[content_positions.to(adapter.device)].cpu()
+        if budget is None:
+            budget = attention_budget(
+                attention / len(recorded),
+                self.settings.max_stale_attention,
+                recompute_budget(count, self.settings.min_recompute_ratio),
+                recompute_budget(count, self.settings.max_recompute_ratio),
+            )
+        sizes = stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+        return select_highest(content_positions, attention, sizes[0]), sizes
 
     def _filtered_blend(
         self,

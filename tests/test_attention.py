@@ -5,7 +5,14 @@ import threading
 import pytest
 import torch
 
-from kvboost_rag.attention import BACKENDS, default_backend, query_positions, sparse_causal_attention, use_backend
+from kvboost_rag.attention import (
+    BACKENDS,
+    default_backend,
+    last_query_attention,
+    query_positions,
+    sparse_causal_attention,
+    use_backend,
+)
 from kvboost_rag.errors import InvalidInputError
 
 
@@ -99,3 +106,40 @@ def test_failed_flex_compilation_falls_back_to_one_masked_call(monkeypatch, capl
     assert torch.allclose(out, dense_reference(q, k, v, positions), atol=1e-5)
     assert "compiled FlexAttention failed" in caplog.text
     assert attention.default_backend(torch.device("cuda")) == "masked_sdpa"
+
+
+def dense_last_query_weights(q, k, position, window=None, softcap=None):
+    """Softmax weights of the last query over the keys it sees, mean over heads."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    scores = q[:, :, -1:] @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [1, heads, 1, keys]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = torch.arange(k.shape[2])
+    allowed = keys <= position
+    if window:
+        allowed &= keys > position - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1).mean(dim=(0, 1, 2))
+
+
+@pytest.mark.parametrize(("window", "softcap", "kv_heads"), [(None, None, 4), (None, None, 2), (40, None, 2), (None, 30.0, 1)])
+def test_last_query_attention_records_the_last_querys_weights(window, softcap, kv_heads):
+    torch.manual_seed(2)
+    n, queries = 300, 50
+    positions = torch.randperm(n - 20)[:queries].sort().values  # the last query sits before the last key
+    q = torch.randn(1, 4, queries, 16)
+    k, v = torch.randn(1, kv_heads, n, 16), torch.randn(1, kv_heads, n, 16)
+    with query_positions(positions):
+        plain, _ = sparse_causal_attention(None, q, k, v, None, sliding_window=window, softcap=softcap)
+        with last_query_attention() as recorded:
+            out, _ = sparse_causal_attention(None, q, k, v, None, sliding_window=window, softcap=softcap)
+            sparse_causal_attention(None, q, k, v, None, sliding_window=window, softcap=softcap)
+        sparse_causal_attention(None, q, k, v, None, sliding_window=window, softcap=softcap)
+    assert len(recorded) == 2  # one per call inside the block, none after it
+    assert torch.equal(out, plain)  # recording leaves the attention output alone
+    expected = dense_last_query_weights(q, k, int(positions[-1]), window, softcap)
+    assert recorded[0].shape == (n,)
+    assert torch.allclose(recorded[0], expected, atol=1e-6)
+    assert recorded[0].sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert recorded[0][int(positions[-1]) + 1 :].abs().max() == 0

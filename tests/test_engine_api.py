@@ -60,11 +60,18 @@ def test_bad_generation_arguments(engine, kwargs, match):
         ({"kv_cache_bits": 3}, "kv_cache_bits"),
         ({"device": "tpu"}, "device"),
         ({"unknown_knob": 1}, "unknown_knob"),
+        ({"recompute_strategy": "selective", "recompute_ratio": "auto"}, "recompute_strategy='attention' or 'cacheblend'"),
+        ({"max_stale_attention": 0.0}, "max_stale_attention"),
     ],
 )
 def test_bad_settings_name_the_field(settings, field):
     with pytest.raises(pydantic.ValidationError, match=field):
         KVBoostSettings(**settings)
+
+
+@pytest.mark.parametrize("strategy", ["attention", "cacheblend"])
+def test_auto_ratio_is_accepted_with_a_strategy_that_measures(strategy):
+    assert KVBoostSettings(recompute_strategy=strategy, recompute_ratio="auto").recompute_ratio == "auto"
 
 
 def test_settings_are_validated_on_assignment(engine):

@@ -31,16 +31,34 @@ def test_prefix_hit_equals_full_prefill(make_engine, docs, family):
     assert engine.warm(prefix).already_warm
 
 
+@pytest.mark.parametrize("strategy", ["cacheblend", "attention"])
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family):
-    engine = make_engine(family, recompute_ratio=1.0)
+def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, strategy):
+    engine = make_engine(family, recompute_ratio=1.0, recompute_strategy=strategy)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
     full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
     blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
-    assert blended.strategy == "cacheblend"
+    assert blended.strategy == strategy
     assert blended.content_hit_tokens > 0
+    assert blended.recomputed_tokens == blended.content_hit_tokens
+    assert_close_logits(full.first_token_logits, blended.first_token_logits)
+    assert blended.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family):
+    """The pass that reads the last token's attention writes the live tokens' K/V over a stale
+    cache; with every cached token recomputed anyway (``keep_document_start`` covers them all)
+    the result must still equal full prefill."""
+    engine = make_engine(family, recompute_strategy="attention", recompute_ratio=0.3, keep_document_start=10_000)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    prompt = rag_prompt([docs[1], docs[3], docs[0], docs[2]])
+    full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
+    blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
+    assert blended.strategy == "attention" and blended.content_hit_tokens > 0
     assert blended.recomputed_tokens == blended.content_hit_tokens
     assert_close_logits(full.first_token_logits, blended.first_token_logits)
     assert blended.token_ids == full.token_ids

@@ -47,15 +47,16 @@ def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("strategy", ["cacheblend", "attention"])
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
-    engine = engine_in(tokenizer, family, dtype, recompute_ratio=1.0)
+def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype, strategy):
+    engine = engine_in(tokenizer, family, dtype, recompute_ratio=1.0, recompute_strategy=strategy)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
     full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
     blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
-    assert blended.strategy == "cacheblend"
+    assert blended.strategy == strategy
     assert blended.content_hit_tokens > 0 and blended.recomputed_tokens == blended.content_hit_tokens
     assert blended.token_ids == full.token_ids
     assert_close_16bit(full.first_token_logits, blended.first_token_logits, dtype)

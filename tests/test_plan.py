@@ -187,10 +187,32 @@ def test_adaptive_budget_recomputes_until_the_deviation_left_is_small():
     assert adaptive_budget(torch.tensor([4.0, 1.0]), torch.tensor([4.0, 1.0]), 0.5, 0, 2) == 1
 
 
-def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs):
+def test_attention_budget_recomputes_until_the_attention_left_is_small():
+    import torch
+
+    from kvboost_rag.blend import attention_budget
+
+    attention = torch.tensor([0.0, 0.05, 0.2, 0.1, 0.05, 0.1])  # 0.5 of the attention on cached tokens
+    assert attention_budget(attention, target=0.5, low=0, high=6) == 0
+    assert attention_budget(attention, target=0.3, low=0, high=6) == 1  # 0.2 recomputed, 0.3 left
+    assert attention_budget(attention, target=0.2, low=0, high=6) == 2  # the two 0.1s tie
+    assert attention_budget(attention, target=0.1, low=0, high=6) == 3
+    assert attention_budget(attention, target=0.01, low=0, high=6) == 5
+    assert attention_budget(attention, target=0.01, low=0, high=2) == 2
+    assert attention_budget(attention, target=0.5, low=3, high=6) == 3
+    assert attention_budget(attention[:0], target=0.1, low=0, high=6) == 0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "target_field", "targets"),
+    [("cacheblend", "max_deviation", (0.5, 0.05, 0.0001)), ("attention", "max_stale_attention", (0.9, 0.2, 0.001))],
+)
+def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs, strategy, target_field, targets):
     budgets = []
-    for target in (0.5, 0.05, 0.0001):
-        engine = make_engine("llama", recompute_ratio="auto", max_deviation=target, min_recompute_ratio=0.0)
+    for target in targets:
+        engine = make_engine(
+            "llama", recompute_strategy=strategy, recompute_ratio="auto", min_recompute_ratio=0.0, **{target_field: target}
+        )
         engine.warm(SYSTEM_PROMPT)
         engine.warm_documents(docs[:4])
         result = engine.generate(rag_prompt([docs[3], docs[1], docs[0], docs[2]]), max_new_tokens=1)
@@ -199,3 +221,25 @@ def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs):
         assert 0.0 <= result.recompute_ratio <= 0.5 + 1e-9
         budgets.append(result.recomputed_tokens)
     assert budgets[0] <= budgets[1] <= budgets[2] and budgets[0] < budgets[2]
+
+
+def test_attention_strategy_falls_back_to_deviation_when_attention_is_not_recorded(make_engine, docs, monkeypatch, caplog):
+    """A model whose attention bypasses transformers' AttentionInterface records nothing: the
+    repair still happens, chosen by CacheBlend's deviation, with a warning."""
+    import contextlib
+
+    from kvboost_rag import prefill
+
+    @contextlib.contextmanager
+    def records_nothing():
+        yield []
+
+    monkeypatch.setattr(prefill, "last_query_attention", records_nothing)
+    engine = make_engine("llama", recompute_strategy="attention", recompute_ratio=0.2)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:3])
+    with caplog.at_level("WARNING", logger="kvboost_rag.prefill"):
+        result = engine.generate(rag_prompt([docs[2], docs[0], docs[1]]), max_new_tokens=1)
+    assert result.content_hit_tokens > 0
+    assert result.recomputed_tokens == pytest.approx(0.2 * result.content_hit_tokens, abs=2)
+    assert "AttentionInterface" in caplog.text
