@@ -126,7 +126,7 @@ def run(questions: list[str], k: int, max_chars: int, max_new_tokens: int) -> No
     print("\n" + header + "\n" + "\n".join(rows))
     print(
         f"\nMedian TTFT speedup {statistics.median(speedups):.1f}x over full prefill "
-        f"(TTFT includes tokenizing, lookup, re-rotation and CacheBlend repair; the system prompt "
+        f"(TTFT includes tokenizing, lookup, re-rotation and repair; the system prompt "
         f"is stored by the first answer's write-back). 'same': reuse answer identical to full prefill's."
     )
 

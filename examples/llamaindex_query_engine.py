@@ -167,7 +167,7 @@ def run(
     print(
         f"\nMedian TTFT speedup {statistics.median(speedups):.1f}x over full prefill (response mode "
         f"{response_mode!r}; figures of the last LLM call of each query). TTFT includes tokenizing, "
-        "lookup, re-rotation and CacheBlend repair; 'HF generate' is transformers generate with one "
+        "lookup, re-rotation and repair; 'HF generate' is transformers generate with one "
         "new token on the same prompt. 'same': reuse answer identical to full prefill's."
     )
 

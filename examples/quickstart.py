@@ -42,7 +42,7 @@ def main() -> None:
     print(f"TTFT full prefill: {full.ttft_ms:.0f} ms   TTFT with reuse: {fast.ttft_ms:.0f} ms ({full.ttft_ms / fast.ttft_ms:.1f}x)")
     print(
         f"reused {fast.kv_reuse_ratio:.0%}: {fast.prefix_hit_tokens} prefix tokens (exact), "
-        f"{fast.content_hit_tokens} document tokens (re-rotated), {fast.recomputed_tokens} recomputed by CacheBlend"
+        f"{fast.content_hit_tokens} document tokens (re-rotated), {fast.recomputed_tokens} recomputed by the repair"
     )
 
 

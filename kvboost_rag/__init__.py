@@ -2,8 +2,8 @@
 
 The system prompt and other shared beginnings hit by a prefix-chained hash and are reused
 exactly; retrieved documents hit by a content hash wherever they land in the prompt, their
-keys are re-rotated to the new positions and CacheBlend repairs the cross-document attention
-they missed.
+keys are re-rotated to the new positions and the cross-document attention they missed is
+repaired by recomputing the few of their tokens the prompt's last token attends to most.
 """
 
 from kvboost_rag.config import KVBoostSettings
