@@ -25,6 +25,10 @@ On CUDA ``flex`` (one compiled, block-sparse call per layer, no Python loop) whe
 FlexAttention is available, else ``masked_sdpa``; the first call compiles the kernel, and if
 compiling fails the call is answered by ``masked_sdpa`` with a logged warning and
 ``masked_sdpa`` is the default from then on. :func:`use_backend` overrides the choice.
+
+Within :func:`last_query_attention` every call also records the attention weights of its
+last query (the prompt's last token), which the attention repair uses to choose the cached
+tokens to recompute.
 """
 
 from __future__ import annotations
