@@ -3,7 +3,7 @@
 - ``ttft_vs_prompt_length.png``: TTFT against prompt tokens, one line per system, for the
   RAG prompts and the chat turns.
 - ``quality_vs_recompute_ratio.png``: first-token KL, top-1, greedy agreement and exact match
-  of kvboost-rag's selective and CacheBlend repair against the recompute ratio.
+  of kvboost-rag's selective, CacheBlend and attention repair against the recompute ratio.
 - ``speed_quality_frontier.png``: median speedup against mean first-token KL per system, for
   the RAG prompts and the chat turns.
 """
@@ -45,9 +45,10 @@ def system_color(record: Any, ratios: Sequence[float]) -> Any:
     if record.family == "adapter":
         return "tab:purple" if "langchain" in record.system else "tab:brown"
     if record.strategy == "none":
-        return "tab:green"
+        return "tab:olive"
     shade = 0.45 + 0.5 * (sorted(ratios).index(record.ratio) + 1) / max(len(ratios), 1)
-    return plt.get_cmap("Oranges" if record.strategy == "selective" else "Blues")(shade)
+    maps = {"selective": "Oranges", "cacheblend": "Blues", "attention": "Greens"}
+    return plt.get_cmap(maps.get(record.strategy, "Greys"))(shade)
 
 
 def plot_ttft_vs_length(records: Sequence[Any], path: Path) -> Path:
@@ -105,7 +106,7 @@ def plot_quality_vs_ratio(
         path: PNG to write.
     """
     fig, (ax_kl, ax_agree) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for strategy, color in (("selective", "tab:orange"), ("cacheblend", "tab:blue")):
+    for strategy, color in (("selective", "tab:orange"), ("cacheblend", "tab:blue"), ("attention", "tab:green")):
         points = _ratio_points(summary, strategy)
         qa_points = _ratio_points(qa_summary, strategy)
         x = [100 * p["ratio"] for p in points]

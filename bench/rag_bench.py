@@ -5,7 +5,7 @@ One command runs the same model on the same prompts through:
 - full prefill with plain transformers ``model.generate`` (HuggingFacePipeline/HuggingFaceLLM);
 - prefix-only caching (longest cached token prefix, like vLLM APC / SGLang radix cache);
 - the PyPI ``kvboost`` package through its own API, when installed;
-- kvboost-rag with no repair, selective and CacheBlend repair at several recompute ratios;
+- kvboost-rag with no repair, selective, CacheBlend and attention repair at several recompute ratios;
 - kvboost-rag through ``langchain_kvboost`` and ``llama_index.llms.kvboost``.
 
 Workloads: RAG prompts (system prompt + k shuffled Python reference documents + a question
@@ -89,8 +89,9 @@ class BenchConfig:
         chat_turns: Turns of the multi-turn chat.
         chat_docs: Documents attached to each chat turn.
         new_tokens: Tokens generated per answer.
-        ratios: Recompute ratios for the selective and CacheBlend rows.
-        adapter_ratio: CacheBlend ratio of the adapter rows and the PyPI kvboost row.
+        ratios: Recompute ratios for the selective, CacheBlend and attention rows.
+        adapter_ratio: Recompute ratio of the adapter rows (the default attention repair) and the
+            PyPI kvboost row (its CacheBlend mode).
         seed: Seed of document sampling and shuffling.
         out: Output folder.
     """
@@ -380,11 +381,11 @@ def build_systems(
     except Exception as exc:  # optional: any import or setup failure only drops the row
         notes.append(f"PyPI kvboost row unavailable: {type(exc).__name__}: {exc}")
     systems.append(KVBoostRagSystem(engine, warmer, "none", 0.0))
-    for strategy in ("selective", "cacheblend"):
+    for strategy in ("selective", "cacheblend", "attention"):
         systems.extend(KVBoostRagSystem(engine, warmer, strategy, r) for r in config.ratios)
     for adapter in (LangChainSystem, LlamaIndexSystem):
         try:
-            systems.append(adapter(engine, warmer, "cacheblend", config.adapter_ratio))
+            systems.append(adapter(engine, warmer, "attention", config.adapter_ratio))
         except Exception as exc:  # adapters are separate packages; a broken one only drops its row
             notes.append(f"{adapter.__name__} row unavailable: {type(exc).__name__}: {exc}")
     for note in notes:

@@ -65,7 +65,7 @@ class SystemInfo:
         name: Row label.
         family: ``"baseline"``, ``"kvboost-rag"``, ``"adapter"`` or ``"pypi"``.
         strategy: Repair strategy for kvboost-rag rows (``"none"``, ``"selective"``,
-            ``"cacheblend"``), else ``None``.
+            ``"cacheblend"``, ``"attention"``), else ``None``.
         ratio: Recompute ratio for kvboost-rag rows.
     """
 

@@ -74,7 +74,7 @@ def test_benchmark_writes_table_and_plots(model_and_tokenizer, tmp_path):
 
     names = {r.system for r in result.records}
     assert rag_bench.REFERENCE in names
-    assert {"kvboost-rag none", "kvboost-rag selective 15%", "kvboost-rag cacheblend 15%"} <= names
+    assert {"kvboost-rag none", "kvboost-rag selective 15%", "kvboost-rag cacheblend 15%", "kvboost-rag attention 15%"} <= names
     assert any(r.family == "adapter" for r in result.records) or any("unavailable" in n for n in result.notes)
     assert {r.workload for r in result.records} == {"rag", "qa", "chat"}
     ref = [r for r in result.records if r.system == rag_bench.REFERENCE]
