@@ -167,10 +167,10 @@ def _last_query_weights(
     """``[N]`` attention weights of the last query (at ``position``) over ``key``, mean over
     heads and batch rows."""
     first = max(0, position - window + 1) if window else 0
-    k = key[:, :, first : position + 1].float()  # [batch, kv_heads, keys, dim]
+    k = key[:, :, first : position + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
     batch, kv_heads = k.shape[:2]
-    q = query[:, :, -1].float().view(batch, kv_heads, -1, query.shape[-1])  # [batch, kv_heads, groups, dim]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, kv_heads, groups, keys]
+    q = query[:, :, -1].to(k.dtype).view(batch, kv_heads, -1, query.shape[-1])  # [batch, kv_heads, groups, dim]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [batch, kv_heads, groups, keys]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     weights = torch.zeros(key.shape[2], dtype=torch.float32, device=key.device)

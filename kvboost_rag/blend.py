@@ -29,36 +29,30 @@ def adaptive_budget(deviation: torch.Tensor, scale: torch.Tensor, target: float,
         low: Least number of tokens to recompute.
         high: Largest number of tokens to recompute.
     """
-    count = int(deviation.numel())
-    if count == 0:
-        return 0
-    relative = (deviation / scale.clamp_min(torch.finfo(torch.float32).tiny)).sort(descending=True).values
-    left = relative.sum() - torch.cumsum(relative, 0)  # left[k - 1]: deviation left after k recomputed
-    within = (left / count <= target).nonzero()
-    needed = int(within[0]) + 1 if within.numel() else count
-    if float(relative.sum()) / count <= target:
-        needed = 0
-    return max(low, min(high, needed))
+    relative = deviation / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    return budget_for_left(relative, target * deviation.numel(), low, high)
 
 
-def attention_budget(attention: torch.Tensor, target: float, low: int, high: int) -> int:
-    """Fewest tokens to recompute so that the attention left on stale tokens is ``<= target``.
+def budget_for_left(scores: torch.Tensor, allowed: float, low: int, high: int) -> int:
+    """Fewest top-scoring tokens to recompute so that the scores left sum to ``<= allowed``.
+
+    With the last token's attention to each cached token (averaged over layers) as scores,
+    ``allowed`` is the share of that attention that may stay on stale tokens.
 
     Args:
-        attention: ``[tokens]`` the last token's attention to each cached token, averaged
-            over layers (so the sum over every key of the prompt is 1).
-        target: Share of the last token's attention that may stay on tokens not recomputed.
+        scores: ``[tokens]`` non-negative score of each cached token.
+        allowed: Largest sum of the scores of the tokens left as cached.
         low: Least number of tokens to recompute.
         high: Largest number of tokens to recompute.
     """
-    count = int(attention.numel())
+    count = int(scores.numel())
     if count == 0:
         return 0
-    ranked = attention.float().sort(descending=True).values
-    left = ranked.sum() - torch.cumsum(ranked, 0)  # left[k - 1]: attention left after k recomputed
-    within = (left <= target).nonzero()
+    ranked = scores.float().sort(descending=True).values
+    left = ranked.sum() - torch.cumsum(ranked, 0)  # left[k - 1]: what is left after k recomputed
+    within = (left <= allowed).nonzero()
     needed = int(within[0]) + 1 if within.numel() else count
-    if float(ranked.sum()) <= target:
+    if float(ranked.sum()) <= allowed:
         needed = 0
     return max(low, min(high, needed))
 

@@ -471,11 +471,9 @@ class KVBoost:
                 if warm.job is not None:
                     behind.setdefault(context, []).append(warm.job)
             budget = self.settings.warm_batch_tokens
-            groups = [
-                group
-                for jobs in behind.values()  # a batch shares one lead-in
-                for group in (batches(jobs, budget) if budget and batchable(self._adapter) else [[job] for job in jobs])
-            ]
+            batched = budget and batchable(self._adapter)
+            # A batch shares one lead-in: jobs are batched within each context.
+            groups = [group for jobs in behind.values() for group in (batches(jobs, budget) if batched else [[job] for job in jobs])]
             for group in groups:
                 start = time.perf_counter()
                 stored = self._warm_batch(group)

@@ -29,7 +29,7 @@ import torch
 from kvboost_rag.attention import last_query_attention
 from kvboost_rag.blend import (
     adaptive_budget,
-    attention_budget,
+    budget_for_left,
     kv_deviation,
     kv_energy,
     layer_spans,
@@ -198,22 +198,26 @@ class Prefiller:
         loaded = int(content_positions.numel())
         ratio = self.settings.recompute_ratio
         budget = None if ratio == "auto" else recompute_budget(loaded, ratio)
+        live = ~cached  # computed whatever the repair: after the prefix, not loaded, and the last token
+        live[:h] = False
+        live[n - 1] = True
         strategy = self.settings.recompute_strategy
         stage_sizes: list[int] = []
         if strategy == "cacheblend":
             recompute, stage_sizes = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
         elif strategy == "attention":
-            recompute, stage_sizes = self._select_by_attention(ids, h, keys, values, cached, content_positions, budget)
+            chosen = self._select_by_attention(ids, live, keys, values, content_positions, budget)
+            if chosen is None:
+                chosen = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+            recompute, stage_sizes = chosen
         elif strategy == "selective":
             recompute = select_document_starts(_runs(content_positions), budget)
         else:
             recompute = content_positions[:0]
         keep = leading_tokens(_runs(content_positions), self.settings.keep_document_start)
-        compute = ~cached
-        compute[:h] = False
+        compute = live.clone()
         compute[recompute] = True
         compute[keep] = True
-        compute[n - 1] = True
         positions = compute.nonzero().view(-1)
 
         stitched = adapter.cache_over(keys, values, n)
@@ -236,7 +240,7 @@ class Prefiller:
             loaded_chunks=frozenset(hits),
             content_tokens=loaded,
             recomputed_tokens=recomputed_tokens,
-            live_tokens=int((compute & ~cached).sum()),
+            live_tokens=int(live.sum()),
             exact_until=first_content,
             strategy=strategy,
             recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
@@ -282,57 +286,56 @@ class Prefiller:
         deviation = kv_deviation(fresh_k, fresh_v, keys[check][:, content_positions], values[check][:, content_positions])
         count = int(content_positions.numel())
         if budget is None:
-            budget = adaptive_budget(
-                deviation,
-                kv_energy(fresh_k, fresh_v),
-                self.settings.max_deviation,
-                recompute_budget(count, self.settings.min_recompute_ratio),
-                recompute_budget(count, self.settings.max_recompute_ratio),
-            )
-        spans = layer_spans(adapter.num_layers, self.settings.blend_stages)
-        sizes = stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+            low, high = self._auto_bounds(count)
+            budget = adaptive_budget(deviation, kv_energy(fresh_k, fresh_v), self.settings.max_deviation, low, high)
+        sizes = self._stage_sizes(budget, count)
         return select_highest(content_positions, deviation.cpu(), sizes[0]), sizes
+
+    def _auto_bounds(self, count: int) -> tuple[int, int]:
+        """Least and largest budget ``recompute_ratio="auto"`` may pick among ``count`` tokens."""
+        settings = self.settings
+        return recompute_budget(count, settings.min_recompute_ratio), recompute_budget(count, settings.max_recompute_ratio)
+
+    def _stage_sizes(self, budget: int, count: int) -> list[int]:
+        """Set size of each ``blend_stages`` stage for ``budget`` tokens among ``count``."""
+        spans = layer_spans(self.adapter.num_layers, self.settings.blend_stages)
+        return stage_sizes(budget, [last - first + 1 for first, last in spans], count)
 
     def _select_by_attention(
         self,
         ids: list[int],
-        h: int,
+        live: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        cached: torch.Tensor,
         content_positions: torch.Tensor,
         budget: int | None,
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """Choose the cached tokens the prompt's last token attends to most.
 
-        The tokens that are not cached (after the prefix: the question, separators, the
-        last token) run once through every layer over the stitched cache as loaded, with no
+        The live tokens (computed whatever the repair: the question, separators, the last
+        token) run once through every layer over the stitched cache as loaded, with no
         repair, recording the last token's attention; the cached tokens with the most
         attention summed over layers are the ones whose staleness moves the answer most.
-        The K/V this pass writes for its tokens is overwritten by the blend pass, which
+        The K/V this pass writes for the live tokens is overwritten by the blend pass, which
         computes them again over the repaired cache.
 
         Args:
-            cached: ``[n]`` bool, the positions filled from cache.
+            live: ``[n]`` bool, the positions computed whatever the repair.
             budget: Tokens to recompute, or ``None`` to size it from the attention
                 (``recompute_ratio="auto"``).
 
         Returns:
-            The chosen positions (sorted) and the stage sizes for the blend pass.
+            The chosen positions (sorted) and the stage sizes for the blend pass; ``None``
+            (with a warning) when the model's attention could not be recorded.
         """
         count = int(content_positions.numel())
-        spans = layer_spans(self.adapter.num_layers, self.settings.blend_stages)
         if budget == 0:
             return content_positions[:0], []
         if budget is not None and budget >= count:  # every cached token: nothing to choose
-            return content_positions, stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+            return content_positions, self._stage_sizes(budget, count)
         adapter = self.adapter
-        n = len(ids)
-        live = ~cached
-        live[:h] = False
-        live[n - 1] = True
         positions = live.nonzero().view(-1)
-        probe = adapter.cache_over(keys, values, n)
+        probe = adapter.cache_over(keys, values, len(ids))
         probe.arm(positions.to(adapter.device))
         with last_query_attention() as recorded:
             adapter.forward(torch.tensor(ids)[positions], positions, probe, sparse_queries=True)
@@ -343,16 +346,11 @@ class Prefiller:
                 "the tokens to recompute by CacheBlend's K/V deviation instead",
                 type(adapter.model).__name__,
             )
-            return self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+            return None
         attention = torch.stack(recorded).sum(dim=0)[content_positions.to(adapter.device)].cpu()
-        if budget is None:
-            budget = attention_budget(
-                attention / len(recorded),
-                self.settings.max_stale_attention,
-                recompute_budget(count, self.settings.min_recompute_ratio),
-                recompute_budget(count, self.settings.max_recompute_ratio),
-            )
-        sizes = stage_sizes(budget, [last - first + 1 for first, last in spans], count)
+        if budget is None:  # attention (averaged over layers) left on stale tokens <= max_stale_attention
+            budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self._auto_bounds(count))
+        sizes = self._stage_sizes(budget, count)
         return select_highest(content_positions, attention, sizes[0]), sizes
 
     def _filtered_blend(

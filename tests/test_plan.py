@@ -187,20 +187,20 @@ def test_adaptive_budget_recomputes_until_the_deviation_left_is_small():
     assert adaptive_budget(torch.tensor([4.0, 1.0]), torch.tensor([4.0, 1.0]), 0.5, 0, 2) == 1
 
 
-def test_attention_budget_recomputes_until_the_attention_left_is_small():
+def test_budget_for_left_recomputes_until_the_attention_left_is_small():
     import torch
 
-    from kvboost_rag.blend import attention_budget
+    from kvboost_rag.blend import budget_for_left
 
     attention = torch.tensor([0.0, 0.05, 0.2, 0.1, 0.05, 0.1])  # 0.5 of the attention on cached tokens
-    assert attention_budget(attention, target=0.5, low=0, high=6) == 0
-    assert attention_budget(attention, target=0.3, low=0, high=6) == 1  # 0.2 recomputed, 0.3 left
-    assert attention_budget(attention, target=0.2, low=0, high=6) == 2  # the two 0.1s tie
-    assert attention_budget(attention, target=0.1, low=0, high=6) == 3
-    assert attention_budget(attention, target=0.01, low=0, high=6) == 5
-    assert attention_budget(attention, target=0.01, low=0, high=2) == 2
-    assert attention_budget(attention, target=0.5, low=3, high=6) == 3
-    assert attention_budget(attention[:0], target=0.1, low=0, high=6) == 0
+    assert budget_for_left(attention, 0.5, low=0, high=6) == 0
+    assert budget_for_left(attention, 0.3, low=0, high=6) == 1  # 0.2 recomputed, 0.3 left
+    assert budget_for_left(attention, 0.2, low=0, high=6) == 2  # the two 0.1s tie
+    assert budget_for_left(attention, 0.1, low=0, high=6) == 3
+    assert budget_for_left(attention, 0.01, low=0, high=6) == 5
+    assert budget_for_left(attention, 0.01, low=0, high=2) == 2
+    assert budget_for_left(attention, 0.5, low=3, high=6) == 3
+    assert budget_for_left(attention[:0], 0.1, low=0, high=6) == 0
 
 
 @pytest.mark.parametrize(
