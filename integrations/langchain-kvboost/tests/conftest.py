@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import hashlib
 import math
 import re
 
 import pytest
 from langchain_core.embeddings import Embeddings
+
+# Engines built with default settings spill what memory evicts to an automatic disk tier: the
+# tests keep it out of the user's cache folder, one fresh folder per test.
+os.environ["KVBOOST_RAG_KV_CACHE"] = tempfile.mkdtemp(prefix="kvboost-test-kv-")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_kv_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path_factory.mktemp("kv-cache")))
+
 
 _WORD = re.compile(r"[a-z_][a-z0-9_]+")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import hashlib
 import math
 import re
@@ -21,6 +23,16 @@ from llama_index.core.instrumentation.events.llm import (
 
 from kvboost_rag import KVBoost
 from kvboost_rag.testing import tiny_model, tiny_tokenizer
+
+
+# Engines built with default settings spill what memory evicts to an automatic disk tier: the
+# tests keep it out of the user's cache folder, one fresh folder per test.
+os.environ["KVBOOST_RAG_KV_CACHE"] = tempfile.mkdtemp(prefix="kvboost-test-kv-")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_kv_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path_factory.mktemp("kv-cache")))
 
 
 def pytest_configure(config: pytest.Config) -> None:
