@@ -1,0 +1,170 @@
+"""A corpus larger than memory, with default settings: warm N documents, then P RAG prompts.
+
+Default settings and the embedded model (SmolLM2-135M-Instruct, float32 K/V, about 46 KB a
+token): ``warm(system prompt)``, ``warm_documents`` of N documents of about 400 tokens, then P
+prompts, each the system prompt, 6 of those documents (random, shuffled) and a question. It
+prints what the cache kept and where, the prompts' reuse share, the TTFT against full prefill
+(measured on a sample of the prompts), the process's resident memory and the disk tier's bytes.
+
+Documents: Python's reference topics (``pydoc_data.topics``, 79 topics, ~2,600 paragraphs)
+read as one stream of paragraphs; document ``i`` is the window of whole paragraphs starting at
+paragraph ``start_i`` (starts spread evenly over the stream) and running to about
+``--doc-chars`` characters. Neighbouring windows overlap in text but start differently, so
+they are distinct documents to the cache (as overlapping chunks of one source are in RAG).
+
+The automatic disk tier goes to a fresh temporary folder (``KVBOOST_RAG_KV_CACHE``) unless
+``--kv-cache`` names one, so a run starts empty and leaves the user's cache alone.
+
+Usage::
+
+    python bench/corpus_bench.py --docs 1000 --prompts 200 --full-sample 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import re
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYSTEM_PROMPT = "You are a careful assistant. Answer only from the documents below."
+QUESTIONS = (
+    "What does it say?",
+    "Which statement is described first?",
+    "Summarise the rules in one sentence.",
+    "What happens when an exception is raised?",
+)
+
+
+def corpus(count: int, doc_chars: int) -> list[str]:
+    """``count`` distinct documents of about ``doc_chars`` characters (windows of paragraphs)."""
+    from kvboost_rag.corpus import python_reference_topics
+
+    paragraphs = [p.strip() for text in python_reference_topics().values() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    docs: list[str] = []
+    seen: set[str] = set()
+    step = max(1, len(paragraphs) // max(1, count))
+    start = 0
+    while len(docs) < count:
+        if start >= len(paragraphs):
+            start = (start % step) + 1  # another pass, shifted
+            if start >= step:
+                break
+        window: list[str] = []
+        i = start
+        while i < len(paragraphs) and sum(len(p) + 2 for p in window) < doc_chars:
+            window.append(paragraphs[i])
+            i += 1
+        text = "\n\n".join(window)[:doc_chars].rstrip()
+        if len(text) >= doc_chars // 2 and text[:64] not in seen:
+            seen.add(text[:64])
+            docs.append(text)
+        start += step
+    return docs
+
+
+def rag_prompt(docs: list[str], question: str) -> str:
+    """The default template: system prompt, documents, question."""
+    return SYSTEM_PROMPT + "\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}\nAnswer:"
+
+
+def rss_mib() -> float:
+    """Resident memory of this process now (MiB)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=1000, help="documents warmed")
+    parser.add_argument("--doc-chars", type=int, default=1600, help="characters per document (~400 tokens)")
+    parser.add_argument("--prompts", type=int, default=200, help="RAG prompts after the warm")
+    parser.add_argument("--per-prompt", type=int, default=6, help="documents per prompt")
+    parser.add_argument("--full-sample", type=int, default=10, help="prompts also run with full prefill")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache", type=Path, default=None, help="folder of the automatic disk tier")
+    args = parser.parse_args()
+
+    kv_dir = args.kv_cache or Path(tempfile.mkdtemp(prefix="kvboost-corpus-bench-"))
+    os.environ["KVBOOST_RAG_KV_CACHE"] = str(kv_dir)
+    import torch
+
+    from kvboost_rag import KVBoost
+
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvboost_rag.engine").setLevel(logging.INFO)
+
+    docs = corpus(args.docs, args.doc_chars)
+    engine = KVBoost.from_pretrained(show_progress=True)
+    tokens = [engine.count_tokens(d) for d in docs]
+    print(f"{len(docs)} documents, {statistics.mean(tokens):.0f} tokens each on average ({sum(tokens)} in all)")
+    engine.warm(SYSTEM_PROMPT + "\n\n")
+    start = time.perf_counter()
+    results = engine.warm_documents(docs)
+    warm_s = time.perf_counter() - start
+    kept = sum(1 for r in results if r.kept_in)
+    stats = engine.cache_stats()
+    rss_after_warm = rss_mib()
+
+    rng = random.Random(args.seed)
+    reuse, ttft, full, paired, lengths = [], [], [], [], []
+    sample = set(rng.sample(range(args.prompts), min(args.full_sample, args.prompts)))
+    for i in range(args.prompts):
+        chosen = rng.sample(docs, args.per_prompt)
+        prompt = rag_prompt(chosen, QUESTIONS[i % len(QUESTIONS)])
+        result = engine.generate(prompt, max_new_tokens=1)
+        reuse.append(result.kv_reuse_ratio)
+        lengths.append(result.prompt_tokens)
+        ttft.append(result.ttft_ms)
+        if i in sample:
+            baseline = engine.generate(prompt, max_new_tokens=1, reuse=False)
+            full.append(baseline.ttft_ms)
+            paired.append(baseline.ttft_ms / result.ttft_ms)
+    after = engine.cache_stats()
+    disk = folder_bytes(kv_dir)
+
+    rows = [
+        ("documents warmed", f"{len(docs)} (~{statistics.mean(tokens):.0f} tokens, {sum(tokens)} tokens in all)"),
+        ("warm time", f"{warm_s:.0f} s ({warm_s / len(docs) * 1000:.0f} ms a document)"),
+        ("kept after the warm", f"{kept} of {len(docs)} ({', '.join(f'{k} {v}' for k, v in stats.documents_by_tier.items())})"),
+        ("documents evicted (whole)", f"{stats.documents_evicted} after the warm, {after.documents_evicted} after the prompts"),
+        ("prompts", f"{args.prompts} of {args.per_prompt} documents, {statistics.mean(lengths):.0f} tokens on average"),
+        ("reuse share (kv_reuse_ratio)", f"median {statistics.median(reuse):.2f}, min {min(reuse):.2f}, mean {statistics.mean(reuse):.2f}"),
+        ("TTFT with reuse", f"median {statistics.median(ttft):.0f} ms, p90 {sorted(ttft)[int(0.9 * (len(ttft) - 1))]:.0f} ms"),
+        ("TTFT full prefill", f"median {statistics.median(full):.0f} ms over {len(full)} sampled prompts" if full else "-"),
+        ("TTFT ratio (full / reuse)", f"median {statistics.median(paired):.2f}x on the sample" if paired else "-"),
+        ("resident memory", f"{rss_after_warm:.0f} MiB after the warm, {rss_mib():.0f} MiB after the prompts, "
+         f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"),
+        ("memory tier", f"{after.memory_bytes / 1024**2:.0f} MiB, {after.entries} entries"),
+        ("disk tier", f"{disk / 1024**2:.0f} MiB in {kv_dir}"),
+        ("memory / disk hits", f"{after.tiers.get('memory', {}).get('hits', 0)} / {after.tiers.get('disk', {}).get('hits', 0)}"),
+        ("torch threads", str(torch.get_num_threads())),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print()
+    print(f"| {'measure'.ljust(width)} | value |")
+    print(f"|{'-' * (width + 2)}|-------|")
+    for name, value in rows:
+        print(f"| {name.ljust(width)} | {value} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
