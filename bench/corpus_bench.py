@@ -13,11 +13,15 @@ paragraph ``start_i`` (starts spread evenly over the stream) and running to abou
 they are distinct documents to the cache (as overlapping chunks of one source are in RAG).
 
 The automatic disk tier goes to a fresh temporary folder (``KVBOOST_RAG_KV_CACHE``) unless
-``--kv-cache`` names one, so a run starts empty and leaves the user's cache alone.
+``--kv-cache`` names one, so a run starts empty and leaves the user's cache alone;
+``--no-disk`` turns it off (memory only: what a corpus larger than ``max_cache_bytes`` did
+before the disk tier was a default). ``--out`` also writes the report (command, machine, table)
+to a markdown file.
 
 Usage::
 
     python bench/corpus_bench.py --docs 1000 --prompts 200 --full-sample 10
+    python bench/corpus_bench.py --docs 135 --prompts 20 --no-disk
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import random
 import re
 import resource
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,6 +97,33 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
+def machine_line(threads: int) -> str:
+    """CPU, cores, library versions and load: the line naming where the figures come from."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} thread(s), "
+        f"transformers {transformers.__version__}, Python {platform.python_version()}, load average at start {load}"
+    )
+
+
+def git_revision() -> str:
+    """The checked-out commit (short), or ``unknown``."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=1000, help="documents warmed")
@@ -99,15 +134,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache", type=Path, default=None, help="folder of the automatic disk tier")
+    parser.add_argument("--no-disk", action="store_true", help="no disk tier (memory only)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
     args = parser.parse_args()
 
     kv_dir = args.kv_cache or Path(tempfile.mkdtemp(prefix="kvboost-corpus-bench-"))
-    os.environ["KVBOOST_RAG_KV_CACHE"] = str(kv_dir)
+    os.environ["KVBOOST_RAG_KV_CACHE"] = "off" if args.no_disk else str(kv_dir)
+    try:
+        run(args, kv_dir)
+    finally:
+        if args.kv_cache is None:
+            shutil.rmtree(kv_dir, ignore_errors=True)  # a temporary folder: gigabytes of K/V
+
+
+def run(args: argparse.Namespace, kv_dir: Path) -> None:
+    """Warm the corpus, run the prompts, print (and with ``--out`` write) the report."""
     import torch
 
     from kvboost_rag import KVBoost
 
     torch.set_num_threads(args.threads)
+    machine = machine_line(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvboost_rag.engine").setLevel(logging.INFO)
 
@@ -153,17 +200,32 @@ def main() -> None:
         ("resident memory", f"{rss_after_warm:.0f} MiB after the warm, {rss_mib():.0f} MiB after the prompts, "
          f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"),
         ("memory tier", f"{after.memory_bytes / 1024**2:.0f} MiB, {after.entries} entries"),
-        ("disk tier", f"{disk / 1024**2:.0f} MiB in {kv_dir}"),
+        ("disk tier", "off" if args.no_disk else f"{disk / 1024**2:.0f} MiB in {kv_dir}"),
         ("memory / disk hits", f"{after.tiers.get('memory', {}).get('hits', 0)} / {after.tiers.get('disk', {}).get('hits', 0)}"),
         ("torch threads", str(torch.get_num_threads())),
     ]
     width = max(len(name) for name, _ in rows)
+    table = [f"| {'measure'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    table += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
     print()
-    print(f"| {'measure'.ljust(width)} | value |")
-    print(f"|{'-' * (width + 2)}|-------|")
-    for name, value in rows:
-        print(f"| {name.ljust(width)} | {value} |")
+    print("\n".join(table))
     sys.stdout.flush()
+    if args.out is not None:
+        command = "python bench/corpus_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        report = [
+            "# A corpus larger than memory, default settings",
+            "",
+            f"Command: `{command}`",
+            "",
+            f"Machine: {machine}",
+            "",
+            f"Code: git {git_revision()}",
+            "",
+            *table,
+            "",
+        ]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(report))
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def test_one_off_prefix_chunks_go_before_documents_and_reused_documents_stay():
     assert "system" in tier and "d2-a" in tier and "d2-b" in tier
 
 
-def test_an_overflow_tier_receives_what_memory_evicts(tmp_path):
+def test_an_overflow_tier_receives_what_memory_evicts_but_one_off_entries(tmp_path):
     memory = MemoryTier(max_bytes=2 * 400)
     disk = DiskTier(tmp_path, max_bytes=10**6, spill_only=True)
     store = TieredStore([memory, disk])
@@ -196,6 +196,9 @@ def test_an_overflow_tier_receives_what_memory_evicts(tmp_path):
     store.put("a", _entry())
     store.put("b", _entry())
     assert len(disk) == 0  # nothing written through
+    assert store.get("a") is not None and store.get("b") is not None  # both reused
     store.put("c", _entry())
     assert "a" in disk and "a" not in memory and not gone  # a demotion, not a loss
+    store.put("d", _entry())  # evicts "c", a one-off: dropped, not written to disk
+    assert "c" not in disk and "c" not in memory and gone == ["c"]
     assert store.get("a") is not None and "a" in memory

@@ -9,7 +9,9 @@ with no group is a group of its own. Eviction removes whole groups, in this orde
 
 Groups holding a pinned entry are never offered; the entry being stored never evicts its own
 group. Evicted entries are handed to :attr:`MemoryTier.on_evict` (when set) before ``put``
-returns, so a store can spill them to a slower tier.
+returns, so a store can spill them to a slower tier; one-off entries (class 1) are not handed
+over: a prefix no prompt reused is not worth a disk write, and spilling every one-off prompt
+would fill the slower tier and push the documents out of it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from kvboost_rag.storage.policy import FrequencyRecencyPolicy
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
+
+#: An evicted entry: its key, the entry, and whether it was a one-off (not handed over).
+_Evicted = tuple[str, StoredEntry, bool]
 
 
 class MemoryTier(StorageTier):
@@ -53,7 +58,8 @@ class MemoryTier(StorageTier):
         self._lock = threading.RLock()
         #: Names the group of a key (``None``: the key is a group of its own).
         self.group_of: Callable[[str], str | None] | None = None
-        #: Receives every evicted ``(key, entry)`` before ``put``/``reserve`` returns.
+        #: Receives the evicted ``(key, entry)`` pairs worth keeping (all but one-off entries)
+        #: before ``put``/``reserve`` returns.
         self.on_evict: Callable[[list[tuple[str, StoredEntry]]], None] | None = None
 
     def get(self, key: str) -> StoredEntry | None:
@@ -71,7 +77,7 @@ class MemoryTier(StorageTier):
                 "too-large", "entry %s (%d bytes) exceeds the memory budget left (%d); not stored", key[:12], size, room
             )
             return []
-        evicted: list[tuple[str, StoredEntry]] = []
+        evicted: list[_Evicted] = []
         group = self._group_name(key)
         with self._lock:
             old = self._entries.pop(key, None)
@@ -94,7 +100,7 @@ class MemoryTier(StorageTier):
         Returns:
             The keys evicted.
         """
-        evicted: list[tuple[str, StoredEntry]] = []
+        evicted: list[_Evicted] = []
         with self._lock:
             self._reserved[owner] = max(0, nbytes)
             self._make_room(0, evicted)
@@ -124,10 +130,11 @@ class MemoryTier(StorageTier):
             if not members:
                 del self._members[group]
 
-    def _hand_over(self, evicted: list[tuple[str, StoredEntry]]) -> list[str]:
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
-        return [key for key, _ in evicted]
+    def _hand_over(self, evicted: list[_Evicted]) -> list[str]:
+        kept = [(key, entry) for key, entry, one_off in evicted if not one_off]
+        if kept and self.on_evict is not None:
+            self.on_evict(kept)
+        return [key for key, _, _ in evicted]
 
     def victim_groups(self, protect: str | None = None) -> list[list[str]]:
         """Groups in eviction order (first to evict first), each as its member keys.
@@ -135,6 +142,10 @@ class MemoryTier(StorageTier):
         Args:
             protect: A group never offered (the one being written).
         """
+        return [members for _, members in self._ranked_groups(protect)]
+
+    def _ranked_groups(self, protect: str | None) -> list[tuple[bool, list[str]]]:
+        """``(one_off, members)`` of every unpinned group but ``protect``, first to evict first."""
         with self._lock:
             groups = [(group, list(members)) for group, members in self._members.items() if group != protect]
         ranked = []
@@ -145,17 +156,17 @@ class MemoryTier(StorageTier):
             one_off = len(members) == 1 and group == members[0] and not ranks[0][2]
             ranked.append((not one_off, max(r[0] for r in ranks), max(r[1] for r in ranks), group, members))
         ranked.sort(key=lambda item: item[:4])
-        return [members for *_, members in ranked]
+        return [(not later, members) for later, *_, members in ranked]
 
-    def _make_room(self, size: int, evicted: list[tuple[str, StoredEntry]], protect: str | None = None) -> None:
+    def _make_room(self, size: int, evicted: list[_Evicted], protect: str | None = None) -> None:
         """Evict whole groups until ``size`` more bytes fit beside the entries and reservations."""
         limit = self.max_bytes - sum(self._reserved.values())
         if self._used + size > limit:
-            for members in self.victim_groups(protect):
+            for one_off, members in self._ranked_groups(protect):
                 if self._used + size <= limit:
                     break
                 for victim in members:
-                    self._evict(victim, evicted)
+                    self._evict(victim, evicted, one_off)
         if self._used + size > limit and protect is not None:
             # The group being written does not fit beside the pins: it cannot stay whole here.
             for victim in list(self._members.get(protect, ())):
@@ -182,12 +193,12 @@ class MemoryTier(StorageTier):
     def unpin(self, key: str) -> None:
         self.policy.unpin(key)
 
-    def _evict(self, victim: str, evicted: list[tuple[str, StoredEntry]]) -> None:
+    def _evict(self, victim: str, evicted: list[_Evicted], one_off: bool = False) -> None:
         entry = self._entries.pop(victim)
         self._used -= entry.nbytes
         self.policy.remove(victim)
         self._leave_group(victim)
-        evicted.append((victim, entry))
+        evicted.append((victim, entry, one_off))
 
     def delete(self, key: str) -> None:
         with self._lock:
