@@ -1,14 +1,16 @@
 """A corpus larger than the cache: documents are kept or dropped whole, and the user is told.
 
 Tiny budgets (the documents are worth 2-5x the memory tier) with memory only, memory + disk
-(explicit and automatic) (memory + Redis: ``test_storage_redis.py``); a property test of random warms, generates and
-evictions checking that the registry, the prefix index and the tiers agree.
+(explicit and automatic; memory + Redis: ``test_storage_redis.py``); a property test of random
+warms, generates and evictions checking that the registry, the prefix index and the tiers
+agree.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -75,9 +77,14 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
     for anchor, digest in cache.registry.known():
         record_key = cache.shelf.key_of(anchor, digest)
         assert cache.store.contains(record_key), "registry knows a document whose record is gone"
+        chunks = cache._documents[digest][1]
+        assert all(cache.store.contains(chunk) for chunk in chunks), "a kept document lost a chunk"
         if memory_only:
-            chunks = cache._documents[digest][1]
             assert all(chunk in held for chunk in chunks), "record held without its chunks"
+    for tier in cache.store.tiers:
+        for key in tier.keys_with_prefix(cache.shelf.prefix):
+            anchor, digest = cache.shelf.parse_key(key)
+            assert digest in dict((d, a) for a, d in cache.registry.known()), "a stored record the registry forgot"
     assert memory.used_bytes <= memory.max_bytes
 
 
@@ -130,6 +137,28 @@ def test_memory_and_disk_keep_every_document(make_engine, tmp_path, disk):
     check_agreement(engine, memory_only=False)
 
 
+def test_documents_prompts_keep_using_stay_while_the_corpus_streams_past(make_engine):
+    """Memory only, the corpus 3x the budget: documents that prompts keep using stay whole
+    while one-off prompts and the rest of the corpus pass through."""
+    engine = _budgeted(make_engine, 3, disk_cache_dir=None)
+    engine.warm(SYSTEM_PROMPT + "\n\n")
+    hot = DOCS[3:6]  # not the warm's context documents (those sit in a pinned lead-in)
+    results = engine.warm_documents(DOCS[:6])
+    assert all(r.kept_in == ["memory"] for r in results[3:6])
+    hot_tokens = sum(engine.count_tokens(d) for d in hot)
+    for _ in range(2):
+        assert engine.generate(rag_prompt(hot), max_new_tokens=1).documents_found == len(hot)
+    for i in range(6, len(DOCS), 3):
+        engine.warm_documents(DOCS[i : i + 3])
+        engine.generate(f"One-off question {i}: what is topic {i * 7919} about?", max_new_tokens=1)
+        result = engine.generate(rag_prompt(hot[i % 3 :] + hot[: i % 3]), max_new_tokens=1)
+        assert result.documents_found == len(hot)
+        assert result.content_hit_tokens + result.prefix_hit_tokens + result.boundary_merged_tokens >= hot_tokens
+    stats = engine.cache_stats()
+    assert stats.documents_evicted > 0 and stats.documents < len(DOCS)
+    check_agreement(engine, memory_only=True)
+
+
 def test_the_automatic_disk_tier_writes_only_what_memory_evicts(make_engine, tmp_path, monkeypatch):
     monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "auto"))
     engine = make_engine("llama")
@@ -140,13 +169,38 @@ def test_the_automatic_disk_tier_writes_only_what_memory_evicts(make_engine, tmp
     assert [t.name for t in make_engine("llama")._cache.store.tiers] == ["memory"]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_warms_generates_and_evictions_keep_everything_in_agreement(make_engine, seed):
+def _pinned(engine: KVBoost) -> set[str]:
+    memory = _memory(engine)
+    return {key for key in memory.keys() if memory.policy.is_pinned(key)}
+
+
+@pytest.mark.parametrize("tiers", ["memory", "memory+overflow disk", "memory+disk"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_warms_generates_and_evictions_keep_everything_in_agreement(make_engine, tmp_path, monkeypatch, tiers, seed):
+    """Random operations over a tiny budget; after each one the registry, the prefix index and
+    the tiers agree, and the pinned system prompt is still in memory. With a disk tier, its
+    budget is tiny too, so it evicts entries of its own (one chunk at a time) and the rest of
+    each such document must go with it."""
     rng = random.Random(seed)
-    engine = _budgeted(make_engine, rng.choice([2, 3, 5]), disk_cache_dir=None)
+    factor = rng.choice([2, 3, 5])
+    settings: dict = {"disk_cache_dir": None}
+    if tiers != "memory":
+        probe = make_engine("llama", disk_cache_dir=None)
+        disk_budget = int(_corpus_bytes(probe, DOCS) * rng.choice([0.3, 0.6]))
+        settings = {"max_disk_bytes": disk_budget}
+        if tiers == "memory+disk":
+            settings["disk_cache_dir"] = tmp_path / "kv"
+        else:
+            monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "auto"))
+    engine = _budgeted(make_engine, factor, **settings)
+    assert [t.name for t in engine._cache.store.tiers] == (["memory"] if tiers == "memory" else ["memory", "disk"])
     engine.warm(SYSTEM_PROMPT + "\n\n")
-    for step in range(14):
+    system = _pinned(engine)
+    assert system
+    ops = Counter()
+    for step in range(20):
         op = rng.choice(["warm", "warm", "generate", "generate", "novel", "squeeze"])
+        ops[op] += 1
         if op == "warm":
             engine.warm_documents(rng.sample(DOCS, rng.randint(1, 8)))
         elif op == "generate":
@@ -155,9 +209,12 @@ def test_random_warms_generates_and_evictions_keep_everything_in_agreement(make_
             engine.generate(f"Chat {step}: tell me about topic {rng.randint(0, 10**6)} in detail.", max_new_tokens=1)
         else:  # the indexes grow (or another owner reserves room): entries are evicted
             engine._cache.store.reserve("test", rng.randint(0, _memory(engine).max_bytes // 2))
-        check_agreement(engine, memory_only=True)
+        check_agreement(engine, memory_only=tiers == "memory")
+        assert system <= set(_memory(engine).keys()), "the pinned system prompt was evicted"
     stats = engine.cache_stats()
     assert stats.documents + stats.documents_evicted >= 1
+    assert stats.counters.get("stored_entries", 0) > 0
+    assert len(ops) >= 3  # the sequence really mixes operations
 
 
 # -- the memory tier's eviction order --------------------------------------------------------
