@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--kv-cache", type=Path, default=None, help="folder of the automatic disk tier")
     parser.add_argument("--no-disk", action="store_true", help="no disk tier (memory only)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report to this markdown file")
+    parser.add_argument("--json", type=Path, default=None, help="write every prompt's figures to this JSON file")
     args = parser.parse_args()
 
     kv_dir = args.kv_cache or Path(tempfile.mkdtemp(prefix="kvboost-corpus-bench-"))
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
     from kvboost_rag import KVBoost
 
     torch.set_num_threads(args.threads)
-    machine = machine_line(args.threads)
+    machine, revision = machine_line(args.threads), git_revision()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvboost_rag.engine").setLevel(logging.INFO)
 
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
 
     rng = random.Random(args.seed)
     reuse, ttft, full, paired, lengths = [], [], [], [], []
+    records: list[dict[str, float | int | None]] = []
     sample = set(rng.sample(range(args.prompts), min(args.full_sample, args.prompts)))
     for i in range(args.prompts):
         chosen = rng.sample(docs, args.per_prompt)
@@ -180,10 +183,21 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
         reuse.append(result.kv_reuse_ratio)
         lengths.append(result.prompt_tokens)
         ttft.append(result.ttft_ms)
-        if i in sample:
-            baseline = engine.generate(prompt, max_new_tokens=1, reuse=False)
+        baseline = engine.generate(prompt, max_new_tokens=1, reuse=False) if i in sample else None
+        if baseline is not None:
             full.append(baseline.ttft_ms)
             paired.append(baseline.ttft_ms / result.ttft_ms)
+        records.append(
+            {
+                "prompt": i,
+                "tokens": result.prompt_tokens,
+                "documents_found": result.documents_found,
+                "reuse": result.kv_reuse_ratio,
+                "ttft_ms": result.ttft_ms,
+                "full_prefill_ttft_ms": baseline.ttft_ms if baseline is not None else None,
+                "load_average_1m": os.getloadavg()[0],
+            }
+        )
     after = engine.cache_stats()
     disk = folder_bytes(kv_dir)
 
@@ -203,6 +217,7 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
         ("disk tier", "off" if args.no_disk else f"{disk / 1024**2:.0f} MiB in {kv_dir}"),
         ("memory / disk hits", f"{after.tiers.get('memory', {}).get('hits', 0)} / {after.tiers.get('disk', {}).get('hits', 0)}"),
         ("torch threads", str(torch.get_num_threads())),
+        ("load average at the end", ", ".join(f"{x:.1f}" for x in os.getloadavg())),
     ]
     width = max(len(name) for name, _ in rows)
     table = [f"| {'measure'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
@@ -210,6 +225,8 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
     print()
     print("\n".join(table))
     sys.stdout.flush()
+    if args.json is not None:
+        args.json.write_text(json.dumps(records, indent=1))
     if args.out is not None:
         command = "python bench/corpus_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         report = [
@@ -219,7 +236,7 @@ def run(args: argparse.Namespace, kv_dir: Path) -> None:
             "",
             f"Machine: {machine}",
             "",
-            f"Code: git {git_revision()}",
+            f"Code: git {revision}",
             "",
             *table,
             "",
