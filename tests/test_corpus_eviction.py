@@ -44,7 +44,7 @@ def _budgeted(make_engine, factor: float, **settings) -> KVBoost:
 
 
 def _memory(engine: KVBoost) -> MemoryTier:
-    return engine._memory_tier()
+    return engine._cache.store.memory_tier
 
 
 def check_agreement(engine: KVBoost, memory_only: bool) -> None:
