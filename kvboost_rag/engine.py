@@ -608,7 +608,9 @@ class KVBoost:
         resolved = GenerationOptions.resolve(options, overrides)
         tokens = self._prompt_tokens(prompt)
         _check_documents(resolved)
-        guide = self._constraints.compile(resolved.constraint) if resolved.constraint is not None else None
+        guide = None
+        if resolved.constraint is not None:
+            guide = self._constraints.compile(resolved.constraint, self._output_budget(len(tokens), resolved))
         stream = GenerationStream(iter(()))
         stream._pieces = self._run(stream, tokens, resolved, start, guide)
         return stream
@@ -651,7 +653,8 @@ class KVBoost:
         resolved = GenerationOptions.resolve(options, overrides)
         _check_documents(resolved)
         if resolved.constraint is not None:
-            self._constraints.compile(resolved.constraint)  # shared by every prompt: a bad one fails the call
+            # Shared by every prompt: a bad one, or too small a budget for it, fails the call.
+            self._constraints.compile(resolved.constraint, resolved.max_new_tokens)
         outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
         started: list[tuple[int, _Request]] = []
 
@@ -746,10 +749,10 @@ class KVBoost:
             guide: The state of the output constraint, already compiled (else compiled here
                 from ``options.constraint``, when set: every sequence has its own).
         """
-        if guide is None and options.constraint is not None:
-            guide = self._constraints.compile(options.constraint)
         n = len(tokens)
-        budget = min(options.max_new_tokens, self.context_window - n)
+        budget = self._output_budget(n, options)
+        if guide is None and options.constraint is not None:
+            guide = self._constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
         reservation = self._scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
         try:
@@ -778,6 +781,11 @@ class KVBoost:
         elif not hold:
             request.submit(self._scheduler)
         return request
+
+    def _output_budget(self, prompt_tokens: int, options: GenerationOptions) -> int:
+        """Most tokens a prompt of ``prompt_tokens`` may generate: ``max_new_tokens``, or what
+        the context window leaves."""
+        return min(options.max_new_tokens, self.context_window - prompt_tokens)
 
     def _follow(self, request: _Request, *, end_at_last_token: bool) -> Iterator[str]:
         """Yield a started request's text pieces as they decode, store what its prompt

