@@ -52,22 +52,16 @@ def test_random_weights_give_schema_valid_json(make_engine, family, seed):
     Lookup.model_validate_json(result.output_text)  # raises if not valid for the schema
 
 
-def test_json_mode_outputs_that_end_are_json_objects(engine):
-    # Any object is allowed, so random weights may run out of budget; every output that ends
-    # on its own is one JSON object, and a cut one is reported as cut.
-    results = [
-        engine.generate(
+def test_json_mode_outputs_close_within_the_budget(engine):
+    # Any object is allowed, so random weights would write keys until the budget ends; the
+    # output closes in time instead, every time.
+    for seed in range(8):
+        result = engine.generate(
             "Answer in JSON.", max_new_tokens=48, temperature=1.0, seed=seed, constraint=OutputConstraint.any_json_object()
         )
-        for seed in range(8)
-    ]
-    ended = [r for r in results if r.finish_reason == "eos"]
-    assert ended
-    for result in ended:
+        assert result.finish_reason == "eos", result.output_text
+        assert result.generated_tokens <= 48
         assert isinstance(json.loads(result.output_text), dict)
-    for result in results:
-        assert result.output_text.startswith("{")
-        assert result.finish_reason in ("eos", "length")
 
 
 def test_grammar_constraint_limits_output_to_its_language(engine):
@@ -103,11 +97,12 @@ def test_a_grammar_with_no_closing_path_is_cut_and_warns(engine, caplog, monkeyp
     # The closing walk cannot satisfy this pattern byte by byte: no minimum, no closing; the
     # budget cuts the output and the warning says so.
     monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
-    schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^a+b$"}}, "required": ["text"]}
+    schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^a+(bc)+d$"}}, "required": ["text"]}
+    assert engine._constraints.compile(OutputConstraint(json_schema=schema), 8).minimum_tokens is None
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
         result = engine.generate("Write.", max_new_tokens=8, constraint={"json_schema": schema})
     assert result.generated_tokens == 8
-    if result.finish_reason == "length":
+    if result.finish_reason == "length":  # (the tiny model's greedy text is not known here)
         assert result.output_text.startswith('{"text": "')
         assert "raise max_new_tokens" in caplog.text
 
