@@ -13,7 +13,7 @@ preference list (``"`` ends a string, ``}`` and ``]`` end objects and arrays, ``
 shortest number); at the first choice point the two best allowed bytes are both tried and the
 shorter finish kept, so a ``}`` after ``{`` beats opening an optional key. A choice point where
 no preferred byte is allowed takes the lowest allowed printable ASCII byte (a letter a pattern
-needs). The path is a valid finish, short but not always the shortest one; the guarantee rests
+needs; the first choice point compares the two lowest). The path is a valid finish, short but not always the shortest one; the guarantee rests
 only on its validity. A grammar where this walk finds no finish within its limits (a pattern it
 cannot satisfy byte by byte, a ``minLength`` of hundreds) has no known path: it decodes as
 before, without closing.
@@ -126,8 +126,8 @@ class ClosingPlanner:
         return best
 
     def _allowed_bytes(self, matcher: Any) -> list[int]:
-        """The preferred bytes the grammar allows next, best first; else the lowest allowed
-        printable ASCII byte alone; else none."""
+        """The preferred bytes the grammar allows next, best first; else the two lowest
+        allowed printable ASCII bytes; else none."""
         mask = matcher.compute_bitmask()
 
         def allows(byte: int) -> bool:
@@ -137,4 +137,10 @@ class ClosingPlanner:
         preferred = [b for b in self._preferred if allows(b)]
         if preferred:
             return preferred
-        return next(([b] for b in self._ascending if allows(b)), [])
+        lowest: list[int] = []
+        for byte in self._ascending:
+            if allows(byte):
+                lowest.append(byte)
+                if len(lowest) == 2:
+                    break
+        return lowest
