@@ -19,6 +19,7 @@ from llama_index.llms.kvboost import KVBoostLLM
 from pydantic import BaseModel, Field
 
 from kvboost_rag import InvalidInputError, KVBoost
+from kvboost_rag.tool_calls import call_text
 
 pytest.importorskip("llguidance", reason="function calling needs kvboost-rag[constrained]")
 
@@ -96,10 +97,40 @@ def test_without_tool_required_the_reply_is_text_or_a_call(llm: KVBoostLLM, look
             llm.get_tool_calls_from_response(response)
 
 
-def test_cut_call_names_the_budget(llm: KVBoostLLM, lookup: FunctionTool) -> None:
-    response = llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=5)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        llm.get_tool_calls_from_response(response)
+def test_a_budget_below_the_shortest_call_is_refused_naming_the_minimum(llm: KVBoostLLM, lookup: FunctionTool) -> None:
+    with pytest.raises(InvalidInputError, match=r"max_new_tokens=5 is below the \d+ tokens") as refused:
+        llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=5)
+    minimum = int(str(refused.value).split("at least ")[1].split()[0])
+    response = llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=minimum)
+    [selection] = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "lookup" and selection.tool_kwargs["section"] in ("reference", "library", "tutorial")
+
+
+def test_parallel_tool_calls_parse_with_distinct_ids(
+    llm: KVBoostLLM, lookup: FunctionTool, add: FunctionTool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's tests show the grammar yields several calls; these random weights end after
+    # the first, so the reply is replaced by two calls, and the grammar is checked to hold them.
+    two = call_text("lookup", {"section": "library"}) + "\n" + call_text("add", {"a": 1, "b": 2})
+    constraints = []
+    real = llm.engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        constraints.append(params["constraint"])
+        return real(prompt, **params).model_copy(update={"output_text": two})
+
+    monkeypatch.setattr(llm.engine, "generate", generate)
+    response = llm.chat_with_tools([lookup, add], user_msg="find", tool_required=True, allow_parallel_tool_calls=True)
+    selections = llm.get_tool_calls_from_response(response)
+    assert [(s.tool_name, s.tool_kwargs) for s in selections] == [("lookup", {"section": "library"}), ("add", {"a": 1, "b": 2})]
+    assert len({s.tool_id for s in selections}) == 2
+    guide = llm.engine._constraints.compile(constraints[0])
+    assert all(guide.advance(token) for token in llm.engine.token_ids(two)) and guide.complete
+    llm.chat_with_tools([lookup, add], user_msg="find", tool_required=True)
+    single = llm.engine._constraints.compile(constraints[1])
+    with pytest.raises(RuntimeError, match="constrained decoding failed"):
+        for token in llm.engine.token_ids(two):
+            single.advance(token)
 
 
 def test_predict_and_call_runs_the_tool(llm: KVBoostLLM, lookup: FunctionTool, calls: list[str]) -> None:
@@ -158,8 +189,8 @@ def test_astructured_predict_and_structured_llm(llm: KVBoostLLM) -> None:
     assert Answer.model_validate_json(response.message.content) == response.raw
 
 
-def test_structured_predict_cut_by_the_budget_says_so(llm: KVBoostLLM) -> None:
-    with pytest.raises(ValueError, match="raise max_new_tokens"):
+def test_structured_predict_below_the_minimum_budget_says_so(llm: KVBoostLLM) -> None:
+    with pytest.raises(InvalidInputError, match="raise max_new_tokens to at least"):
         llm.structured_predict(Answer, PromptTemplate("Is a tuple immutable?"), llm_kwargs={"max_new_tokens": 3})
 
 

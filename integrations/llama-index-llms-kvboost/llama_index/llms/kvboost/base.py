@@ -92,7 +92,9 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     arguments, or to JSON valid for the output class (needs ``kvboost-rag[constrained]``).
     Tools reach the prompt through the chat template's ``tools=`` when it renders them, else
     as a "# Tools" section of the system message (``kvboost_rag.tool_calls``). One tool call
-    per turn.
+    per turn, or one or more with ``allow_parallel_tool_calls`` (``FunctionAgent``'s default).
+    Calls and structured outputs close within ``max_new_tokens``: a budget below what the
+    shortest valid output takes is an ``InvalidInputError`` naming that minimum.
 
     Examples:
         ```python
@@ -498,7 +500,8 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
                 ``additional_kwargs["tool_call_id"]``).
             **kwargs: The generation keywords of :meth:`complete`, and ``tools``
                 (OpenAI-style definitions), ``tool_choice`` (``"auto"``, ``"required"``, a
-                tool name, ``"none"``), ``tool_required``, ``response_format``
+                tool name, ``"none"``), ``tool_required``, ``allow_parallel_tool_calls``,
+                ``response_format``
                 (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
                 {"schema": ...}}``).
         """
@@ -551,10 +554,9 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """``chat`` arguments for ``chat_with_tools``: ``tool_required`` (or a ``tool_choice``
-        keyword) constrains decoding to a call; otherwise the reply is text or one call."""
-        if allow_parallel_tool_calls:
-            logger.debug("KVBoostLLM makes one tool call per turn; allow_parallel_tool_calls is ignored")
-        return chat_with_tools_arguments(tools, user_msg, chat_history, tool_required, kwargs)
+        keyword) constrains decoding to calls; otherwise the reply is text or calls. One call,
+        or with ``allow_parallel_tool_calls`` one or more (each with its own id)."""
+        return chat_with_tools_arguments(tools, user_msg, chat_history, tool_required, kwargs, allow_parallel_tool_calls)
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
