@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -251,6 +252,30 @@ class ConstraintCompiler:
                 (the message quotes the reason), or ``budget`` is below the fewest tokens a
                 valid output takes (the message names that minimum).
         """
+        guide = self._guide(constraint, budget)
+        minimum = guide.minimum_tokens
+        what = _kind(constraint)
+        if budget is not None and minimum is None:
+            logger.debug("no closing path found for this %s: the output is not closed within its budget", what)
+        if budget is not None and minimum is not None and budget < minimum:
+            raise InvalidInputError(
+                f"max_new_tokens={budget} is below the {minimum} tokens the shortest output valid for this "
+                f"{what} takes; raise max_new_tokens to at least {minimum} (or shorten the prompt when the "
+                "context window is what limits it)"
+            )
+        return guide
+
+    def minimum_tokens(self, constraint: OutputConstraint) -> int | None:
+        """The fewest tokens an output valid for ``constraint`` takes (its closing path from
+        the start, end of sequence excluded): the smallest budget :meth:`compile` accepts.
+        ``None`` when no closing path is known (such a constraint is not closed).
+
+        Raises:
+            InvalidInputError: As :meth:`compile`, but never for the budget.
+        """
+        return self._guide(constraint, sys.maxsize).minimum_tokens
+
+    def _guide(self, constraint: OutputConstraint, budget: int | None) -> GrammarGuide:
         try:
             import llguidance
         except ImportError:
@@ -261,21 +286,16 @@ class ConstraintCompiler:
             raise InvalidInputError(f"invalid output constraint: {exc}") from None
         view = self._tokenizer_view()
         matcher = llguidance.LLMatcher(view, grammar, log_level=0)
-        what = "JSON schema" if constraint.json_schema is not None else "grammar"
         if matcher.is_error():
+            what = _kind(constraint)
             raise InvalidInputError(
                 f"invalid {what} for constrained decoding: {matcher.get_error()}; fix the {what} "
                 "(JSON schemas: draft 2020-12 keywords, local $refs only)"
             )
         eos_ids = self._eos_ids or [int(view.eos_token)]
-        guide = GrammarGuide(matcher, self._vocab_size, self._planner, budget, eos_ids)
-        minimum = guide.minimum_tokens
-        if budget is not None and minimum is None:
-            logger.debug("no closing path found for this %s: the output is not closed within its budget", what)
-        if budget is not None and minimum is not None and budget < minimum:
-            raise InvalidInputError(
-                f"max_new_tokens={budget} is below the {minimum} tokens the shortest output valid for this "
-                f"{what} takes; raise max_new_tokens to at least {minimum} (or shorten the prompt when the "
-                "context window is what limits it)"
-            )
-        return guide
+        return GrammarGuide(matcher, self._vocab_size, self._planner, budget, eos_ids)
+
+
+def _kind(constraint: OutputConstraint) -> str:
+    """How messages name ``constraint``: ``"JSON schema"`` or ``"grammar"``."""
+    return "JSON schema" if constraint.json_schema is not None else "grammar"

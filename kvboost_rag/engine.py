@@ -17,7 +17,7 @@ from kvboost_rag.batch_decode import DecodeSequence, decode_step
 from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide
+from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide, OutputConstraint
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -614,6 +614,26 @@ class KVBoost:
         stream = GenerationStream(iter(()))
         stream._pieces = self._run(stream, tokens, resolved, start, guide)
         return stream
+
+    def min_new_tokens(self, constraint: OutputConstraint | Mapping[str, Any]) -> int | None:
+        """The smallest ``max_new_tokens`` a call constrained by ``constraint`` accepts: the
+        tokens of the shortest valid output (end of sequence excluded). Any budget from it up
+        gives a valid output; a smaller one is an :class:`InvalidInputError` naming it.
+
+        Args:
+            constraint: An :class:`~kvboost_rag.constrained.OutputConstraint` or a dict of its
+                fields (what ``generate(..., constraint=...)`` takes).
+
+        Returns:
+            The minimum, or ``None`` when the engine finds no way to close this constraint's
+            outputs (then any budget is accepted and the output is not closed within it).
+
+        Raises:
+            InvalidInputError: An invalid constraint, or llguidance not installed.
+        """
+        resolved = GenerationOptions.resolve(None, {"constraint": constraint}).constraint
+        assert resolved is not None
+        return self._constraints.minimum_tokens(resolved)
 
     def generate_batch(
         self, prompts: Sequence[str], options: GenerationOptions | None = None, **overrides: Any

@@ -52,3 +52,4 @@ def test_minimum_tokens_is_the_first_paths_length(compiler, tokenizer):
     guide = compiler.compile(OutputConstraint(json_schema={"type": "object"}), budget=5)
     assert guide.minimum_tokens == len(tokenizer("{}", add_special_tokens=False)["input_ids"])
     assert compiler.compile(OutputConstraint(json_schema={"type": "object"})).minimum_tokens is None
+    assert compiler.minimum_tokens(OutputConstraint(json_schema={"type": "object"})) == guide.minimum_tokens

@@ -87,7 +87,7 @@ def test_budget_below_the_minimum_is_refused_before_prefill(engine):
         engine.stream("Write.", max_new_tokens=8, constraint={"json_schema": schema})
     assert engine._scheduler.admitted == 0
     minimum = int(re.search(r"below the (\d+) tokens", str(refused.value)).group(1))
-    assert minimum > 8
+    assert minimum > 8 and engine.min_new_tokens({"json_schema": schema}) == minimum
     result = engine.generate("Write.", max_new_tokens=minimum, temperature=1.0, seed=0, constraint={"json_schema": schema})
     assert result.finish_reason == "eos"
     assert len(json.loads(result.output_text)["text"]) >= 40
@@ -99,6 +99,7 @@ def test_a_grammar_with_no_closing_path_is_cut_and_warns(engine, caplog, monkeyp
     monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
     schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^a+(bc)+d$"}}, "required": ["text"]}
     assert engine._constraints.compile(OutputConstraint(json_schema=schema), 8).minimum_tokens is None
+    assert engine.min_new_tokens(OutputConstraint(json_schema=schema)) is None
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
         result = engine.generate("Write.", max_new_tokens=8, constraint={"json_schema": schema})
     assert result.generated_tokens == 8
@@ -211,3 +212,8 @@ def test_a_bad_constraint_fails_the_whole_batch_before_any_prefill(make_engine):
     with pytest.raises(InvalidInputError):
         engine.generate_batch(["Look something up.", "Again."], constraint={"json_schema": {"type": "no-such-type"}})
     assert engine._scheduler.admitted == 0
+
+
+def test_min_new_tokens_validates_the_constraint(engine):
+    with pytest.raises(InvalidInputError, match="constraint"):
+        engine.min_new_tokens({"json_schema": {"type": "object"}, "grammar": "start: /a/"})

@@ -267,10 +267,11 @@ REPORT_SCHEMA = {
 
 
 def _minimum(engine, constraint) -> int:
-    """The minimum budget the refusal of a 1-token budget names."""
-    with pytest.raises(InvalidInputError, match=r"max_new_tokens=1 is below the (\d+) tokens") as refused:
-        engine.stream("Hello.", max_new_tokens=1, constraint=constraint)
-    return int(str(refused.value).split("below the ")[1].split()[0])
+    """The engine's minimum budget, checked against the one the refusal of a smaller budget names."""
+    minimum = engine.min_new_tokens(constraint)
+    with pytest.raises(InvalidInputError, match=rf"max_new_tokens={minimum - 1} is below the {minimum} tokens"):
+        engine.stream("Hello.", max_new_tokens=minimum - 1, constraint=constraint)
+    return minimum
 
 
 def _budgets(minimum: int) -> list[int]:
