@@ -10,13 +10,15 @@ the constraint's minimum budget.
 The path is found on bytes, then tokenized: the bytes llguidance forces come first (keys,
 separators, constant names), and at each choice point the first allowed byte of a short
 preference list (``"`` ends a string, ``}`` and ``]`` end objects and arrays, ``0`` is the
-shortest number); at the first choice point the two best allowed bytes are both tried and the
-shorter finish kept, so a ``}`` after ``{`` beats opening an optional key. A choice point where
-no preferred byte is allowed takes the lowest allowed printable ASCII byte (a letter a pattern
-needs; the first choice point compares the two lowest). The path is a valid finish, short but not always the shortest one; the guarantee rests
-only on its validity. A grammar where this walk finds no finish within its limits (a pattern it
-cannot satisfy byte by byte, a ``minLength`` of hundreds) has no known path: it decodes as
-before, without closing.
+shortest number, a newline ends a line of free text), a newline first where it ends a line
+(after it the output may end or the grammar forces what follows; in free text ``"`` is one
+more character); at the first choice point the two best allowed bytes are both tried
+and the shorter finish kept, so a ``}`` after ``{`` beats opening an optional key. A choice
+point where no preferred byte is allowed takes the lowest allowed printable ASCII byte (a
+letter a pattern needs; the first choice point compares the two lowest). The path is a valid
+finish, short but not always the shortest one; the guarantee rests only on its validity. A
+grammar where this walk finds no finish within its limits (a pattern it cannot satisfy byte by
+byte, a ``minLength`` of hundreds) has no known path: it decodes as before, without closing.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: Bytes tried at a choice point, best first: end a string, an object, an array; the shortest
-#: number; end an item.
-PREFERRED_BYTES = b'"}]0,'
+#: number; end an item; end a line (free text that a newline ends).
+PREFERRED_BYTES = b'"}]0,\n'
+
+NEWLINE = 10
 
 #: Longest closing path searched, in bytes.
 MAX_CLOSING_BYTES = 4096
@@ -54,12 +58,12 @@ class ClosingPlanner:
         self._max_bytes = max_bytes
         self._max_choices = max_choices
         self._byte_token: dict[int, int] = {}
-        for byte in range(32, 127):
+        for byte in [NEWLINE, *range(32, 127)]:
             tokens = tokenizer.tokenize_bytes(bytes([byte]))
             if len(tokens) == 1:
                 self._byte_token[byte] = tokens[0]
         self._preferred = [b for b in PREFERRED_BYTES if b in self._byte_token]
-        self._ascending = sorted(self._byte_token)
+        self._ascending = sorted(set(self._byte_token) - {NEWLINE})
 
     def path(self, matcher: Any) -> list[int] | None:
         """Tokens that complete ``matcher``'s grammar from its current state (``[]`` when it
@@ -99,7 +103,7 @@ class ClosingPlanner:
                 choices += 1
                 if choices > self._max_choices or len(path) >= self._max_bytes:
                     return None
-                allowed = self._allowed_bytes(matcher)
+                allowed = self._ranked(matcher, self._allowed_bytes(matcher))
                 if not allowed:
                     return None
                 if compare and len(allowed) > 1:
@@ -124,6 +128,21 @@ class ClosingPlanner:
             if rest is not None and (best is None or len(rest) + 1 < len(best)):
                 best = [byte, *rest]
         return best
+
+    def _ranked(self, matcher: Any, allowed: list[int]) -> list[int]:
+        """``allowed``, with a newline first when it ends a line of free text (after it the
+        output may end or the grammar forces what comes next): there ``"`` and the other
+        preferred bytes are one more character each. Only a newline is probed: JSON without
+        free whitespace never allows one, and probing every byte of a free JSON value can
+        exhaust the matcher's per-step budget."""
+        if NEWLINE not in allowed or allowed[0] == NEWLINE:
+            return allowed
+        matcher.consume_token(self._byte_token[NEWLINE])
+        try:
+            ends_line = matcher.is_accepting() or bool(matcher.compute_ff_bytes())
+        finally:
+            matcher.rollback(1)
+        return [NEWLINE, *[b for b in allowed if b != NEWLINE]] if ends_line else allowed
 
     def _allowed_bytes(self, matcher: Any) -> list[int]:
         """The preferred bytes the grammar allows next, best first; else the two lowest

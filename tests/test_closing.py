@@ -42,6 +42,12 @@ def test_closing_paths_finish_the_output_shortly(compiler, tokenizer, schema, wr
     assert _closing_text(compiler, tokenizer, constraint, written) == closing
 
 
+def test_a_free_line_is_closed_by_its_newline(compiler, tokenizer):
+    # In free text '"' is one more character: the newline that ends the line comes first.
+    constraint = OutputConstraint(grammar='start: "Thought: " LINE "\\n" "Done."\nLINE: /[^\\s][^\\n]*/')
+    assert _closing_text(compiler, tokenizer, constraint, 'Thought: I think "so') == "\nDone."
+
+
 def test_a_grammar_path_ends_where_the_grammar_may_end(compiler, tokenizer):
     constraint = OutputConstraint(grammar='start: "yes" | "no" | "maybe later"')
     assert _closing_text(compiler, tokenizer, constraint) in ("yes", "no")
