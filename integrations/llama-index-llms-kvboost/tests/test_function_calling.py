@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import pytest
 from llama_index.core import VectorStoreIndex
-from llama_index.core.agent.workflow import FunctionAgent
+from llama_index.core.agent.react.formatter import ReActChatFormatter
+from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document
@@ -249,3 +250,39 @@ def test_stream_structured_predict_ends_with_a_valid_instance(llm: KVBoostLLM) -
         return [p async for p in await llm.astream_structured_predict(Answer, prompt, kind="tuple")]
 
     assert isinstance(asyncio.run(collect())[-1], Answer)
+
+
+def test_react_agent_acts_then_answers_in_its_format(tiny_engine: KVBoost, lookup: FunctionTool, calls: list[str]) -> None:
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=48, temperature=1.0, seed=3, react_tool_steps=1)
+    agent = ReActAgent(tools=[lookup], llm=llm)
+
+    async def run() -> Any:
+        return await agent.run("Which section explains the with statement?", max_iterations=3)
+
+    answer = asyncio.run(run())
+    assert calls and calls[0] in ("reference", "library", "tutorial")  # the action's input fit the tool
+    assert [c.tool_name for c in answer.tool_calls] == ["lookup"]
+    assert isinstance(str(answer), str)
+
+
+@pytest.mark.parametrize("react_grammar", [True, False])
+def test_react_prompts_are_constrained_unless_turned_off(
+    tiny_engine: KVBoost, lookup: FunctionTool, monkeypatch: pytest.MonkeyPatch, react_grammar: bool
+) -> None:
+    constraints: list[Any] = []
+    real = tiny_engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        constraints.append(params.get("constraint"))
+        return real(prompt, **params)
+
+    monkeypatch.setattr(tiny_engine, "generate", generate)
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=48, react_grammar=react_grammar)
+    messages = ReActChatFormatter.from_defaults().format([lookup], [ChatMessage(role=MessageRole.USER, content="Hi")])
+    llm.chat(messages)
+    llm.chat([ChatMessage(role=MessageRole.SYSTEM, content="Be brief."), ChatMessage(role=MessageRole.USER, content="Hi")])
+    assert constraints[1] is None
+    if react_grammar:
+        assert constraints[0] is not None and '"lookup\\nAction Input: "' in constraints[0].grammar
+    else:
+        assert constraints[0] is None

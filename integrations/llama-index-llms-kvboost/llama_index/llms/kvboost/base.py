@@ -50,6 +50,7 @@ from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.react import react_call_format
 from kvboost_rag.tool_calls import CallFormat, render_chat
 
 if TYPE_CHECKING:
@@ -139,6 +140,24 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     reuse: bool = Field(
         default=True,
         description="Reuse cached K/V. False runs a full prefill on every call (the baseline to compare with).",
+    )
+    react_grammar: bool = Field(
+        default=True,
+        description=(
+            "Constrain replies to a ReAct prompt (the system message of LlamaIndex's ReActChatFormatter, "
+            "as ReActAgent sends it) to one step of its format: a thought, then an action naming one of "
+            "its tools with arguments valid for the tool's schema, or an answer."
+        ),
+    )
+    react_tool_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "With react_grammar: None lets the model act or answer at every ReAct step; n makes the "
+            "first n steps after a question call a tool and the next one answer (as FunctionAgent's "
+            "initial_tool_choice forces a first call). Small models left to choose tend to answer "
+            "before searching, or to search again and again."
+        ),
     )
     is_chat_model: bool = Field(
         default=True,
@@ -459,14 +478,24 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     def _complete_sync(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
         return self._generate(self._completion_prompt(prompt, formatted), kwargs)
 
+    def _output_format(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> CallFormat:
+        """The tools and constraint of a chat call (taken out of ``kwargs``); with none given,
+        the ReAct step constraint when the conversation is a ReAct prompt (``react_grammar``)."""
+        output_format = pop_call_format(kwargs)
+        react = self.react_grammar and output_format.constraint is None
+        if react and messages and messages[0].role == MessageRole.SYSTEM:
+            later = [(str(m.role.value), m.content or "") for m in messages[1:]]
+            return react_call_format(messages[0].content, later, self.react_tool_steps) or output_format
+        return output_format
+
     def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         kwargs = dict(kwargs)
-        output_format = pop_call_format(kwargs)
+        output_format = self._output_format(messages, kwargs)
         return _as_chat(self._generate(self._chat_prompt(messages, output_format), kwargs, output_format), output_format)
 
     def _chat_stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         kwargs = dict(kwargs)
-        output_format = pop_call_format(kwargs)
+        output_format = self._output_format(messages, kwargs)
         responses = self._stream(self._chat_prompt(messages, output_format), kwargs, output_format)
         return _as_chat_stream(responses, output_format)
 
