@@ -10,8 +10,8 @@ describes them in its system message and parses the reply's text, one of::
     Thought: I can answer without using any more tools.
     Answer: A decorator wraps a function.
 
-A small model left free writes neither (SmolLM2-135M answers the question at once, or writes an
-``Observation:`` of its own). :func:`react_tools` reads the tools from the system message
+A small model left free may write neither (SmolLM2-135M answered the question at once, in plain
+text, without searching). :func:`react_tools` reads the tools from the system message
 LlamaIndex's ``ReActChatFormatter`` writes (each tool as ``> Tool Name:`` / ``Tool
 Description:`` / ``Tool Args:`` lines, and the ``Action: tool name (one of ...)`` line of its
 output format), and :func:`react_constraint` constrains the reply to one step of that format:
@@ -27,6 +27,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from kvboost_rag.constrained import JSON_LAYOUT, OutputConstraint
 from kvboost_rag.errors import InvalidInputError
@@ -44,7 +45,9 @@ OBSERVATION = "Observation:"
 ANY_STEP, ACTION, ANSWER = "any", "action", "answer"
 
 #: One tool's description: its name, then (after a description of any length) its argument schema.
-_TOOL = re.compile(r"^> Tool Name: (?P<name>[^\n]+)$(?:(?!^> Tool Name: ).)*?^Tool Args: (?P<args>[^\n]*)$", re.M | re.S)
+_TOOL = re.compile(
+    r"^> Tool Name: (?P<name>[^\n]+)$(?:(?!^> Tool Name: ).)*?^Tool Args: (?P<args>[^\n]*)$", re.M | re.S
+)
 
 
 def react_tools(system_text: str) -> list[ToolSpec] | None:
@@ -57,7 +60,7 @@ def react_tools(system_text: str) -> list[ToolSpec] | None:
     if marker is None:
         return None
     names = [name.strip() for name in marker.group("names").split(",") if name.strip()]
-    schemas: dict[str, dict] = {}
+    schemas: dict[str, dict[str, Any]] = {}
     for match in _TOOL.finditer(system_text):
         try:
             schema = json.loads(match.group("args"))
