@@ -90,7 +90,9 @@ class DecodeSequence:
             if self.assembler.stopped:
                 self.finish_reason = "stop"
             elif self.produced >= self.budget:
-                self.finish_reason = "length"
+                # A constrained output that closed on its last token ended, it was not cut.
+                guide = self.sampling.guide
+                self.finish_reason = "eos" if guide is not None and guide.finished else "length"
             else:
                 self.token = token
         if self.done:

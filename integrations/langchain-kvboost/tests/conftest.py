@@ -37,6 +37,6 @@ class BagOfWordsEmbeddings(Embeddings):
         return self._embed(text)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def embeddings() -> BagOfWordsEmbeddings:
     return BagOfWordsEmbeddings()
