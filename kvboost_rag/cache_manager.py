@@ -14,13 +14,20 @@ stored in the tiers (:class:`~kvboost_rag.document_shelf.DocumentShelf`), so a f
 over the same disk folder or Redis finds stored documents; the in-process indexes (the
 registry's anchors and the :class:`~kvboost_rag.prefix_index.PrefixIndex`) count against
 ``max_cache_bytes`` and drop what no tier holds any more.
+
+A document is one unit: the memory tier evicts its record and its chunks together (the
+manager names each entry's group, :meth:`CacheManager.group_of`), and when any of them leaves
+every tier (a disk tier's own eviction, a corrupt entry), the rest of the document is deleted
+and the registry forgets it, so no chunk outlives its record and no record points at missing
+chunks. Documents dropped that way are counted and remembered by their anchor, so a prompt
+that holds one is told why it missed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,12 +35,13 @@ import torch
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.document_shelf import DocumentShelf
+from kvboost_rag.hashing import anchor_hash
 from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
 from kvboost_rag.prefix_index import PrefixIndex
-from kvboost_rag.segments import DocumentRecord, DocumentRegistry
+from kvboost_rag.segments import ANCHOR_CHARS, DocumentRecord, DocumentRegistry, anchor_of
 from kvboost_rag.storage import TieredStore
 
 logger = logging.getLogger(__name__)
@@ -41,6 +49,12 @@ _warnings = RateLimitedLogger(logger)
 
 #: Owner name of the indexes' reservation in the memory tier.
 INDEX_RESERVATION = "indexes"
+#: Estimated bytes of one document's entry in the ownership map, besides its chunk keys.
+DOCUMENT_ENTRY_BYTES = 240
+#: Estimated bytes of one chunk key in the ownership maps (key string, set, dict slots).
+OWNED_CHUNK_BYTES = 360
+#: Evicted documents remembered (by anchor) to explain a prompt that misses them.
+MAX_EVICTED_REMEMBERED = 4096
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,15 @@ class CacheManager:
         self._device, self._dtype = device, dtype
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        # digest -> (anchor, chunk keys) of documents seen in this process; chunk -> digests.
+        self._documents: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self._owners: dict[str, set[str]] = {}
+        self._owned_chunks = 0
+        self._evicted: OrderedDict[int, str] = OrderedDict()
+        self._maps_lock = threading.RLock()
+        self._bytes_per_token: float | None = None
+        self.shelf.on_record = self.note_document
+        store.group_by(self.group_of)
         store.on_gone(self._forget)
         self.attach_stored_documents()
 
@@ -123,19 +146,100 @@ class CacheManager:
     @property
     def index_bytes(self) -> int:
         """Estimated bytes of the in-process indexes (counted in the memory budget)."""
-        return self.registry.nbytes + self.prefix_index.nbytes
+        with self._maps_lock:
+            owned = len(self._documents) * DOCUMENT_ENTRY_BYTES + self._owned_chunks * OWNED_CHUNK_BYTES
+        return self.registry.nbytes + self.prefix_index.nbytes + owned
+
+    # ------------------------------------------------------------------ documents as units
+    def note_document(self, record: DocumentRecord) -> None:
+        """Learn which chunks belong to ``record`` (so they are evicted and dropped with it)."""
+        with self._maps_lock:
+            if record.digest in self._documents:
+                return
+            self._documents[record.digest] = (anchor_of(record.text), record.chunk_keys)
+            for key in record.chunk_keys:
+                self._owners.setdefault(key, set()).add(record.digest)
+            self._owned_chunks += len(record.chunk_keys)
+            self._evicted.pop(anchor_of(record.text), None)
+
+    def group_of(self, key: str) -> str | None:
+        """The eviction group of an entry: its document's digest for a record or a document
+        chunk, ``None`` (a group of its own) for a prefix chunk."""
+        parsed = self.shelf.parse_key(key)
+        if parsed is not None:
+            return parsed[1]
+        with self._maps_lock:
+            owners = self._owners.get(key)
+            return min(owners) if owners else None
+
+    def record_key(self, record: DocumentRecord) -> str:
+        """Key of ``record``'s stored entry."""
+        return self.shelf.key_of(anchor_of(record.text), record.digest)
+
+    def kept_in(self, record: DocumentRecord) -> list[str]:
+        """Names of the tiers holding ``record`` and every one of its chunks."""
+        keys = [self.record_key(record), *record.chunk_keys]
+        return [tier.name for tier in self.store.tiers if all(key in tier for key in keys)]
+
+    def documents_by_tier(self) -> dict[str, int]:
+        """Document records each tier holds (reads key names only)."""
+        return {tier.name: sum(1 for _ in tier.keys_with_prefix(self.shelf.prefix)) for tier in self.store.tiers}
+
+    def evicted_in(self, text: str) -> int:
+        """How many documents that were stored and then evicted start somewhere in ``text``."""
+        with self._maps_lock:
+            if not self._evicted:
+                return 0
+            evicted = set(self._evicted)
+        found = 0
+        i, end = 0, len(text) - ANCHOR_CHARS
+        while i <= end:
+            if anchor_hash(text[i : i + ANCHOR_CHARS]) in evicted:
+                found += 1
+                i += ANCHOR_CHARS
+            else:
+                i += 1
+        return found
 
     def charge_indexes(self) -> None:
         """Count the indexes' bytes against the memory budget (evicting entries if needed)."""
         self.store.reserve(INDEX_RESERVATION, self.index_bytes)
 
     def _forget(self, key: str) -> None:
-        """A key left every tier: drop what describes it."""
+        """A key left every tier: drop what describes it, and the rest of its document."""
         parsed = self.shelf.parse_key(key)
+        doomed: list[str] = []
         if parsed is not None:
-            self.registry.forget(*parsed)
+            anchor, digest = parsed
+            indexed = self.registry.forget(anchor, digest)
+            with self._maps_lock:
+                known = self._documents.pop(digest, None)
+                if known is not None:
+                    self._owned_chunks -= len(known[1])
+                    for chunk in known[1]:
+                        owners = self._owners.get(chunk)
+                        if owners is not None:
+                            owners.discard(digest)
+                            if not owners:
+                                del self._owners[chunk]
+                                doomed.append(chunk)
+                if indexed or known is not None:
+                    self._evicted[anchor] = digest
+                    self._evicted.move_to_end(anchor)
+                    while len(self._evicted) > MAX_EVICTED_REMEMBERED:
+                        self._evicted.popitem(last=False)
+            if indexed or known is not None:
+                self._count({"documents_evicted": 1})
         else:
             self.prefix_index.drop(key)
+            with self._maps_lock:
+                for digest in self._owners.get(key, ()):
+                    known = self._documents.get(digest)
+                    if known is not None:
+                        doomed.append(self.shelf.key_of(known[0], digest))
+        for other in doomed:
+            if self.store.contains(other):
+                self.store.delete(other)
 
     # ------------------------------------------------------------------ blocks
     def load(self, key: str) -> KVBlock | None:
@@ -212,6 +316,19 @@ class CacheManager:
             return None
         return PrefixPiece(best[1], pos, best[0], block)
 
+    def bytes_per_token(self) -> float:
+        """Bytes a stored K/V entry takes per token with these settings (one chunk measured)."""
+        if self._bytes_per_token is None:
+            layers, heads, head_dim = self.layout.as_tuple()
+            size = self.settings.chunk_size
+            zeros = torch.zeros(layers, heads, size, head_dim, dtype=self._dtype)
+            block = KVBlock(keys=zeros, values=zeros, token_ids=torch.zeros(size, dtype=torch.long), start_position=0)
+            entry = encode_block(
+                block, fingerprint=self.fingerprint, bits=self.settings.kv_cache_bits, group_size=self.settings.kv_group_size
+            )
+            self._bytes_per_token = entry.nbytes / size
+        return self._bytes_per_token
+
     def missing_chunks(self, record: DocumentRecord) -> list[int]:
         """Indices of the document's chunks that no tier holds."""
         return [i for i, key in enumerate(record.chunk_keys) if not self.store.contains(key)]
@@ -256,6 +373,8 @@ class CacheManager:
         if store_documents:
             for document in outcome.documents:
                 record = document.record
+                self.note_document(record)
+                stored_before = len(stored_chunks)
                 for index, key in enumerate(record.chunk_keys):
                     if key in outcome.loaded_chunks or key in stored_chunks or self.store.contains(key):
                         continue
@@ -273,6 +392,9 @@ class CacheManager:
                     )
                     stored_chunks.append(key)
                     document_tokens += length
+                if len(stored_chunks) > stored_before:
+                    # The record goes in after its chunks: the document's newest entry.
+                    self.registry.register(record)
         if saved or stored_chunks:
             self._count({"stored_entries": saved + len(stored_chunks)})
         self.charge_indexes()
@@ -301,4 +423,9 @@ class CacheManager:
         self.store.clear()
         self.prefix_index.clear()
         self.registry = DocumentRegistry(self.shelf)
+        with self._maps_lock:
+            self._documents.clear()
+            self._owners.clear()
+            self._owned_chunks = 0
+            self._evicted.clear()
         self.charge_indexes()

@@ -54,12 +54,22 @@ class KVBoostSettings(BaseModel):
         kv_cache_bits: Store K/V quantized to 8 or 4 bits; ``None`` keeps the model's dtype.
         kv_group_size: Quantization group size: tokens per key group (keys are quantized per
             channel), channels per value group (values are quantized per token).
-        max_cache_bytes: Byte budget of the in-memory tier.
+        max_cache_bytes: Byte budget of the in-memory tier. Documents (record and K/V chunks)
+            are evicted whole; prefix chunks no prompt reused go first, pinned beginnings last.
+            The embedded model's float32 K/V takes about 46 KB a token, so 2 GiB holds about
+            45k tokens (about 110 documents of 400 tokens).
         device_cache_bytes: Byte budget of the hot tier in GPU memory, above the memory tier,
             used when the model runs on CUDA (the memory tier then keeps entries in pinned
             memory, so copies to the GPU are asynchronous). 0 disables it; ignored on CPU.
-        disk_cache_dir: Folder of the disk tier; ``None`` disables it.
-        max_disk_bytes: Byte budget of the disk tier.
+        disk_cache_dir: Folder of the disk tier. ``"auto"`` (default): an overflow tier in
+            ``$KVBOOST_RAG_KV_CACHE``, else ``$KVBOOST_RAG_HOME/kv-cache`` (default
+            ``~/.cache/kvboost-rag/kv-cache``), that receives only what the memory tier evicts,
+            so a corpus larger than ``max_cache_bytes`` stays usable; ``KVBOOST_RAG_KV_CACHE=off``
+            turns it off. A folder: a write-through tier (every entry is written; restarts and
+            other processes find them). ``None``: no disk tier (documents evicted from memory
+            are dropped whole and must be warmed again).
+        max_disk_bytes: Byte budget of the disk tier (least recently used files of any model go
+            first; shared by every process using the folder).
         redis_url: ``redis://host:port/db`` of a shared Redis tier; ``None`` disables it.
         redis_ttl_seconds: Expiry of entries written to Redis; ``None`` leaves eviction to the
             server.
@@ -126,7 +136,7 @@ class KVBoostSettings(BaseModel):
     kv_group_size: int = Field(32, ge=8, le=1024)
     max_cache_bytes: int = Field(2 * 1024**3, gt=0)
     device_cache_bytes: int = Field(1024**3, ge=0)
-    disk_cache_dir: Path | None = None
+    disk_cache_dir: Literal["auto"] | Path | None = "auto"
     max_disk_bytes: int = Field(20 * 1024**3, gt=0)
     redis_url: str | None = None
     redis_ttl_seconds: int | None = Field(None, gt=0)

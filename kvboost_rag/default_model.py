@@ -28,6 +28,22 @@ def cache_home() -> Path:
     return Path(os.environ.get("KVBOOST_RAG_HOME", Path.home() / ".cache" / "kvboost-rag"))
 
 
+#: Environment variable naming the folder of the automatic disk tier (``off`` disables it).
+KV_CACHE_ENV = "KVBOOST_RAG_KV_CACHE"
+
+
+def default_kv_cache_dir() -> Path | None:
+    """Folder of the automatic overflow disk tier (``disk_cache_dir="auto"``):
+    ``$KVBOOST_RAG_KV_CACHE``, else ``<cache home>/kv-cache``; ``None`` when that variable is
+    ``off`` (or empty)."""
+    value = os.environ.get(KV_CACHE_ENV)
+    if value is None:
+        return cache_home() / "kv-cache"
+    if value.strip().lower() in ("", "off", "0", "none", "false"):
+        return None
+    return Path(value)
+
+
 def default_model_dir() -> Path:
     """Folder of the converted default model, converting it on first use.
 

@@ -8,8 +8,9 @@ hash of its first characters and its text digest::
 
 Listing the keys under the namespace rebuilds the anchor index of a fresh process without
 reading any entry; a record is read only when a prompt holds its anchor (or its text is
-warmed or passed again). The memory tier holds records within ``max_cache_bytes`` like any
-entry and evicts them by the same policy; disk and Redis keep them across restarts.
+warmed or passed again). The memory tier holds records within ``max_cache_bytes`` and evicts
+each with its K/V chunks, as one group (the cache names the groups); disk and Redis keep them
+across restarts.
 
 Stored entries are untrusted input: the text must have the digest its key names, the tokens
 and spans must be well formed (spans ordered and inside the text), and the chunk keys are not
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -109,6 +110,8 @@ class DocumentShelf:
         self.chunk_size = chunk_size
         self.namespace = fingerprint_of(["document-records", fingerprint])[:16]
         self.prefix = f"doc-{self.namespace}-"
+        #: Called with every record read or saved (the cache learns which chunks it owns).
+        self.on_record: Callable[[DocumentRecord], None] | None = None
 
     def key_of(self, anchor: int, digest: str) -> str:
         """Key of the record with this anchor hash and text digest."""
@@ -124,6 +127,8 @@ class DocumentShelf:
     def save(self, record: DocumentRecord) -> None:
         """Store ``record`` in every tier (nothing is written when a tier holds it already)."""
         key = self.key_of(anchor_of(record.text), record.digest)
+        if self.on_record is not None:
+            self.on_record(record)
         if not self.store.contains(key):
             self.store.put(key, record_to_entry(record, self.fingerprint))
 
@@ -143,6 +148,8 @@ class DocumentShelf:
             _warnings.warning("misfiled-record", "dropping document record %s stored under another key", key[:24])
             self.store.delete(key)
             return None
+        if self.on_record is not None:
+            self.on_record(record)
         return record
 
     def stored(self) -> Iterator[tuple[int, str]]:

@@ -28,7 +28,8 @@ from kvboost_rag.errors import (
 )
 from kvboost_rag.hashing import root_hash
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.missed_documents import explain_missed_documents
+from kvboost_rag.corpus_fit import CorpusFit, kept_summary, summary_line
+from kvboost_rag.missed_documents import explain_evicted_documents, explain_missed_documents
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.outcome import PrefillOutcome
@@ -43,7 +44,7 @@ from kvboost_rag.results import (
 from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
-from kvboost_rag.storage import build_store
+from kvboost_rag.storage import DeviceTier, DiskTier, MemoryTier, build_store
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -353,14 +354,16 @@ class KVBoost:
         options.setdefault("registry", self._cache.registry)
         return build_plan(tokens, root=self._root, chunk_size=self.settings.chunk_size, **options)
 
-    def _document_record(self, text: str) -> DocumentRecord:
+    def _document_record(self, text: str, register: bool = True) -> DocumentRecord:
         """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new
-        one, tokenized, stored and registered."""
+        one, tokenized, and (with ``register``) stored and registered; a warm registers it
+        once its chunks are stored, as the newest entry of its document."""
         record = self._cache.registry.lookup(text)
         if record is None:
             ids, offsets = self.token_ids_with_offsets(text)
             record = make_record(text, ids, offsets, self.fingerprint, self.settings.chunk_size)
-            self._cache.register(record)
+            if register:
+                self._cache.register(record)
         return record
 
     # ------------------------------------------------------------------ warming
@@ -441,7 +444,8 @@ class KVBoost:
                 ANCHOR_CHARS,
             )
         progress = self.settings.show_progress if show_progress is None else show_progress
-        records = [self._document_record(text) for text in texts]
+        records = [self._document_record(text, register=False) for text in texts]
+        self._warn_if_corpus_does_not_fit(records)
         self._remember_context_documents(records)
         # A lead-in is warmed only when a document behind it needs computing: warming stored
         # documents reads their records, no K/V.
@@ -454,7 +458,10 @@ class KVBoost:
                 lead = leads.get(context)
                 if lead is None:
                     lead = leads[context] = self._lead_in(context)
-            warms.append(self._plan_document_warm(record, lead))
+            warm = self._plan_document_warm(record, lead)
+            if warm.job is None:
+                self._cache.register(record)  # nothing to compute: stored already, or prefix-only
+            warms.append(warm)
         first: dict[str, int] = {}
         for i, warm in enumerate(warms):
             if warm.job is None:
@@ -464,6 +471,8 @@ class KVBoost:
             warm.job = WarmJob(index=i, plan=warm.job.plan) if earlier == i else None
             warm.repeat_of = None if earlier == i else warms[earlier]
         bar = tqdm(total=len(texts), desc="warming documents", unit="doc", disable=not progress or len(texts) < 2)
+        per_token = self._cache.bytes_per_token()
+        computed_bytes = 0
         with bar:
             bar.update(sum(1 for warm in warms if warm.job is None))
             behind: dict[tuple[str, ...], list[WarmJob]] = {}
@@ -480,8 +489,51 @@ class KVBoost:
                 share = (time.perf_counter() - start) * 1000 / len(group)
                 for job in group:
                     warms[job.index].finish(stored[job.index], share)
+                computed_bytes += int(sum(stored.values()) * per_token)
+                bar.set_postfix_str(f"{computed_bytes / 1024**2:.0f} MiB K/V, memory {self._memory_tier().used_bytes / 1024**2:.0f} MiB", refresh=False)
                 bar.update(len(group))
-        return [warm.result() for warm in warms]
+        kept_in = {record.digest: self._cache.kept_in(record) for record in records}
+        results = [warm.result().model_copy(update={"kept_in": kept_in[warm.record.digest]}) for warm in warms]
+        kept, by_tier = kept_summary(list(kept_in.values()))
+        line = summary_line(len(kept_in), kept, by_tier, computed_bytes)
+        if kept < len(kept_in):
+            _warnings.warning("documents-lost-in-warm", "%s", line)
+        else:
+            logger.info("%s", line)
+        return results
+
+    def _memory_tier(self) -> MemoryTier:
+        """The memory tier (the one holding host memory, under any device tier)."""
+        return next(t for t in self._cache.store.tiers if isinstance(t, MemoryTier) and not isinstance(t, DeviceTier))
+
+    def _warn_if_corpus_does_not_fit(self, records: Sequence[DocumentRecord]) -> None:
+        """Warn (once a minute at most) when the documents' K/V exceed what the tiers keep."""
+        distinct = {record.digest: len(record.token_ids) for record in records}
+        if not distinct:
+            return
+        memory = self._memory_tier()
+        lower: int | None = 0
+        for tier in self._cache.store.tiers:
+            if tier is memory or isinstance(tier, DeviceTier):
+                continue
+            budget = getattr(tier, "max_bytes", None) if isinstance(tier, DiskTier) else None
+            lower = None if budget is None or lower is None else lower + budget
+        fit = CorpusFit(
+            documents=len(distinct),
+            needed_bytes=int(sum(distinct.values()) * self._cache.bytes_per_token()),
+            memory_bytes=memory.max_bytes - memory.reserved_bytes,
+            lower_bytes=lower,
+        )
+        if not fit.fits:
+            _warnings.warning("corpus-too-large", "%s", fit.warning())
+        elif not fit.fits_memory:
+            logger.info(
+                "warm_documents: %d documents need about %d MiB of K/V, more than the memory tier's %d MiB: "
+                "the overflow goes to the tiers below",
+                fit.documents,
+                fit.needed_bytes // 1024**2,
+                fit.memory_bytes // 1024**2,
+            )
 
     def _warm_batch(self, group: list[WarmJob]) -> dict[int, int]:
         """Compute and store a group of documents: one forward pass when there are several
@@ -874,7 +926,24 @@ class KVBoost:
         return self._plan(tokens, explicit=records, content_reuse=content, reserve=budget)
 
     def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
-        """Log (rate-limited) why a prompt with a long computed part held no prewarmed document."""
+        """Log (rate-limited) why a prompt with a long computed part held no prewarmed
+        document, or held documents that were warmed and then evicted."""
+        if not plan.content_reuse or outcome.live_tokens < self.settings.chunk_size:
+            return
+        evicted = self._cache.evicted_in(plan.tokens.text)
+        if evicted:
+            _warnings.warning(
+                "documents-evicted",
+                "a prompt of %d tokens (%d computed) holds %d document(s) that were warmed and then evicted "
+                "from the cache: %s",
+                plan.num_tokens,
+                outcome.live_tokens,
+                evicted,
+                explain_evicted_documents(
+                    self._cache.counters["documents_evicted"], self._memory_tier().max_bytes, len(self._cache.store.tiers) > 1
+                ),
+            )
+            return
         documents = len(self._cache.registry)
         if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
             return
@@ -944,13 +1013,15 @@ class KVBoost:
     def cache_stats(self) -> CacheStats:
         """Counters of the cache and its tiers."""
         store = self._cache.store
-        memory = store.tiers[0]
+        memory = self._memory_tier()
         return CacheStats(
             entries=len(list(memory.keys())),
             memory_bytes=memory.used_bytes,
             index_bytes=self._cache.index_bytes,
             prefix_index_entries=len(self._cache.prefix_index),
             documents=len(self._cache.registry),
+            documents_evicted=self._cache.counters["documents_evicted"],
+            documents_by_tier=self._cache.documents_by_tier(),
             tiers=store.stats(),
             misses=store.misses,
             counters=dict(self._cache.counters),

@@ -7,6 +7,9 @@ separator, added metadata) or text the framework escaped before it reached the p
 (LlamaIndex's ``simple_summarize`` formats a Python list of chunks, writing newlines as
 ``\\n``). :func:`explain_missed_documents` tells the two apart.
 
+When the prompt holds documents that were warmed and then evicted (the corpus outgrew the
+cache), :func:`explain_evicted_documents` says so and names the settings that keep them.
+
 Pure: it reads the registry and the prompt text, and computes no K/V.
 """
 
@@ -51,4 +54,25 @@ def explain_missed_documents(prompt: str, registry: DocumentRegistry) -> str:
         "document as the prompt renders it (same document template and metadata: "
         "KVBoostPrewarmer(document_prompt=...) in LangChain, metadata excluded from the LLM "
         "text in LlamaIndex), or pass the rendered texts as documents=[...]"
+    )
+
+
+def explain_evicted_documents(evicted_total: int, memory_budget: int, has_lower_tier: bool) -> str:
+    """The reason a prompt missed documents that were warmed: they were evicted, and the fix.
+
+    Args:
+        evicted_total: Documents evicted from the cache so far.
+        memory_budget: ``max_cache_bytes``.
+        has_lower_tier: Whether a disk or Redis tier is configured (its budget was exceeded too).
+    """
+    where = (
+        "the memory and lower tiers' budgets (max_cache_bytes, max_disk_bytes) were exceeded"
+        if has_lower_tier
+        else f"the memory tier's budget (max_cache_bytes={memory_budget / 1024**2:.0f} MiB) was exceeded and "
+        "no disk or Redis tier kept them"
+    )
+    return (
+        f"{evicted_total} document(s) evicted so far because {where}; keep the corpus with "
+        "disk_cache_dir='auto' or a folder, kv_cache_bits=8 (about 4x smaller K/V) or a larger "
+        "max_cache_bytes, then warm the documents again"
     )

@@ -21,6 +21,9 @@ class WarmResult(BaseModel):
         elapsed_ms: Wall time of the call for this text.
         prefix_hash: Key of the last prefix chunk (prefix kind).
         content_hash: Key of the document's first chunk (document kind).
+        kept_in: Tiers holding the document's record and every one of its chunks when the
+            call returned (``"memory"``, ``"disk"``, ``"redis"``, ``"device"``); empty when it
+            was evicted during the call with no lower tier to keep it.
     """
 
     kind: Literal["prefix", "document"]
@@ -32,6 +35,7 @@ class WarmResult(BaseModel):
     elapsed_ms: float
     prefix_hash: str | None = None
     content_hash: str | None = None
+    kept_in: list[str] = Field(default_factory=list)
 
 
 class GenerationResult(BaseModel):
@@ -135,7 +139,11 @@ class CacheStats(BaseModel):
         index_bytes: Estimated bytes of the in-process indexes (document anchors, prefix
             index).
         prefix_index_entries: Stored prefix chunks in the prefix index.
-        documents: Documents the engine can find in prompts (their records are stored).
+        documents: Documents kept: the engine can find them in prompts (their records and
+            chunks are stored in some tier).
+        documents_evicted: Documents dropped whole since the engine started because no tier
+            could keep them (or one of their entries was corrupt).
+        documents_by_tier: Document records each tier holds.
         tiers: Per-tier hits, evictions and bytes.
         misses: Lookups no tier could answer.
         counters: Engine counters (prefix/content hit tokens, boundary merges, ...).
@@ -146,6 +154,8 @@ class CacheStats(BaseModel):
     index_bytes: int = 0
     prefix_index_entries: int = 0
     documents: int
+    documents_evicted: int = 0
+    documents_by_tier: dict[str, int] = Field(default_factory=dict)
     tiers: dict[str, dict[str, int]]
     misses: int
     counters: dict[str, int]

@@ -209,16 +209,17 @@ class DocumentRegistry:
                 digests.append(digest)
                 self._count += 1
 
-    def forget(self, anchor: int, digest: str) -> None:
-        """Drop a document from the index (its record left the shelf)."""
+    def forget(self, anchor: int, digest: str) -> bool:
+        """Drop a document from the index (its record left the shelf); whether it was indexed."""
         with self._lock:
             digests = self._anchors.get(anchor)
             if digests is None or digest not in digests:
-                return
+                return False
             digests.remove(digest)
             self._count -= 1
             if not digests:
                 del self._anchors[anchor]
+            return True
 
     def find(self, prompt: str, explicit: Sequence[DocumentRecord] = (), start: int = 0) -> list[DocumentOccurrence]:
         """Find registered and explicitly given documents in ``prompt``.

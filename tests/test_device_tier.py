@@ -69,7 +69,7 @@ def test_entries_from_the_device_tier_decode_like_the_originals(bits):
 
 
 def test_build_store_adds_device_and_pinned_tiers_on_cuda_only():
-    settings = KVBoostSettings(device_cache_bytes=5 * 1024**2)
+    settings = KVBoostSettings(device_cache_bytes=5 * 1024**2, disk_cache_dir=None)
     on_cpu = build_store(settings, torch.device("cpu"))
     assert [type(t) for t in on_cpu.tiers] == [MemoryTier]
     assert [type(t) for t in build_store(settings).tiers] == [MemoryTier]
@@ -77,7 +77,7 @@ def test_build_store_adds_device_and_pinned_tiers_on_cuda_only():
     on_gpu = build_store(settings, "cuda")
     assert [type(t) for t in on_gpu.tiers] == [DeviceTier, PinnedMemoryTier]
     assert on_gpu.tiers[0].max_bytes == 5 * 1024**2 and on_gpu.tiers[0].device == torch.device("cuda")
-    without = build_store(KVBoostSettings(device_cache_bytes=0), "cuda:0")
+    without = build_store(KVBoostSettings(device_cache_bytes=0, disk_cache_dir=None), "cuda:0")
     assert [type(t) for t in without.tiers] == [PinnedMemoryTier]
 
 

@@ -31,7 +31,7 @@ def _engine(model, tokenizer, **settings) -> KVBoost:
 
 def test_registry_and_prefix_index_stay_within_the_memory_budget(make_engine, tokenizer):
     budget = PER_TOKEN * 300
-    engine = make_engine("llama", max_cache_bytes=budget)
+    engine = make_engine("llama", max_cache_bytes=budget, disk_cache_dir=None)
     novel = python_reference_documents(max_chars=240)[:40]
     for i, doc in enumerate(novel):
         engine.generate(rag_prompt([doc]), max_new_tokens=1, documents=[doc])

@@ -268,7 +268,7 @@ def test_secret_key_rejects_and_deletes_entries_not_authenticated_with_it(redis_
 
 def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
     store = build_store(KVBoostSettings(redis_url=redis_url, cache_secret_key="the-shared-secret-key"))
-    redis_tier = store.tiers[1]
+    redis_tier = store.tiers[-1]
     try:
         store.put("doc3", _entry(1.0))
         data = raw.get(redis_tier.key_prefix + "doc3")
@@ -432,3 +432,25 @@ def test_fresh_engine_over_the_same_redis_finds_stored_documents(make_engine, do
         assert restarted.cache_stats().tiers["redis"]["hits"] > 0
     finally:
         first.clear_cache()
+
+
+def test_a_corpus_larger_than_memory_stays_whole_in_redis(make_engine, redis_url):
+    """Documents worth 3x the memory tier: memory evicts them whole, Redis keeps every one."""
+    from test_corpus_eviction import DOCS, _budgeted, check_agreement
+
+    from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+    engine = _budgeted(make_engine, 3, disk_cache_dir=None, redis_url=redis_url)
+    try:
+        engine.warm(SYSTEM_PROMPT + "\n\n")
+        results = engine.warm_documents(DOCS)
+        assert all("redis" in r.kept_in for r in results)
+        stats = engine.cache_stats()
+        assert stats.documents == len(DOCS) and stats.documents_evicted == 0
+        assert stats.documents_by_tier["redis"] == len(DOCS) > stats.documents_by_tier["memory"]
+        check_agreement(engine, memory_only=False)
+        demoted = [d for d, r in zip(DOCS[2:], results[2:]) if "memory" not in r.kept_in][:4]
+        result = engine.generate(rag_prompt(demoted), max_new_tokens=1)
+        assert result.documents_found == len(demoted) and result.content_hit_tokens > 0
+    finally:
+        engine.clear_cache()

@@ -435,10 +435,16 @@ def test_memory_evictions_fall_back_to_disk(tmp_path):
     assert stats["memory"]["hits"] + stats["disk"]["hits"] == 5 and stats["disk"]["hits"] >= 3
 
 
-def test_build_store_stacks_the_configured_tiers(tmp_path):
+def test_build_store_stacks_the_configured_tiers(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "auto"))
+    default = build_store(KVBoostSettings())
+    assert [t.name for t in default.tiers] == ["memory", "disk"]
+    assert default.tiers[1].spill_only and default.tiers[1].directory == tmp_path / "auto"
+    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", "off")
     assert [t.name for t in build_store(KVBoostSettings()).tiers] == ["memory"]
+    assert [t.name for t in build_store(KVBoostSettings(disk_cache_dir=None)).tiers] == ["memory"]
     store = build_store(KVBoostSettings(disk_cache_dir=tmp_path / "kv", max_disk_bytes=12345))
-    assert [t.name for t in store.tiers] == ["memory", "disk"]
+    assert [t.name for t in store.tiers] == ["memory", "disk"] and not store.tiers[1].spill_only
     assert store.tiers[1].max_bytes == 12345 and (tmp_path / "kv").is_dir()
     store = build_store(
         KVBoostSettings(disk_cache_dir=tmp_path / "kv", redis_url="redis://127.0.0.1:1/0", redis_ttl_seconds=60)

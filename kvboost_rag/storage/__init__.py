@@ -36,6 +36,11 @@ __all__ = [
 def build_store(settings: KVBoostSettings, device: torch.device | str | None = None) -> TieredStore:
     """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
 
+    ``disk_cache_dir="auto"`` (the default) adds an overflow disk tier in
+    :func:`~kvboost_rag.default_model.default_kv_cache_dir` that receives only what the memory
+    tier evicts; a folder given explicitly is a write-through tier (every entry is written, so
+    other processes and restarts find it).
+
     With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0)
     goes on top and the memory tier keeps its tensors in pinned memory
     (:class:`PinnedMemoryTier`), so promotions to the device are asynchronous copies.
@@ -57,7 +62,13 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
     if accelerator and settings.device_cache_bytes > 0:
         tiers.append(DeviceTier(settings.device_cache_bytes, device))
     tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))
-    if settings.disk_cache_dir is not None:
+    if settings.disk_cache_dir == "auto":
+        from kvboost_rag.default_model import default_kv_cache_dir
+
+        folder = default_kv_cache_dir()
+        if folder is not None:
+            tiers.append(DiskTier(folder, settings.max_disk_bytes, secret_key=secret_key, spill_only=True))
+    elif settings.disk_cache_dir is not None:
         tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes, secret_key=secret_key))
     if settings.redis_url is not None:
         from kvboost_rag.storage.redis_tier import RedisTier

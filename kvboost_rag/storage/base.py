@@ -40,6 +40,9 @@ class StorageTier(ABC):
     """
 
     name: str = "tier"
+    #: An overflow tier: the store writes to it only what the tier above evicts (a spill),
+    #: instead of every entry (write-through).
+    spill_only: bool = False
 
     @abstractmethod
     def get(self, key: str) -> StoredEntry | None:

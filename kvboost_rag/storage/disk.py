@@ -93,6 +93,8 @@ class DiskTier(StorageTier):
         secret_key: Authenticate entries with HMAC-SHA256 under this key; entries without a
             valid MAC under it are misses and are deleted
             (:mod:`kvboost_rag.storage.serialization`).
+        spill_only: An overflow tier: a :class:`~kvboost_rag.storage.TieredStore` writes to it
+            only what the memory tier evicts (see :attr:`StorageTier.spill_only`).
 
     Pinned entries are pinned for this process only; pins are not stored on disk.
 
@@ -111,6 +113,7 @@ class DiskTier(StorageTier):
         *,
         fsync: bool = False,
         secret_key: bytes | None = None,
+        spill_only: bool = False,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -119,6 +122,7 @@ class DiskTier(StorageTier):
         self.max_bytes = max_bytes
         self.policy = policy or FrequencyRecencyPolicy()
         self.fsync = fsync
+        self.spill_only = spill_only
         self._secret_key = secret_key
         self._warnings = RateLimitedLogger(logger)
         self._sizes: dict[str, int] = {}

@@ -4,7 +4,9 @@
 ago: ``score = hits * 0.5 ** (age / half_life)`` where age counts accesses to the whole
 policy since the key's last use. Frequently used documents survive a burst of one-off
 documents (pure LRU would drop them), and stale popular entries still age out. Pinned keys are
-never offered as victims.
+never offered as victims. :meth:`FrequencyRecencyPolicy.rank` also says whether a key was ever
+used after it was stored, so a tier can evict entries nobody reused (one-off prompts' prefix
+chunks) before anything else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FrequencyRecencyPolicy:
         self._hits: dict[str, float] = {}
         self._last: dict[str, int] = {}
         self._pinned: set[str] = set()
+        self._reused: set[str] = set()
         self._lock = threading.Lock()
 
     def insert(self, key: str) -> None:
@@ -64,6 +67,7 @@ class FrequencyRecencyPolicy:
             self._clock += 1
             self._hits[key] = self._decayed(key) + 1.0
             self._last[key] = self._clock
+            self._reused.add(key)
 
     def remove(self, key: str) -> None:
         """Forget ``key``."""
@@ -71,10 +75,16 @@ class FrequencyRecencyPolicy:
             self._hits.pop(key, None)
             self._last.pop(key, None)
             self._pinned.discard(key)
+            self._reused.discard(key)
 
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned."""
         return key in self._pinned
+
+    def rank(self, key: str) -> tuple[float, int, bool]:
+        """``(decayed score, last use, reused since stored)`` of ``key`` (zeros when unknown)."""
+        with self._lock:
+            return self._decayed(key), self._last.get(key, 0), key in self._reused
 
     def victims(self, candidates: Iterable[str] | None = None) -> list[str]:
         """Unpinned keys ordered from first to evict to last.

@@ -1,5 +1,6 @@
 """A stack of storage tiers: lookups go down the stack and promote hits upward, writes go
-through to every tier.
+through to every tier except overflow tiers (``spill_only``), which receive what the memory
+tier above them evicts: a memory eviction is then a demotion, not a loss.
 
 Listeners (:meth:`TieredStore.on_gone`) hear of keys that left the whole stack (evicted from
 the last tier holding them, or deleted), so what describes an entry can leave with it.
@@ -11,9 +12,11 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 from kvboost_rag.storage.base import StorageTier, StoredEntry
 from kvboost_rag.storage.device import DeviceTier
+from kvboost_rag.storage.memory import MemoryTier
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,24 @@ class TieredStore:
         self.misses = 0
         self.evictions: Counter[str] = Counter()
         self._listeners: list[Callable[[str], None]] = []
+        for depth, tier in enumerate(self.tiers):
+            below = [t for t in self.tiers[depth + 1 :] if t.spill_only]
+            if below and isinstance(tier, MemoryTier) and not isinstance(tier, DeviceTier):
+                tier.on_evict = partial(self._spill, below)
+
+    def group_by(self, group_of: Callable[[str], str | None]) -> None:
+        """Evict entries from the in-process tiers in groups named by ``group_of(key)``
+        (``None``: the key is a group of its own); see :class:`MemoryTier`."""
+        for tier in self.tiers:
+            if isinstance(tier, MemoryTier):
+                tier.group_of = group_of
+
+    def _spill(self, below: list[StorageTier], evicted: list[tuple[str, StoredEntry]]) -> None:
+        """Write what a memory tier evicted to the overflow tiers below it."""
+        for key, entry in evicted:
+            for tier in below:
+                if key not in tier:
+                    self._count_evictions(tier, tier.put(key, entry))
 
     def on_gone(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(key)`` for each key no tier holds any more after an eviction or a
@@ -63,9 +84,10 @@ class TieredStore:
         return None
 
     def put(self, key: str, entry: StoredEntry) -> None:
-        """Write ``entry`` to every tier."""
+        """Write ``entry`` to every tier but the overflow tiers (they get it when evicted above)."""
         for tier in self.tiers:
-            self._count_evictions(tier, tier.put(key, entry))
+            if not tier.spill_only:
+                self._count_evictions(tier, tier.put(key, entry))
 
     def pin(self, key: str) -> bool:
         """Pin ``key`` in every tier that holds it (writes nothing); whether any did."""
