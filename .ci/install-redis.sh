@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install Debian's redis-server for the Redis tier tests (tests/test_storage_redis.py).
 # The tests start and stop their own server on a free loopback port; this script only makes
-# the binary available. A failure is reported, not fatal: those tests then skip with a reason.
+# the binary available. A failure is reported; under CI=true it is fatal (CI must not pass with
+# the Redis tests skipped), elsewhere those tests then skip with a reason.
 set -u
 
 if command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ]; then
@@ -15,6 +16,7 @@ if [ "$(id -u)" -ne 0 ]; then
         SUDO="sudo -n"
     else
         echo "install-redis: not root and no sudo; redis tests will be skipped" >&2
+        [ "${CI:-}" = "true" ] && exit 1
         exit 0
     fi
 fi
@@ -27,5 +29,6 @@ if $SUDO apt-get install -y -q --no-install-recommends redis-server >/tmp/instal
 else
     echo "install-redis: could not install redis-server (see /tmp/install-redis.log); redis tests will be skipped" >&2
     tail -n 5 /tmp/install-redis.log >&2 || true
+    [ "${CI:-}" = "true" ] && exit 1
 fi
 exit 0

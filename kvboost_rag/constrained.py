@@ -37,6 +37,33 @@ JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "key_separator": ":
 _INSTALL_HINT = "constrained decoding needs llguidance: pip install 'kvboost-rag[constrained]'"
 
 
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
+
+
+def masked_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` with every token whose bit is clear in ``bitmask`` set to ``-inf``.
+
+    Eager torch operations on purpose: ``llguidance.torch.apply_token_bitmask_inplace`` is a
+    ``torch.compile`` kernel, which needs a C++ compiler at run time and fails to build when
+    torch's CPU kernels are capped (``ATEN_CPU_CAPABILITY=default``).
+
+    Args:
+        logits: ``[vocab]`` logits of one sequence, on any device.
+        bitmask: ``[ceil(vocab / 32)]`` int32 words; bit ``i % 32`` of word ``i // 32`` is set
+            when token ``i`` is allowed (llguidance's layout). Tokens beyond the mask are forbidden.
+
+    Returns:
+        The masked copy, same dtype and device as ``logits``.
+    """
+    words = bitmask.to(logits.device, non_blocking=True)
+    bits = (words.unsqueeze(-1) >> _BIT_POSITIONS.to(logits.device)) & 1
+    allowed = bits.reshape(-1).bool()
+    vocab = logits.shape[-1]
+    if allowed.numel() < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
+    return logits.masked_fill(~allowed[:vocab], float("-inf"))
+
+
 class OutputConstraint(BaseModel):
     """What the generated text must match. Set exactly one field.
 
@@ -107,7 +134,7 @@ class GrammarGuide:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of the ``[vocab]`` logits with every token the grammar forbids next set to
-        ``-inf`` (llguidance fills its bitmask and applies it).
+        ``-inf`` (llguidance fills its bitmask, :func:`masked_by_bitmask` applies it).
 
         Raises:
             RuntimeError: The matcher is in an error state (a token it forbade was consumed).
@@ -117,9 +144,7 @@ class GrammarGuide:
         if self._matcher.is_error():
             raise RuntimeError(f"constrained decoding failed: {self._matcher.get_error()}")
         llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask)
-        masked = logits.clone()
-        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device, non_blocking=True))
-        return masked
+        return masked_by_bitmask(logits, self._bitmask[0])
 
     def advance(self, token: int) -> None:
         """Move past the chosen ``token`` (the end-of-sequence token included)."""

@@ -41,7 +41,7 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator, next_token
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import DeviceTier, DiskTier, MemoryTier, build_store
@@ -819,7 +819,7 @@ class KVBoost:
                 assembler=TextAssembler(self.tokenizer, options.stop),
                 eos_ids=self._eos_ids,
             )
-            first_pieces = sequence.take(next_token(outcome.logits, options, sequence.sampling))
+            first_pieces = sequence.choose(outcome.logits)
         except BaseException:
             self._scheduler.release(reservation)
             raise
@@ -881,6 +881,7 @@ class KVBoost:
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
+            step_logits=torch.stack(sequence.step_logits) if sequence.step_logits else None,
         )
 
     def _kv_bytes(self, tokens: int) -> int:

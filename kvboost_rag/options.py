@@ -33,7 +33,7 @@ class GenerationOptions(BaseModel):
             neither reads nor writes the cache.
         documents: Texts the caller knows are in the prompt: cut on their boundaries and
             stored for next time even if never warmed.
-        return_logits: Fill ``GenerationResult.first_token_logits``.
+        return_logits: Fill ``GenerationResult.first_token_logits`` and ``step_logits``.
         constraint: What the output must match (a JSON schema or a grammar; see
             :class:`~kvboost_rag.constrained.OutputConstraint`); a dict is read as its fields.
             Decoding masks every token that would leave the match, so the output is valid by

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvboost_rag import InvalidInputError
 from kvboost_rag import engine as engine_module
-from kvboost_rag.constrained import OutputConstraint
+from kvboost_rag.constrained import OutputConstraint, masked_by_bitmask
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.sampling import SequenceSampling, next_token
@@ -200,3 +200,23 @@ def test_a_bad_constraint_fails_the_whole_batch_before_any_prefill(make_engine):
     with pytest.raises(InvalidInputError):
         engine.generate_batch(["Look something up.", "Again."], constraint={"json_schema": {"type": "no-such-type"}})
     assert engine._scheduler.admitted == 0
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])
+def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(vocab):
+    llguidance_torch = pytest.importorskip("llguidance.torch")
+    generator = torch.Generator().manual_seed(vocab)
+    allowed = torch.rand(vocab, generator=generator) < 0.3
+    allowed[-1] = True  # the top bit of the last word, the sign bit when vocab % 32 == 0
+    bitmask = llguidance_torch.allocate_token_bitmask(1, vocab)[0]
+    bitmask.zero_()
+    for token in allowed.nonzero().flatten().tolist():
+        word, bit = divmod(token, 32)
+        bitmask[word] = int(bitmask[word]) | (1 << bit) if bit < 31 else int(bitmask[word]) - 2**31
+    logits = torch.randn(vocab, generator=generator, dtype=torch.bfloat16)
+    masked = masked_by_bitmask(logits, bitmask)
+    assert masked.dtype == logits.dtype
+    assert torch.equal(masked[allowed], logits[allowed])
+    assert torch.isneginf(masked[~allowed]).all()
+    wider = masked_by_bitmask(torch.zeros(vocab + 5), bitmask)
+    assert torch.isneginf(wider[vocab:]).all()

@@ -401,7 +401,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         """The response's ``raw``: usage and the engine's figures (``ttft_ms``, ``kv_reuse_ratio``, ...)."""
-        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
+        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits", "step_logits"})
         usage = {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.generated_tokens,
