@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         handle = start_server(maxmemory=args.maxmemory)
     logger.info("ready: %s  (Ctrl-C stops it)", handle.url)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
         while True:
             time.sleep(3600)
