@@ -275,6 +275,10 @@ def start_cluster(
     return cluster
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Start a local cluster (or server), print its URL, and keep it until interrupted."""
     parser = argparse.ArgumentParser(description="Local Redis Cluster or server on loopback ports")
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         handle = start_server(maxmemory=args.maxmemory)
     logger.info("ready: %s  (Ctrl-C stops it)", handle.url)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
