@@ -254,3 +254,37 @@ def test_build_store_passes_the_cluster_flag(cluster):
     tier = store.tiers[-1]
     assert isinstance(tier, RedisTier) and tier.cluster is True
     store.close()
+
+
+def test_a_master_through_sentinel(prefix, tmp_path):
+    """``redis+sentinel://`` finds the master a Sentinel watches (Sentinel runs as
+    ``redis-server <config> --sentinel``, from the same Debian package)."""
+    from kvboost_rag.redis_local import find_binary, free_port
+
+    try:
+        master = start_server()
+    except RedisNotAvailableError as exc:
+        pytest.skip(str(exc))
+    port = free_port()
+    config = tmp_path / "sentinel.conf"
+    config.write_text(f"port {port}\nbind 127.0.0.1\nsentinel monitor themaster 127.0.0.1 {master.port} 1\n")
+    sentinel = subprocess.Popen([find_binary("redis-server"), str(config), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        probe = redis.Redis(port=port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if probe.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "the Sentinel did not start"
+                time.sleep(0.1)
+        tier = RedisTier(f"redis+sentinel://127.0.0.1:{port}/themaster", key_prefix=prefix)
+        tier.put("k1", _entry(1.0))
+        assert tier.is_cluster is False and tier.get("k1") is not None
+        assert redis.Redis(port=master.port).exists(tier.redis_name("k1")) == 1
+    finally:
+        sentinel.terminate()
+        sentinel.wait(timeout=10)
+        master.stop()
