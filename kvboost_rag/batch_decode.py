@@ -42,6 +42,7 @@ class DecodeSequence:
         produced: Tokens counted against ``budget``.
         finish_reason: Set once it is done.
         finished_at: ``time.perf_counter()`` when it was done.
+        step_logits: The logits of each step, kept on the host when ``options.return_logits``.
     """
 
     cache: DynamicCache
@@ -55,11 +56,22 @@ class DecodeSequence:
     produced: int = 0
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
+    step_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         """Whether it produced its last token."""
         return self.finish_reason is not None
+
+    def choose(self, logits: torch.Tensor) -> list[str]:
+        """Choose the next token from this step's ``[vocab]`` logits and account for it.
+
+        Returns:
+            Text pieces now safe to show (see :meth:`take`).
+        """
+        if self.options.return_logits:
+            self.step_logits.append(logits.detach().to("cpu", copy=True))
+        return self.take(next_token(logits, self.options, self.sampling))
 
     def take(self, token: int) -> list[str]:
         """Account for a newly chosen token.
@@ -78,7 +90,9 @@ class DecodeSequence:
             if self.assembler.stopped:
                 self.finish_reason = "stop"
             elif self.produced >= self.budget:
-                self.finish_reason = "length"
+                # A constrained output that closed on its last token ended, it was not cut.
+                guide = self.sampling.guide
+                self.finish_reason = "eos" if guide is not None and guide.finished else "length"
             else:
                 self.token = token
         if self.done:
@@ -119,7 +133,7 @@ def decode_step(adapter: ModelAdapter, sequences: Sequence[DecodeSequence]) -> l
         sequence.position += 1
         sequence.token = None
         try:
-            results.append(StepResult(sequence.take(next_token(row, sequence.options, sequence.sampling))))
+            results.append(StepResult(sequence.choose(row)))
         except Exception as exc:  # noqa: BLE001 - ends this sequence only; its caller re-raises it
             results.append(StepResult(error=exc))
     return results

@@ -70,7 +70,13 @@ class KVBoostSettings(BaseModel):
             are dropped whole and must be warmed again).
         max_disk_bytes: Byte budget of the disk tier (least recently used files of any model go
             first; shared by every process using the folder).
-        redis_url: ``redis://host:port/db`` of a shared Redis tier; ``None`` disables it.
+        redis_url: Shared Redis tier; ``None`` disables it. ``redis://host:port/db`` (also
+            ``rediss://``, ``unix://``) names one server or any node of a Redis Cluster;
+            ``redis+sentinel://host:port[,host:port]/service[/db]`` a master through Sentinel.
+        redis_cluster: Whether ``redis_url`` names a Redis Cluster node; ``None`` (default):
+            asked of the server on first use (``INFO cluster``). On a cluster, entries spread
+            over the shards, the keys of one entry stay on one shard, and a lost shard's
+            entries are misses while the others keep hitting (docs/scale.md).
         redis_ttl_seconds: Expiry of entries written to Redis; ``None`` leaves eviction to the
             server.
         cache_secret_key: Secret (at least 16 characters) that authenticates disk and Redis
@@ -139,6 +145,7 @@ class KVBoostSettings(BaseModel):
     disk_cache_dir: Literal["auto"] | Path | None = "auto"
     max_disk_bytes: int = Field(20 * 1024**3, gt=0)
     redis_url: str | None = None
+    redis_cluster: bool | None = None
     redis_ttl_seconds: int | None = Field(None, gt=0)
     cache_secret_key: SecretStr | None = None
     device: str | None = None
@@ -168,8 +175,11 @@ class KVBoostSettings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+        if value is not None and not value.startswith(schemes):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss://, unix:// or redis+sentinel://, got {value!r}"
+            )
         return value
 
     @field_validator("cache_secret_key")

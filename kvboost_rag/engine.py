@@ -17,7 +17,7 @@ from kvboost_rag.batch_decode import DecodeSequence, decode_step
 from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide
+from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide, OutputConstraint
 from kvboost_rag.corpus_fit import kept_summary, summary_line
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
@@ -41,7 +41,7 @@ from kvboost_rag.results import (
     GenerationResult,
     WarmResult,
 )
-from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator, next_token
+from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.storage import build_store
@@ -636,10 +636,32 @@ class KVBoost:
         resolved = GenerationOptions.resolve(options, overrides)
         tokens = self._prompt_tokens(prompt)
         _check_documents(resolved)
-        guide = self._constraints.compile(resolved.constraint) if resolved.constraint is not None else None
+        guide = None
+        if resolved.constraint is not None:
+            guide = self._constraints.compile(resolved.constraint, self._output_budget(len(tokens), resolved))
         stream = GenerationStream(iter(()))
         stream._pieces = self._run(stream, tokens, resolved, start, guide)
         return stream
+
+    def min_new_tokens(self, constraint: OutputConstraint | Mapping[str, Any]) -> int | None:
+        """The smallest ``max_new_tokens`` a call constrained by ``constraint`` accepts: the
+        tokens of the shortest valid output (end of sequence excluded). Any budget from it up
+        gives a valid output; a smaller one is an :class:`InvalidInputError` naming it.
+
+        Args:
+            constraint: An :class:`~kvboost_rag.constrained.OutputConstraint` or a dict of its
+                fields (what ``generate(..., constraint=...)`` takes).
+
+        Returns:
+            The minimum, or ``None`` when the engine finds no way to close this constraint's
+            outputs (then any budget is accepted and the output is not closed within it).
+
+        Raises:
+            InvalidInputError: An invalid constraint, or llguidance not installed.
+        """
+        resolved = GenerationOptions.resolve(None, {"constraint": constraint}).constraint
+        assert resolved is not None
+        return self._constraints.minimum_tokens(resolved)
 
     def generate_batch(
         self, prompts: Sequence[str], options: GenerationOptions | None = None, **overrides: Any
@@ -679,7 +701,8 @@ class KVBoost:
         resolved = GenerationOptions.resolve(options, overrides)
         _check_documents(resolved)
         if resolved.constraint is not None:
-            self._constraints.compile(resolved.constraint)  # shared by every prompt: a bad one fails the call
+            # Shared by every prompt: a bad one, or too small a budget for it, fails the call.
+            self._constraints.compile(resolved.constraint, resolved.max_new_tokens)
         outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
         started: list[tuple[int, _Request]] = []
 
@@ -774,10 +797,10 @@ class KVBoost:
             guide: The state of the output constraint, already compiled (else compiled here
                 from ``options.constraint``, when set: every sequence has its own).
         """
-        if guide is None and options.constraint is not None:
-            guide = self._constraints.compile(options.constraint)
         n = len(tokens)
-        budget = min(options.max_new_tokens, self.context_window - n)
+        budget = self._output_budget(n, options)
+        if guide is None and options.constraint is not None:
+            guide = self._constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
         reservation = self._scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
         try:
@@ -795,7 +818,7 @@ class KVBoost:
                 assembler=TextAssembler(self.tokenizer, options.stop),
                 eos_ids=self._eos_ids,
             )
-            first_pieces = sequence.take(next_token(outcome.logits, options, sequence.sampling))
+            first_pieces = sequence.choose(outcome.logits)
         except BaseException:
             self._scheduler.release(reservation)
             raise
@@ -806,6 +829,11 @@ class KVBoost:
         elif not hold:
             request.submit(self._scheduler)
         return request
+
+    def _output_budget(self, prompt_tokens: int, options: GenerationOptions) -> int:
+        """Most tokens a prompt of ``prompt_tokens`` may generate: ``max_new_tokens``, or what
+        the context window leaves."""
+        return min(options.max_new_tokens, self.context_window - prompt_tokens)
 
     def _follow(self, request: _Request, *, end_at_last_token: bool) -> Iterator[str]:
         """Yield a started request's text pieces as they decode, store what its prompt
@@ -857,6 +885,7 @@ class KVBoost:
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
+            step_logits=torch.stack(sequence.step_logits) if sequence.step_logits else None,
         )
 
     def _kv_bytes(self, tokens: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -18,6 +19,18 @@ from collections.abc import Callable
 DEFAULT_INTERVAL_SECONDS = 60.0
 #: Kinds remembered at once; the least recently logged kind is forgotten beyond this.
 MAX_KINDS = 256
+
+
+#: Every live limiter, for :func:`forget_all` (weak: a dropped limiter is not kept alive).
+_LIMITERS: weakref.WeakSet[RateLimitedLogger] = weakref.WeakSet()
+
+
+def forget_all() -> None:
+    """Make every live :class:`RateLimitedLogger` forget what it logged, so the next warning
+    of each kind is logged again (test suites call it between tests, so one test's warnings
+    do not silence another's)."""
+    for limiter in list(_LIMITERS):
+        limiter.forget()
 
 
 class RateLimitedLogger:
@@ -50,6 +63,12 @@ class RateLimitedLogger:
         self._lock = threading.Lock()
         # kind -> (time of the last record, repeats suppressed since)
         self._kinds: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        _LIMITERS.add(self)
+
+    def forget(self) -> None:
+        """Forget every kind logged so far (and the repeats suppressed since)."""
+        with self._lock:
+            self._kinds.clear()
 
     def warning(self, kind: str, msg: str, *args: object) -> bool:
         """Log ``msg % args`` at WARNING unless a ``kind`` warning was logged within the interval.

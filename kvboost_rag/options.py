@@ -33,12 +33,16 @@ class GenerationOptions(BaseModel):
             neither reads nor writes the cache.
         documents: Texts the caller knows are in the prompt: cut on their boundaries and
             stored for next time even if never warmed.
-        return_logits: Fill ``GenerationResult.first_token_logits``.
+        return_logits: Fill ``GenerationResult.first_token_logits`` and ``step_logits``.
         constraint: What the output must match (a JSON schema or a grammar; see
             :class:`~kvboost_rag.constrained.OutputConstraint`); a dict is read as its fields.
-            Decoding masks every token that would leave the match, so the output is valid by
-            construction when it ends with ``finish_reason`` ``"eos"``; ``"length"`` means
-            ``max_new_tokens`` cut it first. Needs ``kvboost-rag[constrained]``.
+            Decoding masks every token that would leave the match and, as the tokens left
+            reach what closing the output takes, allows only tokens that leave room to close
+            it, so the output is valid at any ``max_new_tokens`` from the constraint's minimum
+            up; a smaller budget is an ``InvalidInputError`` naming the minimum, before any
+            prefill. (A grammar whose closing the engine cannot plan, such as a pattern it
+            cannot satisfy byte by byte, is not closed: ``finish_reason`` ``"length"`` then
+            means the budget cut it.) Needs ``kvboost-rag[constrained]``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)

@@ -67,6 +67,10 @@ class GenerationResult(BaseModel):
         kv_reuse_ratio: ``cached_tokens / prompt_tokens``.
         strategy: Repair strategy used (``"exact"`` when only prefix hits were used).
         first_token_logits: Logits of the first generated position (``return_logits=True``).
+        step_logits: Logits of every decoding step, ``[steps, vocab]``, the model's own
+            (before any penalty or output constraint), one row per token chosen (a step
+            that chose EOS included; ``return_logits=True``). With an output constraint that
+            forces given tokens, this is the model read teacher-forced along them.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -89,6 +93,7 @@ class GenerationResult(BaseModel):
     kv_reuse_ratio: float = 0.0
     strategy: str = "full"
     first_token_logits: torch.Tensor | None = None
+    step_logits: torch.Tensor | None = None
 
 
 class PromptCheck(BaseModel):

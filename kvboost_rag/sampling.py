@@ -18,18 +18,31 @@ if TYPE_CHECKING:
     from kvboost_rag.options import GenerationOptions
 
 
+#: Tokens a sequence may sample and have refused (their closing would not fit the tokens
+#: left) before it takes its constraint's closing token.
+MAX_REFUSED_SAMPLES = 3
+
+
 class TokenGuide(Protocol):
     """Per-sequence constraint state (see :mod:`kvboost_rag.constrained`)."""
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits with the tokens the constraint forbids next set to ``-inf``."""
+        """A copy of the logits with the tokens the constraint forbids next set to ``-inf``."""
 
-    def advance(self, token: int) -> None:
-        """Record the token chosen."""
+    def advance(self, token: int) -> bool:
+        """Record the token chosen; ``False`` (nothing recorded) refuses it: the output could
+        not be completed within the tokens left after it."""
+
+    def closing_token(self) -> int:
+        """A token ``advance`` always takes (the next one of the shortest way to close)."""
 
     @property
     def complete(self) -> bool:
         """Whether the output so far is a whole match (it may end here)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the output so far is a whole match nothing but the end may follow."""
 
 
 @dataclass
@@ -69,8 +82,27 @@ def next_token(logits: torch.Tensor, options: GenerationOptions, state: Sequence
         logits = state.guide.mask(logits)
     token = sample_token(logits, options.temperature, options.top_p, state.generator)
     if state.guide is not None:
-        state.guide.advance(token)
+        token = _take_fitting(token, logits, options, state)
     state.generated.append(token)
+    return token
+
+
+def _take_fitting(token: int, masked: torch.Tensor, options: GenerationOptions, state: SequenceSampling) -> int:
+    """Have the guide take ``token``, or, when it refuses (the output could not close within
+    the tokens left after it), the next choice among the other allowed tokens, and after
+    ``MAX_REFUSED_SAMPLES`` refusals its closing token."""
+    guide = state.guide
+    assert guide is not None
+    for _ in range(MAX_REFUSED_SAMPLES):
+        if guide.advance(token):
+            return token
+        masked[token] = float("-inf")  # ``mask`` returned a copy
+        if not bool(torch.isfinite(masked).any()):
+            break
+        token = sample_token(masked, options.temperature, options.top_p, state.generator)
+    token = guide.closing_token()
+    if not guide.advance(token):
+        raise RuntimeError("constrained decoding failed: the closing token was refused")
     return token
 
 

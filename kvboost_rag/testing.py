@@ -154,3 +154,17 @@ def save_tiny_model(folder: str | os.PathLike[str], family: str = "llama") -> st
     tiny_model(family).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def tiny_engine(family: str = "llama", **settings: Any) -> Any:
+    """An engine over :func:`tiny_model` and :func:`tiny_tokenizer` (seed 0): every call builds
+    the same model, so processes share its cache namespace. Usable as a warm job's engine
+    factory (``kvboost-rag warm ... --engine-factory kvboost_rag.testing:tiny_engine``).
+
+    Args:
+        family: A ``model_type`` of :data:`ROPE_FAMILIES` (or ``"gpt2"``).
+        **settings: Fields of :class:`~kvboost_rag.config.KVBoostSettings`.
+    """
+    from kvboost_rag import KVBoost
+
+    return KVBoost.from_model(tiny_model(family), tiny_tokenizer(), **settings)

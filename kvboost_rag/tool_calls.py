@@ -19,6 +19,11 @@ into the system message (the fallback format). Decoding is constrained by
 - ``"none"``: plain text that does not start with ``<`` (the tools stay in the prompt, so its
   cached K/V is the same as for the other choices).
 
+With ``parallel`` (LangChain's ``parallel_tool_calls``, LlamaIndex's
+``allow_parallel_tool_calls``) "one tool call" above reads "one or more tool calls", one per
+line; each parsed call gets its own id. Like every constrained output, the calls close within
+``max_new_tokens`` (see :mod:`kvboost_rag.constrained`): another call starts only if it can end.
+
 Object schemas without ``additionalProperties`` are closed (no keys beyond ``properties``)
 before compiling: extra arguments serve no tool, and an open object lets a weak model add keys
 until its token budget ends.
@@ -179,8 +184,13 @@ def call_schema(spec: ToolSpec) -> dict[str, Any]:
     }
 
 
-def tool_choice_constraint(specs: Sequence[ToolSpec], choice: str) -> OutputConstraint:
+def tool_choice_constraint(specs: Sequence[ToolSpec], choice: str, parallel: bool = False) -> OutputConstraint:
     """The decoding constraint of a normalized ``choice`` over ``specs`` (see the module doc).
+
+    Args:
+        specs: The bound tools.
+        choice: A normalized tool choice (:func:`normalize_tool_choice`).
+        parallel: Allow one or more calls, one per line, where one call is allowed.
 
     Raises:
         InvalidInputError: ``"required"`` or a name with no tools.
@@ -194,11 +204,12 @@ def tool_choice_constraint(specs: Sequence[ToolSpec], choice: str) -> OutputCons
     # One %json rule per tool: each schema keeps its own root for its references.
     rules = [f"call_{i}: %json {json.dumps(call_schema(s))}" for i, s in enumerate(chosen)]
     body = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    call = f"call: {json.dumps(CALL_OPEN + chr(10))} ({body}) {json.dumps(chr(10) + CALL_CLOSE)}\n"
-    call += "\n".join(rules) + "\n"
+    calls = f"calls: call ({json.dumps(chr(10))} call)*\n" if parallel else "calls: call\n"
+    calls += f"call: {json.dumps(CALL_OPEN + chr(10))} ({body}) {json.dumps(chr(10) + CALL_CLOSE)}\n"
+    calls += "\n".join(rules) + "\n"
     if choice == AUTO:
-        return OutputConstraint(grammar=f"start: TEXT | call\n{text_rule}\n{call}")
-    return OutputConstraint(grammar=f"start: call\n{call}")
+        return OutputConstraint(grammar=f"start: TEXT | calls\n{text_rule}\n{calls}")
+    return OutputConstraint(grammar=f"start: calls\n{calls}")
 
 
 @dataclass(frozen=True)
@@ -211,11 +222,13 @@ class CallFormat:
         instructions: Text for the system message saying what to reply (the JSON schema of a
             structured output: the constraint enforces it, and a model that reads it writes
             sensible values instead of filling the shape blindly).
+        parallel: Several tool calls may come in one reply.
     """
 
     specs: tuple[ToolSpec, ...] = ()
     constraint: OutputConstraint | None = None
     instructions: str = ""
+    parallel: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -227,6 +240,7 @@ def call_format(
     tools: Sequence[Mapping[str, Any]] | None = None,
     choice: Any = None,
     response_format: Mapping[str, Any] | None = None,
+    parallel: bool = False,
 ) -> CallFormat:
     """The tools and constraint of one call.
 
@@ -235,6 +249,7 @@ def call_format(
         choice: A tool choice (see :func:`normalize_tool_choice`).
         response_format: An OpenAI-style response format (see
             :func:`response_format_constraint`); it wins over the tool choice.
+        parallel: Allow several tool calls in one reply (see :func:`tool_choice_constraint`).
 
     Raises:
         InvalidInputError: Malformed tools, a choice naming no tool, a bad response format.
@@ -245,7 +260,8 @@ def call_format(
         return CallFormat(specs, constraint, format_instructions(response_format, constraint))
     if not specs and choice is None:
         return CallFormat()
-    return CallFormat(specs, tool_choice_constraint(specs, normalize_tool_choice(choice, [s.name for s in specs])))
+    normalized = normalize_tool_choice(choice, [s.name for s in specs])
+    return CallFormat(specs, tool_choice_constraint(specs, normalized, parallel), parallel=parallel)
 
 
 def response_format_constraint(response_format: Mapping[str, Any]) -> OutputConstraint:
@@ -299,13 +315,18 @@ def with_system_text(messages: Sequence[Mapping[str, Any]], text: str) -> list[d
     return out
 
 
-def tools_instructions(specs: Sequence[ToolSpec]) -> str:
+def tools_instructions(specs: Sequence[ToolSpec], parallel: bool = False) -> str:
     """The fallback format: tools described in the system message, for chat templates that
-    do not render ``tools=``."""
+    do not render ``tools=`` (``parallel``: several calls may come in one reply)."""
+    how = (
+        "You may call one or more of the tools below. To call tools, reply with only one such block per call:"
+        if parallel
+        else "You may call one of the tools below. To call a tool, reply with only:"
+    )
     lines = [
         "# Tools",
         "",
-        "You may call one of the tools below. To call a tool, reply with only:",
+        how,
         CALL_OPEN,
         '{"name": <tool name>, "arguments": <arguments as a JSON object>}',
         CALL_CLOSE,
@@ -334,7 +355,9 @@ def response_text(content: str) -> str:
     return f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
 
 
-def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+def fallback_messages(
+    messages: Sequence[Mapping[str, Any]], specs: Sequence[ToolSpec], parallel: bool = False
+) -> list[dict[str, Any]]:
     """Chat messages for a template that does not render tools: the tools' description
     appended to the system message (a system message is added when there is none), assistant
     tool calls written out as text, tool results wrapped in ``<tool_response>`` tags.
@@ -342,6 +365,7 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Too
     Args:
         messages: Dicts in the OpenAI layout (assistant ``tool_calls``; ``tool`` role results).
         specs: The bound tools (none: only the history is rewritten).
+        parallel: Several calls may come in one reply (see :func:`tools_instructions`).
     """
     out: list[dict[str, Any]] = []
     for message in messages:
@@ -357,7 +381,7 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], specs: Sequence[Too
             out.append({"role": "tool", "content": response_text(content)})
         else:
             out.append({"role": role, "content": content})
-    return with_system_text(out, tools_instructions(specs)) if specs else out
+    return with_system_text(out, tools_instructions(specs, parallel)) if specs else out
 
 
 def render_chat(
@@ -381,7 +405,7 @@ def render_chat(
         tools = [spec.openai() for spec in call_format.specs] or None
         return engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
     if call_format.specs or any("tool_calls" in d or d.get("role") == "tool" for d in dicts):
-        dicts = fallback_messages(dicts, call_format.specs)
+        dicts = fallback_messages(dicts, call_format.specs, call_format.parallel)
     return engine.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
 
 

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Runs every test suite (engine, LangChain integration, LlamaIndex integration), each in its
-# own pytest session with its own settings. Extra arguments go to every pytest call
-# (e.g. -m "not slow"). Exits non-zero if any suite fails.
+# own pytest session with its own settings, then the portability checks
+# (scripts/test_portability.sh: the exactness tests at each CPU kernel level and against the
+# lowest dependency versions the packages admit). Extra arguments go to every suite's pytest
+# call (e.g. -m "not slow"). Exits non-zero if anything fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
+"$PY" -m kvboost_rag.environment
 status=0
 for suite in . integrations/langchain-kvboost integrations/llama-index-llms-kvboost; do
   echo "=== pytest: $suite"
   (cd "$suite" && "$PY" -m pytest "$@") || status=1
 done
+bash scripts/test_portability.sh || status=1
 exit $status

@@ -12,6 +12,7 @@ import torch
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.log_limits import forget_all
 from kvboost_rag.testing import tiny_model, tiny_tokenizer
 
 # One thread: predictable on a shared 2-core machine, and tiny models gain nothing from more.
@@ -32,6 +33,13 @@ atexit.register(shutil.rmtree, _SESSION_KV_CACHE, ignore_errors=True)
 def _isolated_kv_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's engines spill to a folder of their own."""
     monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path_factory.mktemp("kv-cache")))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warning_limits() -> None:
+    """Rate-limited warnings start afresh in each test: one test's warnings never silence the
+    warning another test checks for (module-level limiters outlive a test module)."""
+    forget_all()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import pytest
 
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.correctness import first_token_kl
+from decoding_checks import check_against_full_prefill
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,7 @@ def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
     embedded_engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
     full = embedded_engine.generate(prompt, max_new_tokens=12, reuse=False, return_logits=True)
-    hit = embedded_engine.generate(prompt, max_new_tokens=12, return_logits=True)
-    assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
-    assert (full.first_token_logits - hit.first_token_logits).abs().max() < 1e-3
-    assert hit.token_ids == full.token_ids
+    check = check_against_full_prefill(embedded_engine, prompt, full, atol=1e-3)
+    assert check.steps_compared > 0
+    for hit in (check.forced, check.free):
+        assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1

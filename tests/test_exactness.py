@@ -6,6 +6,7 @@ import torch
 from kvboost_rag import UnsupportedModelError
 from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
+from decoding_checks import check_against_full_prefill
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 ATOL = 1e-4
@@ -23,11 +24,11 @@ def test_prefix_hit_equals_full_prefill(make_engine, docs, family):
     assert warm.new_tokens == warm.num_tokens and not warm.already_warm
     prompt = prefix + "What is described first?\nAnswer:"
     full = engine.generate(prompt, max_new_tokens=6, reuse=False, return_logits=True)
-    hit = engine.generate(prompt, max_new_tokens=6, return_logits=True)
-    assert hit.prefix_hit_tokens >= warm.num_tokens - 1
-    assert hit.strategy == "exact"
-    assert_close_logits(full.first_token_logits, hit.first_token_logits)
-    assert hit.token_ids == full.token_ids
+    check = check_against_full_prefill(engine, prompt, full, atol=ATOL)
+    for hit in (check.forced, check.free):
+        assert hit.prefix_hit_tokens >= warm.num_tokens - 1
+        assert hit.strategy == "exact"
+        assert_close_logits(full.first_token_logits, hit.first_token_logits)
     assert engine.warm(prefix).already_warm
 
 
@@ -39,12 +40,12 @@ def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, st
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
     full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
-    blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
-    assert blended.strategy == strategy
-    assert blended.content_hit_tokens > 0
-    assert blended.recomputed_tokens == blended.content_hit_tokens
-    assert_close_logits(full.first_token_logits, blended.first_token_logits)
-    assert blended.token_ids == full.token_ids
+    check = check_against_full_prefill(engine, prompt, full, atol=ATOL)
+    for blended in (check.forced, check.free):
+        assert blended.strategy == strategy
+        assert blended.content_hit_tokens > 0
+        assert blended.recomputed_tokens == blended.content_hit_tokens
+        assert_close_logits(full.first_token_logits, blended.first_token_logits)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
@@ -57,11 +58,11 @@ def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family):
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[1], docs[3], docs[0], docs[2]])
     full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
-    blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
-    assert blended.strategy == "attention" and blended.content_hit_tokens > 0
-    assert blended.recomputed_tokens == blended.content_hit_tokens
-    assert_close_logits(full.first_token_logits, blended.first_token_logits)
-    assert blended.token_ids == full.token_ids
+    check = check_against_full_prefill(engine, prompt, full, atol=ATOL)
+    for blended in (check.forced, check.free):
+        assert blended.strategy == "attention" and blended.content_hit_tokens > 0
+        assert blended.recomputed_tokens == blended.content_hit_tokens
+        assert_close_logits(full.first_token_logits, blended.first_token_logits)
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvboost_rag.log_limits import MAX_KINDS, RateLimitedLogger
+from kvboost_rag.log_limits import MAX_KINDS, RateLimitedLogger, forget_all
 from kvboost_rag.storage import DiskTier
 from kvboost_rag.storage.disk import SUFFIX
 
@@ -35,6 +35,16 @@ def test_first_warning_logged_then_repeats_suppressed_and_counted(caplog):
         assert limited.warning("corrupt", "bad entry %s", "c1") is True
         assert limited.warning("corrupt", "bad entry %s", "c2") is False
     assert _messages(caplog) == ["bad entry a1", "bad entry c1 (99 similar warnings not logged)"]
+
+
+def test_forget_all_lets_every_live_limiter_log_again(caplog):
+    limiters = [RateLimitedLogger(LOGGER, interval_seconds=1e9) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger=LOGGER.name):
+        assert all(limited.warning("k", "first") for limited in limiters)
+        assert not any(limited.warning("k", "again") for limited in limiters)
+        forget_all()
+        assert all(limited.warning("k", "after") for limited in limiters)
+    assert _messages(caplog) == ["first", "first", "after", "after"]
 
 
 def test_kinds_are_limited_separately(caplog):

@@ -1,8 +1,11 @@
 """Exact paths in bfloat16 and float16 (the dtypes GPU users run), on tiny models on CPU.
 
 In 16-bit the prefix-hit path and full prefill round differently (attention over a cached
-prefix versus one causal call), so logits agree only to 16-bit tolerance; the greedy tokens,
-which is what users see, must be the same.
+prefix versus one causal call), so logits agree only to 16-bit tolerance. Every decoding
+step is compared teacher-forced along full prefill's tokens, and the free greedy tokens must
+agree wherever full prefill's top-1 margin exceeds that tolerance: at a near tie, rounding on
+another CPU kernel path or GPU picks either token with or without reuse
+(:mod:`decoding_checks`).
 """
 
 import pytest
@@ -12,6 +15,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.attention import BACKENDS, use_backend
 from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
+from decoding_checks import check_against_full_prefill
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -40,10 +44,10 @@ def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
     warm = engine.warm(prefix)
     prompt = prefix + "What is described first?\nAnswer:"
     full = engine.generate(prompt, max_new_tokens=6, reuse=False, return_logits=True)
-    hit = engine.generate(prompt, max_new_tokens=6, return_logits=True)
-    assert hit.prefix_hit_tokens >= warm.num_tokens - 1 and hit.strategy == "exact"
-    assert hit.token_ids == full.token_ids
-    assert_close_16bit(full.first_token_logits, hit.first_token_logits, dtype)
+    check = check_against_full_prefill(engine, prompt, full, rtol=RELATIVE_TOL[dtype])
+    for hit in (check.forced, check.free):
+        assert hit.prefix_hit_tokens >= warm.num_tokens - 1 and hit.strategy == "exact"
+        assert_close_16bit(full.first_token_logits, hit.first_token_logits, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -55,11 +59,11 @@ def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, fami
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
     full = engine.generate(prompt, max_new_tokens=5, reuse=False, return_logits=True)
-    blended = engine.generate(prompt, max_new_tokens=5, return_logits=True)
-    assert blended.strategy == strategy
-    assert blended.content_hit_tokens > 0 and blended.recomputed_tokens == blended.content_hit_tokens
-    assert blended.token_ids == full.token_ids
-    assert_close_16bit(full.first_token_logits, blended.first_token_logits, dtype)
+    check = check_against_full_prefill(engine, prompt, full, rtol=RELATIVE_TOL[dtype])
+    for blended in (check.forced, check.free):
+        assert blended.strategy == strategy
+        assert blended.content_hit_tokens > 0 and blended.recomputed_tokens == blended.content_hit_tokens
+        assert_close_16bit(full.first_token_logits, blended.first_token_logits, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -76,10 +80,11 @@ def test_every_attention_backend_keeps_exact_paths_exact(make_engine, docs, fami
     prefix_engine.warm(prefix)
     full = blend_engine.generate(prompt, max_new_tokens=4, reuse=False, return_logits=True)
     with use_backend(backend):
-        blended = blend_engine.generate(prompt, max_new_tokens=4, return_logits=True)
-        hit = prefix_engine.generate(prompt, max_new_tokens=4, return_logits=True)
-    assert blended.recomputed_tokens == blended.content_hit_tokens > 0
-    assert hit.strategy == "exact" and hit.prefix_hit_tokens >= prefix_engine.count_tokens(prefix) - 1
-    for result in (blended, hit):
+        blended = check_against_full_prefill(blend_engine, prompt, full, atol=1e-4)
+        hit = check_against_full_prefill(prefix_engine, prompt, full, atol=1e-4)
+    for result in (blended.forced, blended.free):
+        assert result.recomputed_tokens == result.content_hit_tokens > 0
+    for result in (hit.forced, hit.free):
+        assert result.strategy == "exact" and result.prefix_hit_tokens >= prefix_engine.count_tokens(prefix) - 1
+    for result in (blended.forced, blended.free, hit.forced, hit.free):
         assert torch.allclose(full.first_token_logits, result.first_token_logits, atol=1e-4, rtol=0)
-        assert result.token_ids == full.token_ids

@@ -155,23 +155,23 @@ def test_round_trip(tier, bits):
 def test_values_are_the_disk_format_under_the_prefix(tier, raw):
     entry = _entry(1.5)
     tier.put("k1", entry)
-    stored = deserialize_entry(raw.get(tier.key_prefix + "k1"), expected_key="k1")
+    stored = deserialize_entry(raw.get(tier.redis_name("k1")), expected_key="k1")
     assert stored.metadata == entry.metadata and torch.equal(stored.tensors["keys"], entry.tensors["keys"])
     assert list(tier.keys()) == ["k1"]
-    assert tier.used_bytes == raw.strlen(tier.key_prefix + "k1")
+    assert tier.used_bytes == raw.strlen(tier.redis_name("k1"))
 
 
 def test_ttl_is_set_and_entries_expire(redis_url, raw):
     tier = RedisTier(redis_url, ttl_seconds=1, key_prefix=f"kvboost-test:{uuid.uuid4().hex[:8]}:")
     tier.put("k1", _entry(1.0))
-    assert 0 < raw.pttl(tier.key_prefix + "k1") <= 1000
+    assert 0 < raw.pttl(tier.redis_name("k1")) <= 1000
     time.sleep(1.1)
     assert tier.get("k1") is None and "k1" not in tier
 
 
 def test_no_ttl_leaves_eviction_to_the_server(tier, raw):
     tier.put("k1", _entry(1.0))
-    assert raw.ttl(tier.key_prefix + "k1") == -1
+    assert raw.ttl(tier.redis_name("k1")) == -1
 
 
 def test_server_eviction_turns_into_misses(tier, raw):
@@ -193,7 +193,7 @@ def test_server_eviction_turns_into_misses(tier, raw):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "other_key"])
 def test_corrupt_value_is_a_miss_and_is_deleted(tier, raw, caplog, damage):
-    name = tier.key_prefix + "k1"
+    name = tier.redis_name("k1")
     tier.put("k1", _block_entry())
     data = bytearray(raw.get(name))
     if damage == "flip":
@@ -240,12 +240,12 @@ def test_two_stores_share_entries_through_redis(redis_url, tier):
     assert reader.stats()["redis"]["hits"] == 1 and reader.stats()["memory"]["hits"] == 1
 
 
-def test_build_store_with_a_live_redis(redis_url, tmp_path):
+def test_build_store_with_a_live_redis(redis_url, raw, tmp_path):
     store = build_store(KVBoostSettings(disk_cache_dir=tmp_path, redis_url=redis_url, redis_ttl_seconds=30))
     redis_tier = store.tiers[2]
     try:
         store.put("doc2", _entry(3.0))
-        assert "doc2" in redis_tier and 0 < redis_tier._client.ttl(redis_tier.key_prefix + "doc2") <= 30
+        assert "doc2" in redis_tier and 0 < raw.ttl(redis_tier.redis_name("doc2")) <= 30
     finally:
         redis_tier.delete("doc2")
         store.close()
@@ -260,10 +260,10 @@ def test_secret_key_rejects_and_deletes_entries_not_authenticated_with_it(redis_
         tier.put("k1", _block_entry())
     keyed = RedisTier(redis_url, key_prefix=tier.key_prefix, secret_key=key)
     assert keyed.get("k1") is None
-    assert raw.exists(tier.key_prefix + "k1") == 0
+    assert raw.exists(tier.redis_name("k1")) == 0
     keyed.put("k1", _block_entry())
     assert keyed.get("k1") is not None
-    assert deserialize_entry(raw.get(tier.key_prefix + "k1"), expected_key="k1", secret_key=key).metadata
+    assert deserialize_entry(raw.get(tier.redis_name("k1")), expected_key="k1", secret_key=key).metadata
 
 
 def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
@@ -271,7 +271,7 @@ def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
     redis_tier = store.tiers[-1]
     try:
         store.put("doc3", _entry(1.0))
-        data = raw.get(redis_tier.key_prefix + "doc3")
+        data = raw.get(redis_tier.redis_name("doc3"))
         assert deserialize_entry(data, expected_key="doc3", secret_key=b"the-shared-secret-key").metadata
     finally:
         redis_tier.delete("doc3")
@@ -281,7 +281,7 @@ def test_build_store_passes_the_secret_key_to_redis(redis_url, tier, raw):
 def test_a_thousand_corrupt_values_log_a_handful_of_warnings(tier, raw, caplog):
     pipe = raw.pipeline(transaction=False)
     for i in range(1000):
-        pipe.set(f"{tier.key_prefix}k{i}", b"garbage %d" % i)
+        pipe.set(tier.redis_name(f"k{i}"), b"garbage %d" % i)
     pipe.execute()
     with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
         assert all(tier.get(f"k{i}") is None for i in range(1000))

@@ -231,3 +231,106 @@ def test_response_formats_constrain_and_instruct():
     system = [{"role": "system", "content": "Be brief."}, *messages]
     assert with_system_text(system, "Be JSON.")[0] == {"role": "system", "content": "Be brief.\n\nBe JSON."}
     assert system[0]["content"] == "Be brief."  # the input is left alone
+
+
+#: Free strings and an unbounded integer: random weights fill them until the budget ends
+#: unless decoding closes the call in time.
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the docs.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "section": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["query", "section", "limit"],
+        },
+    },
+}
+
+#: Nested objects and arrays, an optional key, a boolean: closing must end every level.
+REPORT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "source": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "pages": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["name", "pages"],
+        },
+        "draft": {"type": "boolean"},
+        "note": {"type": "string"},
+    },
+    "required": ["title", "tags", "source", "draft"],
+}
+
+
+def _minimum(engine, constraint) -> int:
+    """The engine's minimum budget, checked against the one the refusal of a smaller budget names."""
+    minimum = engine.min_new_tokens(constraint)
+    with pytest.raises(InvalidInputError, match=rf"max_new_tokens={minimum - 1} is below the {minimum} tokens"):
+        engine.stream("Hello.", max_new_tokens=minimum - 1, constraint=constraint)
+    return minimum
+
+
+def _budgets(minimum: int) -> list[int]:
+    return sorted({minimum, minimum + 1, minimum + 2, 24, 32, 48, 96, 256} - set(range(minimum)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_calls_from_random_weights_close_at_every_budget_from_the_minimum(engine, seed):
+    constraint = tool_choice_constraint(tool_specs([SEARCH]), "search")
+    minimum = _minimum(engine, constraint)
+    for budget in _budgets(minimum):
+        result = engine.generate("Search.", max_new_tokens=budget, temperature=1.0, seed=seed, constraint=constraint)
+        assert result.finish_reason == "eos", (budget, result.output_text)
+        assert result.generated_tokens <= budget
+        [call] = parse_tool_calls(result.output_text, result.finish_reason).valid_calls
+        assert call.name == "search" and set(call.arguments) == {"query", "section", "limit"}
+        assert isinstance(call.arguments["limit"], int)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_structured_outputs_from_random_weights_close_at_every_budget_from_the_minimum(engine, seed):
+    constraint = call_format(response_format={"type": "json_schema", "json_schema": {"schema": REPORT_SCHEMA}}).constraint
+    minimum = _minimum(engine, constraint)
+    for budget in _budgets(minimum):
+        result = engine.generate("Report.", max_new_tokens=budget, temperature=1.0, seed=seed, constraint=constraint)
+        assert result.finish_reason == "eos", (budget, result.output_text)
+        assert result.generated_tokens <= budget
+        report = json.loads(result.output_text)
+        assert set(report) - {"note"} == {"title", "tags", "source", "draft"}
+        assert isinstance(report["draft"], bool) and all(isinstance(p, int) for p in report["source"]["pages"])
+
+
+def test_a_batch_below_the_minimum_fails_before_any_prefill(engine):
+    constraint = tool_choice_constraint(tool_specs([SEARCH]), "search")
+    with pytest.raises(InvalidInputError, match="raise max_new_tokens to at least"):
+        engine.generate_batch(["Search.", "Again."], max_new_tokens=4, constraint=constraint)
+    assert engine._scheduler.admitted == 0
+
+
+def test_parallel_choice_takes_several_calls_and_single_takes_one(engine):
+    specs = tool_specs(TOOLS)
+    two = call_text("add", {"a": 1, "b": 2}) + "\n" + call_text("now", {})
+    parallel = engine._constraints.compile(tool_choice_constraint(specs, REQUIRED, parallel=True))
+    for token in engine.token_ids(two):
+        assert parallel.advance(token)
+    assert parallel.complete
+    single = engine._constraints.compile(tool_choice_constraint(specs, REQUIRED))
+    with pytest.raises(RuntimeError, match="constrained decoding failed"):
+        for token in engine.token_ids(two):
+            single.advance(token)
+
+
+def test_parallel_calls_from_random_weights_parse_with_distinct_ids(engine):
+    constraint = tool_choice_constraint(tool_specs(TOOLS), REQUIRED, parallel=True)
+    counts = []
+    for seed in range(8):
+        result = engine.generate("Call tools.", max_new_tokens=96, temperature=1.0, seed=seed, constraint=constraint)
+        parsed = parse_tool_calls(result.output_text, result.finish_reason)
+        assert result.finish_reason == "eos" and parsed.content == "" and not parsed.invalid_calls, result.output_text
+        assert len({c.id for c in parsed.calls}) == len(parsed.calls) >= 1
+        counts.append(len(parsed.calls))
+    assert max(counts) >= 2, counts

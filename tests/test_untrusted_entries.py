@@ -170,7 +170,7 @@ def test_a_corrupt_entry_error_is_a_value_error():
     assert issubclass(CorruptEntryError, ValueError)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_entries_are_dequantized_on_the_target_device(monkeypatch, bits):
     from kvboost_rag import quant

@@ -47,7 +47,7 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
 
     Args:
         settings: Uses ``max_cache_bytes``, ``device_cache_bytes``, ``disk_cache_dir``,
-            ``max_disk_bytes``, ``redis_url``, ``redis_ttl_seconds`` and ``cache_secret_key``
+            ``max_disk_bytes``, ``redis_url``, ``redis_cluster``, ``redis_ttl_seconds`` and ``cache_secret_key``
             (which authenticates disk and Redis entries; the in-process tiers need none).
         device: The device the model runs on; ``None`` or a CPU device adds no device tier.
 
@@ -73,5 +73,12 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
     if settings.redis_url is not None:
         from kvboost_rag.storage.redis_tier import RedisTier
 
-        tiers.append(RedisTier(settings.redis_url, settings.redis_ttl_seconds, secret_key=secret_key))
+        tiers.append(
+            RedisTier(
+                settings.redis_url,
+                settings.redis_ttl_seconds,
+                cluster=settings.redis_cluster,
+                secret_key=secret_key,
+            )
+        )
     return TieredStore(tiers)

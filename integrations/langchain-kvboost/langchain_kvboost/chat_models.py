@@ -140,7 +140,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     A drop-in replacement for ``ChatHuggingFace`` (text only, no images) that also makes tool
     calls (:meth:`bind_tools`) and structured output (:meth:`with_structured_output`) valid by
     construction: decoding is constrained to a call of a bound tool with schema-valid
-    arguments, or to JSON valid for the schema (needs ``kvboost-rag[constrained]``). Tools
+    arguments, or to JSON valid for the schema, closed within ``max_new_tokens`` (needs
+    ``kvboost-rag[constrained]``). Tools
     reach the prompt through the chat template's ``tools=`` when the template renders them,
     else as a "# Tools" section of the system message (see ``kvboost_rag.tool_calls``); the
     tool text is part of the prompt's cached prefix like any system text.
@@ -242,6 +243,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
         *,
         tool_choice: str | bool | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """A model that may call ``tools``; its replies carry ``AIMessage.tool_calls``.
@@ -253,7 +255,11 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
                 ``"any"``/``"required"``/``True`` (one call of any tool), a tool's name (one
                 call of that tool), or ``"none"`` (plain text; the tools stay in the prompt).
                 Decoding is constrained accordingly, so every call names a bound tool and its
-                arguments are valid for the tool's schema. One call per turn.
+                arguments are valid for the tool's schema, and the calls close within
+                ``max_new_tokens`` (a budget below the shortest call is an
+                ``InvalidInputError`` naming the minimum).
+            parallel_tool_calls: ``True`` lets one reply hold one or more calls (each with
+                its own id) where one call is allowed; else one call per turn.
             **kwargs: Other per-call parameters to bind.
 
         Raises:
@@ -261,6 +267,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         choice = normalize_tool_choice(tool_choice, [s.name for s in tool_specs(formatted)])
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
     def with_structured_output(

@@ -29,21 +29,18 @@ STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
 
 
 def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
-    """Take ``tools``, ``tool_choice``, ``response_format`` and ``parallel_tool_calls`` out
-    of ``kwargs``.
+    """Take ``tools``, ``tool_choice``, ``response_format`` and ``parallel_tool_calls`` (one
+    or more calls per reply) out of ``kwargs``.
 
     Raises:
-        InvalidInputError: Malformed tools, a ``tool_choice`` that names no bound tool,
-            ``parallel_tool_calls=True``, or a ``response_format`` of another kind.
+        InvalidInputError: Malformed tools, a ``tool_choice`` that names no bound tool, or a
+            ``response_format`` of another kind.
     """
     tools = kwargs.pop("tools", None)
     choice = kwargs.pop("tool_choice", None)
     response_format = kwargs.pop("response_format", None)
-    if kwargs.pop("parallel_tool_calls", False):
-        raise InvalidInputError(
-            "ChatKVBoost makes one tool call per turn; pass parallel_tool_calls=False (or leave it out)"
-        )
-    return call_format([convert_to_openai_tool(t) for t in tools or []], choice, response_format)
+    parallel = bool(kwargs.pop("parallel_tool_calls", False))
+    return call_format([convert_to_openai_tool(t) for t in tools or []], choice, response_format, parallel)
 
 
 def ai_message(text: str, finish_reason: str, output_format: CallFormat, **fields: Any) -> AIMessage:

@@ -55,6 +55,6 @@ class BagOfWordsEmbeddings(Embeddings):
         return self._embed(text)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def embeddings() -> BagOfWordsEmbeddings:
     return BagOfWordsEmbeddings()

@@ -22,9 +22,7 @@ from llama_index.core.prompts.chat_prompts import (
     TEXT_QA_SYSTEM_PROMPT,
 )
 from llama_index.core.prompts.prompt_utils import get_biggest_prompt
-from llama_index.core.response_synthesizers.refine import (
-    DEFAULT_RESPONSE_PADDING_SIZE as DEFAULT_REFINE_PADDING,
-)
+from llama_index.core.response_synthesizers import refine as refine_module
 from llama_index.core.schema import NodeWithScore
 from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer, node_prompt_text
 
@@ -32,6 +30,13 @@ from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
 
 pytestmark = pytest.mark.slow
+
+#: The padding Refine repacks with (llama-index-core 0.14.22 named it; before, repack's default).
+REFINE_PADDING = (
+    {"padding": refine_module.DEFAULT_RESPONSE_PADDING_SIZE}
+    if hasattr(refine_module, "DEFAULT_RESPONSE_PADDING_SIZE")
+    else {}
+)
 
 TOPICS = ("assert", "break", "del", "global", "raise", "return", "with")
 MAX_NEW_TOKENS = 8
@@ -154,7 +159,7 @@ def _window_splitting_in_two(texts: list[str], question: str) -> int:
     for window in range(600, 2000, 10):
         helper = PromptHelper(context_window=window, num_output=MAX_NEW_TOKENS)
         try:
-            chunks = helper.repack(biggest, texts, padding=DEFAULT_REFINE_PADDING)
+            chunks = helper.repack(biggest, texts, **REFINE_PADDING)
         except ValueError:  # no room left for context at this window
             continue
         if len(chunks) == 2:

@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 import pytest
 from llama_index.core import VectorStoreIndex
-from llama_index.core.agent.workflow import FunctionAgent
+from llama_index.core.agent.react.formatter import ReActChatFormatter
+from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import Document
@@ -19,6 +20,7 @@ from llama_index.llms.kvboost import KVBoostLLM
 from pydantic import BaseModel, Field
 
 from kvboost_rag import InvalidInputError, KVBoost
+from kvboost_rag.tool_calls import call_text
 
 pytest.importorskip("llguidance", reason="function calling needs kvboost-rag[constrained]")
 
@@ -96,10 +98,40 @@ def test_without_tool_required_the_reply_is_text_or_a_call(llm: KVBoostLLM, look
             llm.get_tool_calls_from_response(response)
 
 
-def test_cut_call_names_the_budget(llm: KVBoostLLM, lookup: FunctionTool) -> None:
-    response = llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=5)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        llm.get_tool_calls_from_response(response)
+def test_a_budget_below_the_shortest_call_is_refused_naming_the_minimum(llm: KVBoostLLM, lookup: FunctionTool) -> None:
+    with pytest.raises(InvalidInputError, match=r"max_new_tokens=5 is below the \d+ tokens") as refused:
+        llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=5)
+    minimum = int(str(refused.value).split("at least ")[1].split()[0])
+    response = llm.chat_with_tools([lookup], user_msg="find", tool_required=True, max_new_tokens=minimum)
+    [selection] = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "lookup" and selection.tool_kwargs["section"] in ("reference", "library", "tutorial")
+
+
+def test_parallel_tool_calls_parse_with_distinct_ids(
+    llm: KVBoostLLM, lookup: FunctionTool, add: FunctionTool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's tests show the grammar yields several calls; these random weights end after
+    # the first, so the reply is replaced by two calls, and the grammar is checked to hold them.
+    two = call_text("lookup", {"section": "library"}) + "\n" + call_text("add", {"a": 1, "b": 2})
+    constraints = []
+    real = llm.engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        constraints.append(params["constraint"])
+        return real(prompt, **params).model_copy(update={"output_text": two})
+
+    monkeypatch.setattr(llm.engine, "generate", generate)
+    response = llm.chat_with_tools([lookup, add], user_msg="find", tool_required=True, allow_parallel_tool_calls=True)
+    selections = llm.get_tool_calls_from_response(response)
+    assert [(s.tool_name, s.tool_kwargs) for s in selections] == [("lookup", {"section": "library"}), ("add", {"a": 1, "b": 2})]
+    assert len({s.tool_id for s in selections}) == 2
+    guide = llm.engine._constraints.compile(constraints[0])
+    assert all(guide.advance(token) for token in llm.engine.token_ids(two)) and guide.complete
+    llm.chat_with_tools([lookup, add], user_msg="find", tool_required=True)
+    single = llm.engine._constraints.compile(constraints[1])
+    with pytest.raises(RuntimeError, match="constrained decoding failed"):
+        for token in llm.engine.token_ids(two):
+            single.advance(token)
 
 
 def test_predict_and_call_runs_the_tool(llm: KVBoostLLM, lookup: FunctionTool, calls: list[str]) -> None:
@@ -158,8 +190,8 @@ def test_astructured_predict_and_structured_llm(llm: KVBoostLLM) -> None:
     assert Answer.model_validate_json(response.message.content) == response.raw
 
 
-def test_structured_predict_cut_by_the_budget_says_so(llm: KVBoostLLM) -> None:
-    with pytest.raises(ValueError, match="raise max_new_tokens"):
+def test_structured_predict_below_the_minimum_budget_says_so(llm: KVBoostLLM) -> None:
+    with pytest.raises(InvalidInputError, match="raise max_new_tokens to at least"):
         llm.structured_predict(Answer, PromptTemplate("Is a tuple immutable?"), llm_kwargs={"max_new_tokens": 3})
 
 
@@ -218,3 +250,39 @@ def test_stream_structured_predict_ends_with_a_valid_instance(llm: KVBoostLLM) -
         return [p async for p in await llm.astream_structured_predict(Answer, prompt, kind="tuple")]
 
     assert isinstance(asyncio.run(collect())[-1], Answer)
+
+
+def test_react_agent_acts_then_answers_in_its_format(tiny_engine: KVBoost, lookup: FunctionTool, calls: list[str]) -> None:
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=48, temperature=1.0, seed=3, react_tool_steps=1)
+    agent = ReActAgent(tools=[lookup], llm=llm)
+
+    async def run() -> Any:
+        return await agent.run("Which section explains the with statement?", max_iterations=3)
+
+    answer = asyncio.run(run())
+    assert calls and calls[0] in ("reference", "library", "tutorial")  # the action's input fit the tool
+    assert [c.tool_name for c in answer.tool_calls] == ["lookup"]
+    assert isinstance(str(answer), str)
+
+
+@pytest.mark.parametrize("react_grammar", [True, False])
+def test_react_prompts_are_constrained_unless_turned_off(
+    tiny_engine: KVBoost, lookup: FunctionTool, monkeypatch: pytest.MonkeyPatch, react_grammar: bool
+) -> None:
+    constraints: list[Any] = []
+    real = tiny_engine.generate
+
+    def generate(prompt: str, **params: Any) -> Any:
+        constraints.append(params.get("constraint"))
+        return real(prompt, **params)
+
+    monkeypatch.setattr(tiny_engine, "generate", generate)
+    llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=48, react_grammar=react_grammar)
+    messages = ReActChatFormatter.from_defaults().format([lookup], [ChatMessage(role=MessageRole.USER, content="Hi")])
+    llm.chat(messages)
+    llm.chat([ChatMessage(role=MessageRole.SYSTEM, content="Be brief."), ChatMessage(role=MessageRole.USER, content="Hi")])
+    assert constraints[1] is None
+    if react_grammar:
+        assert constraints[0] is not None and '"lookup\\nAction Input: "' in constraints[0].grammar
+    else:
+        assert constraints[0] is None

@@ -106,9 +106,20 @@ def test_unknown_tool_choice_names_the_fix(chat: ChatKVBoost) -> None:
         chat.bind_tools([lookup], tool_choice="multiply")
 
 
-def test_parallel_tool_calls_are_refused(chat: ChatKVBoost) -> None:
-    with pytest.raises(InvalidInputError, match="one tool call per turn"):
-        chat.bind_tools([lookup], parallel_tool_calls=True).invoke(_messages())
+def test_parallel_tool_calls_parse_with_distinct_ids(chat: ChatKVBoost) -> None:
+    model = chat.bind_tools([lookup, add, clock], tool_choice="any", parallel_tool_calls=True)
+    counts = []
+    for seed in range(6):
+        reply = model.invoke(_messages(), seed=seed, max_new_tokens=96)
+        assert reply.content == "" and reply.invalid_tool_calls == [] and reply.tool_calls
+        assert len({c["id"] for c in reply.tool_calls}) == len(reply.tool_calls)
+        tools = {"lookup": lookup, "add": add, "clock": clock}
+        for call in reply.tool_calls:
+            tools[call["name"]].invoke(call["args"])
+        counts.append(len(reply.tool_calls))
+    assert max(counts) >= 2, counts
+    single = chat.bind_tools([lookup, add, clock], tool_choice="any", parallel_tool_calls=False)
+    assert all(len(single.invoke(_messages(), seed=seed).tool_calls) == 1 for seed in range(3))
 
 
 def test_tool_results_go_back_and_the_tool_prefix_is_reused(chat: ChatKVBoost) -> None:
@@ -148,12 +159,15 @@ async def test_astream_and_ainvoke_make_the_same_call(chat: ChatKVBoost) -> None
     assert full is not None and full.tool_calls[0]["args"] == reply.tool_calls[0]["args"]
 
 
-def test_cut_call_is_an_invalid_tool_call_naming_the_budget(chat: ChatKVBoost) -> None:
-    reply = chat.bind_tools([lookup], tool_choice="any").invoke(_messages(), max_new_tokens=4)
-    assert reply.tool_calls == []
-    [bad] = reply.invalid_tool_calls
-    assert "max_new_tokens" in bad["error"]
-    assert reply.response_metadata["finish_reason"] == "length"
+def test_a_budget_below_the_shortest_call_is_refused_naming_the_minimum(chat: ChatKVBoost) -> None:
+    model = chat.bind_tools([lookup], tool_choice="any")
+    with pytest.raises(InvalidInputError, match=r"max_new_tokens=4 is below the \d+ tokens") as refused:
+        model.invoke(_messages(), max_new_tokens=4)
+    minimum = int(str(refused.value).split("at least ")[1].split()[0])
+    reply = model.invoke(_messages(), max_new_tokens=minimum)
+    [call] = reply.tool_calls
+    lookup.invoke(call["args"])
+    assert reply.invalid_tool_calls == [] and reply.response_metadata["finish_reason"] == "eos"
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

@@ -50,6 +50,7 @@ from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.react import react_call_format
 from kvboost_rag.tool_calls import CallFormat, render_chat
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     arguments, or to JSON valid for the output class (needs ``kvboost-rag[constrained]``).
     Tools reach the prompt through the chat template's ``tools=`` when it renders them, else
     as a "# Tools" section of the system message (``kvboost_rag.tool_calls``). One tool call
-    per turn.
+    per turn, or one or more with ``allow_parallel_tool_calls`` (``FunctionAgent``'s default).
+    Calls and structured outputs close within ``max_new_tokens``: a budget below what the
+    shortest valid output takes is an ``InvalidInputError`` naming that minimum.
 
     Examples:
         ```python
@@ -137,6 +140,24 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     reuse: bool = Field(
         default=True,
         description="Reuse cached K/V. False runs a full prefill on every call (the baseline to compare with).",
+    )
+    react_grammar: bool = Field(
+        default=True,
+        description=(
+            "Constrain replies to a ReAct prompt (the system message of LlamaIndex's ReActChatFormatter, "
+            "as ReActAgent sends it) to one step of its format: a thought, then an action naming one of "
+            "its tools with arguments valid for the tool's schema, or an answer."
+        ),
+    )
+    react_tool_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "With react_grammar: None lets the model act or answer at every ReAct step; n makes the "
+            "first n steps after a question call a tool and the next one answer (as FunctionAgent's "
+            "initial_tool_choice forces a first call). Small models left to choose tend to answer "
+            "before searching, or to search again and again."
+        ),
     )
     is_chat_model: bool = Field(
         default=True,
@@ -401,7 +422,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         """The response's ``raw``: usage and the engine's figures (``ttft_ms``, ``kv_reuse_ratio``, ...)."""
-        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits"})
+        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits", "step_logits"})
         usage = {
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.generated_tokens,
@@ -457,14 +478,24 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     def _complete_sync(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
         return self._generate(self._completion_prompt(prompt, formatted), kwargs)
 
+    def _output_format(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> CallFormat:
+        """The tools and constraint of a chat call (taken out of ``kwargs``); with none given,
+        the ReAct step constraint when the conversation is a ReAct prompt (``react_grammar``)."""
+        output_format = pop_call_format(kwargs)
+        react = self.react_grammar and output_format.constraint is None
+        if react and messages and messages[0].role == MessageRole.SYSTEM:
+            later = [(str(m.role.value), m.content or "") for m in messages[1:]]
+            return react_call_format(messages[0].content, later, self.react_tool_steps) or output_format
+        return output_format
+
     def _chat_sync(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         kwargs = dict(kwargs)
-        output_format = pop_call_format(kwargs)
+        output_format = self._output_format(messages, kwargs)
         return _as_chat(self._generate(self._chat_prompt(messages, output_format), kwargs, output_format), output_format)
 
     def _chat_stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         kwargs = dict(kwargs)
-        output_format = pop_call_format(kwargs)
+        output_format = self._output_format(messages, kwargs)
         responses = self._stream(self._chat_prompt(messages, output_format), kwargs, output_format)
         return _as_chat_stream(responses, output_format)
 
@@ -498,7 +529,8 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
                 ``additional_kwargs["tool_call_id"]``).
             **kwargs: The generation keywords of :meth:`complete`, and ``tools``
                 (OpenAI-style definitions), ``tool_choice`` (``"auto"``, ``"required"``, a
-                tool name, ``"none"``), ``tool_required``, ``response_format``
+                tool name, ``"none"``), ``tool_required``, ``allow_parallel_tool_calls``,
+                ``response_format``
                 (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
                 {"schema": ...}}``).
         """
@@ -551,10 +583,9 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """``chat`` arguments for ``chat_with_tools``: ``tool_required`` (or a ``tool_choice``
-        keyword) constrains decoding to a call; otherwise the reply is text or one call."""
-        if allow_parallel_tool_calls:
-            logger.debug("KVBoostLLM makes one tool call per turn; allow_parallel_tool_calls is ignored")
-        return chat_with_tools_arguments(tools, user_msg, chat_history, tool_required, kwargs)
+        keyword) constrains decoding to calls; otherwise the reply is text or calls. One call,
+        or with ``allow_parallel_tool_calls`` one or more (each with its own id)."""
+        return chat_with_tools_arguments(tools, user_msg, chat_history, tool_required, kwargs, allow_parallel_tool_calls)
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any

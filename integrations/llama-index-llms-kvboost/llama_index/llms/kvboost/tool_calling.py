@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.tool_calls import REQUIRED, CallFormat, call_format, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -25,10 +24,11 @@ def chat_with_tools_arguments(
     chat_history: list[ChatMessage] | None,
     tool_required: bool,
     kwargs: dict[str, Any],
+    allow_parallel_tool_calls: bool = False,
 ) -> dict[str, Any]:
     """The ``chat`` arguments of ``chat_with_tools``: the messages, the tools as OpenAI-style
-    definitions and the tool choice (``tool_choice`` from ``kwargs`` wins over
-    ``tool_required``)."""
+    definitions, the tool choice (``tool_choice`` from ``kwargs`` wins over
+    ``tool_required``) and whether one reply may hold several calls."""
     messages = list(chat_history or [])
     if isinstance(user_msg, str):
         user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
@@ -41,24 +41,24 @@ def chat_with_tools_arguments(
         "messages": messages,
         "tools": [tool.metadata.to_openai_tool() for tool in tools],
         "tool_choice": choice,
+        "allow_parallel_tool_calls": allow_parallel_tool_calls,
         **kwargs,
     }
 
 
 def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
-    """Take ``tools``, ``tool_choice``, ``tool_required`` and ``response_format`` out of a
-    call's ``kwargs``.
+    """Take ``tools``, ``tool_choice``, ``tool_required``, ``allow_parallel_tool_calls``
+    (one or more calls per reply) and ``response_format`` out of a call's ``kwargs``.
 
     Raises:
-        InvalidInputError: Malformed tools, a choice naming no tool, parallel tool calls.
+        InvalidInputError: Malformed tools, a choice naming no tool.
     """
     tools = kwargs.pop("tools", None)
     choice = kwargs.pop("tool_choice", None)
     if kwargs.pop("tool_required", False) and choice is None:
         choice = REQUIRED
-    if kwargs.pop("allow_parallel_tool_calls", False):
-        raise InvalidInputError("KVBoostLLM makes one tool call per turn; pass allow_parallel_tool_calls=False")
-    return call_format(tools, choice, kwargs.pop("response_format", None))
+    parallel = bool(kwargs.pop("allow_parallel_tool_calls", False))
+    return call_format(tools, choice, kwargs.pop("response_format", None), parallel)
 
 
 def assistant_message(text: str, finish_reason: str, output_format: CallFormat) -> ChatMessage:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Portability checks (run by scripts/test.sh after the suites, which ran at the CPU kernel
+# level torch detects):
+# 1. the exactness tests with torch's CPU kernels capped at each lower level
+#    (ATEN_CPU_CAPABILITY=default, avx2), so exact paths hold on any x86 CPU;
+# 2. the exactness tests and the integrations' fast tests against the lowest versions of
+#    transformers, langchain-core and llama-index-core the packages admit
+#    (scripts/lowest_versions.py installs them into .venv-lowest, put first on PYTHONPATH).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="$PWD/.venv/bin/python"
+EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)
+status=0
+
+for level in default avx2; do
+  echo "=== exactness tests, ATEN_CPU_CAPABILITY=$level"
+  ATEN_CPU_CAPABILITY=$level "$PY" -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability())"
+  ATEN_CPU_CAPABILITY=$level "$PY" -m pytest -q -p no:warnings "${EXACTNESS[@]}" || status=1
+done
+
+echo "=== lowest admitted versions"
+LOWEST="$PWD/.venv-lowest"
+if "$PY" scripts/lowest_versions.py "$LOWEST"; then
+  export PYTHONPATH="$LOWEST${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -m kvboost_rag.environment | grep -E '^(transformers|tokenizers|langchain-core|llama-index-core):'
+  "$PY" -m pytest -q -p no:warnings "${EXACTNESS[@]}" || status=1
+  (cd integrations/langchain-kvboost && "$PY" -m pytest -q -p no:warnings -m "not slow" tests/unit_tests) || status=1
+  (cd integrations/llama-index-llms-kvboost && "$PY" -m pytest -q -p no:warnings -m "not slow") || status=1
+else
+  echo "could not install the lowest admitted versions" >&2
+  status=1
+fi
+exit $status
