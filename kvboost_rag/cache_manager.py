@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.corpus_fit import CorpusFit
 from kvboost_rag.document_shelf import DocumentShelf
 from kvboost_rag.hashing import anchor_hash
 from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
@@ -42,7 +43,7 @@ from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
 from kvboost_rag.prefix_index import PrefixIndex
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentRecord, DocumentRegistry, anchor_of
-from kvboost_rag.storage import TieredStore
+from kvboost_rag.storage import DeviceTier, DiskTier, TieredStore
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -328,6 +329,27 @@ class CacheManager:
             )
             self._bytes_per_token = entry.nbytes / size
         return self._bytes_per_token
+
+    def corpus_fit(self, records: Sequence[DocumentRecord]) -> CorpusFit | None:
+        """The bytes ``records`` need (each distinct document once) against the tiers' budgets:
+        memory (beside reservations), disk budgets below it, unbounded with Redis; ``None``
+        when there are no records."""
+        tokens = {record.digest: len(record.token_ids) for record in records}
+        if not tokens:
+            return None
+        memory = self.store.memory_tier
+        lower: int | None = 0
+        for tier in self.store.tiers:
+            if tier is memory or isinstance(tier, DeviceTier):
+                continue
+            budget = tier.max_bytes if isinstance(tier, DiskTier) else None
+            lower = None if budget is None or lower is None else lower + budget
+        return CorpusFit(
+            documents=len(tokens),
+            needed_bytes=int(sum(tokens.values()) * self.bytes_per_token()),
+            memory_bytes=memory.max_bytes - memory.reserved_bytes,
+            lower_bytes=lower,
+        )
 
     def missing_chunks(self, record: DocumentRecord) -> list[int]:
         """Indices of the document's chunks that no tier holds."""

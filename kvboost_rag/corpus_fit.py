@@ -65,6 +65,14 @@ class CorpusFit:
         )
 
 
+    def overflow_line(self) -> str:
+        """The note when the corpus fits only with the tiers below memory."""
+        return (
+            f"warm_documents: {self.documents} documents need about {self.needed_bytes / _MIB:.0f} MiB of K/V, "
+            f"more than the memory tier's {self.memory_bytes / _MIB:.0f} MiB: the overflow goes to the tiers below"
+        )
+
+
 def kept_summary(kept_in: Sequence[Sequence[str]]) -> tuple[int, dict[str, int]]:
     """How many documents some tier keeps, and how many each tier holds whole.
 

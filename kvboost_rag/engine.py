@@ -18,6 +18,7 @@ from kvboost_rag.batch_warm import BatchWarmer, WarmJob, batchable, batches
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide, OutputConstraint
+from kvboost_rag.corpus_fit import kept_summary, summary_line
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -28,7 +29,6 @@ from kvboost_rag.errors import (
 )
 from kvboost_rag.hashing import root_hash
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.corpus_fit import CorpusFit, kept_summary, summary_line
 from kvboost_rag.missed_documents import explain_evicted_documents, explain_missed_documents
 from kvboost_rag.model_adapter import ModelAdapter
 from kvboost_rag.options import GenerationOptions
@@ -44,7 +44,7 @@ from kvboost_rag.results import (
 from kvboost_rag.sampling import SequenceSampling, TextAssembler, eos_token_ids, make_generator
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
-from kvboost_rag.storage import DeviceTier, DiskTier, MemoryTier, build_store
+from kvboost_rag.storage import build_store
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -490,7 +490,8 @@ class KVBoost:
                 for job in group:
                     warms[job.index].finish(stored[job.index], share)
                 computed_bytes += int(sum(stored.values()) * per_token)
-                bar.set_postfix_str(f"{computed_bytes / 1024**2:.0f} MiB K/V, memory {self._memory_tier().used_bytes / 1024**2:.0f} MiB", refresh=False)
+                memory_mib = self._cache.store.memory_tier.used_bytes / 1024**2
+                bar.set_postfix_str(f"{computed_bytes / 1024**2:.0f} MiB K/V, memory {memory_mib:.0f} MiB", refresh=False)
                 bar.update(len(group))
         kept_in = {record.digest: self._cache.kept_in(record) for record in records}
         results = [warm.result().model_copy(update={"kept_in": kept_in[warm.record.digest]}) for warm in warms]
@@ -502,38 +503,13 @@ class KVBoost:
             logger.info("%s", line)
         return results
 
-    def _memory_tier(self) -> MemoryTier:
-        """The memory tier (the one holding host memory, under any device tier)."""
-        return next(t for t in self._cache.store.tiers if isinstance(t, MemoryTier) and not isinstance(t, DeviceTier))
-
     def _warn_if_corpus_does_not_fit(self, records: Sequence[DocumentRecord]) -> None:
         """Warn (once a minute at most) when the documents' K/V exceed what the tiers keep."""
-        distinct = {record.digest: len(record.token_ids) for record in records}
-        if not distinct:
-            return
-        memory = self._memory_tier()
-        lower: int | None = 0
-        for tier in self._cache.store.tiers:
-            if tier is memory or isinstance(tier, DeviceTier):
-                continue
-            budget = getattr(tier, "max_bytes", None) if isinstance(tier, DiskTier) else None
-            lower = None if budget is None or lower is None else lower + budget
-        fit = CorpusFit(
-            documents=len(distinct),
-            needed_bytes=int(sum(distinct.values()) * self._cache.bytes_per_token()),
-            memory_bytes=memory.max_bytes - memory.reserved_bytes,
-            lower_bytes=lower,
-        )
-        if not fit.fits:
+        fit = self._cache.corpus_fit(records)
+        if fit is not None and not fit.fits:
             _warnings.warning("corpus-too-large", "%s", fit.warning())
-        elif not fit.fits_memory:
-            logger.info(
-                "warm_documents: %d documents need about %d MiB of K/V, more than the memory tier's %d MiB: "
-                "the overflow goes to the tiers below",
-                fit.documents,
-                fit.needed_bytes // 1024**2,
-                fit.memory_bytes // 1024**2,
-            )
+        elif fit is not None and not fit.fits_memory:
+            logger.info("%s", fit.overflow_line())
 
     def _warm_batch(self, group: list[WarmJob]) -> dict[int, int]:
         """Compute and store a group of documents: one forward pass when there are several
@@ -940,7 +916,7 @@ class KVBoost:
                 outcome.live_tokens,
                 evicted,
                 explain_evicted_documents(
-                    self._cache.counters["documents_evicted"], self._memory_tier().max_bytes, len(self._cache.store.tiers) > 1
+                    self._cache.counters["documents_evicted"], self._cache.store.memory_tier.max_bytes, len(self._cache.store.tiers) > 1
                 ),
             )
             return
@@ -1013,7 +989,7 @@ class KVBoost:
     def cache_stats(self) -> CacheStats:
         """Counters of the cache and its tiers."""
         store = self._cache.store
-        memory = self._memory_tier()
+        memory = self._cache.store.memory_tier
         return CacheStats(
             entries=len(list(memory.keys())),
             memory_bytes=memory.used_bytes,

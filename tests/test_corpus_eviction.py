@@ -20,6 +20,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
+from kvboost_rag.testing import tiny_model
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 DOCS = python_reference_documents(max_chars=240)[:24]
@@ -43,7 +44,7 @@ def _budgeted(make_engine, factor: float, **settings) -> KVBoost:
 
 
 def _memory(engine: KVBoost) -> MemoryTier:
-    return engine._memory_tier()
+    return engine._cache.store.memory_tier
 
 
 def check_agreement(engine: KVBoost, memory_only: bool) -> None:
@@ -172,6 +173,37 @@ def test_the_automatic_disk_tier_writes_only_what_memory_evicts(make_engine, tmp
 def _pinned(engine: KVBoost) -> set[str]:
     memory = _memory(engine)
     return {key for key in memory.keys() if memory.policy.is_pinned(key)}
+
+
+def test_two_models_share_the_automatic_disk_tier_without_mixing(tokenizer, tmp_path, monkeypatch):
+    """Two models (other weights) spill to the same automatic folder: each keeps its own
+    documents whole and finds none of the other's (keys are namespaced by fingerprint)."""
+    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "shared"))
+    engines = []
+    for seed in (0, 1):
+        probe = KVBoost.from_model(tiny_model("llama", seed=seed), tokenizer, show_progress=False, chunk_size=32)
+        budget = int(_corpus_bytes(probe, DOCS) / 3)
+        engines.append(
+            KVBoost.from_model(
+                tiny_model("llama", seed=seed), tokenizer, show_progress=False, chunk_size=32, max_cache_bytes=budget
+            )
+        )
+    assert engines[0].fingerprint != engines[1].fingerprint
+    for engine in engines:
+        engine.warm(SYSTEM_PROMPT + "\n\n")
+        assert all(r.kept_in for r in engine.warm_documents(DOCS))
+    for engine in engines:
+        stats = engine.cache_stats()
+        assert stats.documents == len(DOCS) and stats.documents_evicted == 0
+        check_agreement(engine, memory_only=False)
+        # DOCS[9] starts unlike the context documents: a partial prefix hit over a first
+        # document's opening tokens takes that document out of content reuse (prefill today).
+        result = engine.generate(rag_prompt(DOCS[9:13]), max_new_tokens=1)
+        assert result.documents_found == 4 and result.content_hit_tokens > 0
+    # A fresh process of the second model lists its own spilled records, not the first's.
+    fresh = KVBoost.from_model(tiny_model("llama", seed=1), tokenizer, show_progress=False, chunk_size=32)
+    on_disk = fresh.cache_stats().documents_by_tier["disk"]
+    assert 0 < on_disk == engines[1].cache_stats().documents_by_tier["disk"]
 
 
 @pytest.mark.parametrize("tiers", ["memory", "memory+overflow disk", "memory+disk"])

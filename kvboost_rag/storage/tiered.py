@@ -42,6 +42,11 @@ class TieredStore:
             if below and isinstance(tier, MemoryTier) and not isinstance(tier, DeviceTier):
                 tier.on_evict = partial(self._spill, below)
 
+    @property
+    def memory_tier(self) -> MemoryTier:
+        """The tier in host memory (under any device tier): the one ``max_cache_bytes`` bounds."""
+        return next(t for t in self.tiers if isinstance(t, MemoryTier) and not isinstance(t, DeviceTier))
+
     def group_by(self, group_of: Callable[[str], str | None]) -> None:
         """Evict entries from the in-process tiers in groups named by ``group_of(key)``
         (``None``: the key is a group of its own); see :class:`MemoryTier`."""
