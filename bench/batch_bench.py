@@ -124,7 +124,7 @@ def load_engine(model: str | None) -> KVBoost:
 def decode_steps(engine: KVBoost, prompts: Sequence[str], sizes: Sequence[int], repeats: int = 3) -> list[StepRow]:
     """Median time of one decode step (``ModelAdapter.forward_ragged``) over ``size`` prompts
     prefilled in full, for each size."""
-    from kvboost_rag.model_adapter import ModelAdapter
+    from kvboost_rag.hf import ModelAdapter
 
     adapter = ModelAdapter(engine.model, engine.tokenizer)
     rows_needed = max(sizes)

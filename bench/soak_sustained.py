@@ -125,9 +125,9 @@ def soak(args: Any, model: Any, tokenizer: Any, disk_dir: str) -> tuple[list[Win
     start = time.perf_counter()
     writer = make_engine(args, model, tokenizer, disk_cache_dir=disk_dir, max_cache_bytes=64 * 1024**2)
     writer.warm_documents(docs)
-    per_doc_bytes = writer._cache.store.tiers[1].used_bytes / len(docs)
-    corpus_bytes = writer._cache.store.tiers[1].used_bytes
-    writer._cache.store.close()
+    per_doc_bytes = writer._cache._store.tiers[1].used_bytes / len(docs)
+    corpus_bytes = writer._cache._store.tiers[1].used_bytes
+    writer._cache._store.close()
     del writer
     prewarm_s = time.perf_counter() - start
     budget = int(args.memory_mb * 1024**2) if args.memory_mb else max(int(corpus_bytes * args.memory_share), 1)
@@ -190,11 +190,11 @@ def lookup_times(args: Any, model: Any, tokenizer: Any, sizes: list[int]) -> lis
         prompts = [prompt_of(rng.sample(docs, args.docs_per_prompt), QUESTIONS[0]) for _ in range(40)]
         find_ms, plan_ms = [], []
         for prompt in prompts:
-            tokens = engine._prompt_tokens(prompt)
+            tokens = engine._tokenizing.prompt(prompt)
             t0 = time.perf_counter()
-            found = engine._cache.registry.find(prompt)
+            found = engine._cache.document_index.find(prompt)
             t1 = time.perf_counter()
-            engine._plan(tokens)
+            engine._requests.planner.plan(tokens)
             t2 = time.perf_counter()
             if len(found) != args.docs_per_prompt:
                 raise RuntimeError(f"found {len(found)} of {args.docs_per_prompt} documents in a prompt")

@@ -4,7 +4,7 @@ The blend pass runs only chosen tokens (at scattered positions) against the K/V 
 prompt token, and a prefix hit runs the rest of the prompt on top of the cached prefix. In
 both, causality comes from each query's absolute position: query ``i`` at position ``p_i``
 sees keys ``0..p_i`` (or the last ``sliding_window`` of them). This attention function is
-registered with transformers' ``AttentionInterface`` and used only while
+registered with transformers by :mod:`kvboost_rag.hf.attention_switch` and used only while
 :func:`query_positions` is active. It has three interchangeable backends, equal to float
 tolerance (``tests/test_attention.py``):
 
@@ -42,7 +42,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -336,5 +335,3 @@ def _eager_softcap(q, k, v, allowed, scale: float, softcap: float, groups: int) 
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 
-
-AttentionInterface.register(ATTENTION_NAME, sparse_causal_attention)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import DynamicCache
+from kvboost_rag.hf.caches import ModelCache
 
-from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.sampling import SequenceSampling, TextAssembler, next_token
 
@@ -45,7 +45,7 @@ class DecodeSequence:
         step_logits: The logits of each step, kept on the host when ``options.return_logits``.
     """
 
-    cache: DynamicCache
+    cache: ModelCache
     position: int
     budget: int
     options: GenerationOptions

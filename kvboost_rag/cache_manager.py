@@ -42,6 +42,7 @@ from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
 from kvboost_rag.prefix_index import PrefixIndex
+from kvboost_rag.results import CacheStats
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentRecord, DocumentRegistry, anchor_of
 from kvboost_rag.storage import DeviceTier, DiskTier, TieredStore
 
@@ -68,21 +69,6 @@ class PrefixPiece:
     block: KVBlock
 
 
-@dataclass(frozen=True)
-class WriteBack:
-    """What one write-back stored.
-
-    Attributes:
-        prefix_tokens: Tokens newly stored as prefix chunks.
-        document_tokens: Tokens newly stored as document chunks.
-        document_chunks: Keys of the document chunks stored.
-    """
-
-    prefix_tokens: int = 0
-    document_tokens: int = 0
-    document_chunks: tuple[str, ...] = ()
-
-
 class CacheManager:
     """Finds and stores K/V chunks for one model fingerprint.
 
@@ -104,13 +90,13 @@ class CacheManager:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.store = store
+        self._store = store
         self.fingerprint = fingerprint
         self.layout = layout
         self.settings = settings
         self.shelf = DocumentShelf(store, fingerprint, settings.chunk_size)
-        self.registry = DocumentRegistry(self.shelf)
-        self.prefix_index = PrefixIndex()
+        self._registry = DocumentRegistry(self.shelf)
+        self._prefix_index = PrefixIndex()
         self._device, self._dtype = device, dtype
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
@@ -126,6 +112,30 @@ class CacheManager:
         store.on_gone(self._forget)
         self.attach_stored_documents()
 
+    # ------------------------------------------------------------------ documents
+    def find_document(self, text: str) -> DocumentRecord | None:
+        """The stored record of a document text, if any tier holds it."""
+        return self._registry.lookup(text)
+
+    @property
+    def document_index(self) -> DocumentRegistry:
+        """The index of known documents that plans look for in prompts (read-only use)."""
+        return self._registry
+
+    def known_documents(self) -> DocumentRegistry:
+        """:attr:`document_index` as a call (what a :class:`~kvboost_rag.plan.Planner` reads)."""
+        return self._registry
+
+    @property
+    def document_count(self) -> int:
+        """Documents known (registered and stored)."""
+        return len(self._registry)
+
+    @property
+    def memory_used_bytes(self) -> int:
+        """Bytes held by the host memory tier."""
+        return self._store.memory_tier.used_bytes
+
     # ------------------------------------------------------------------ indexes
     def attach_stored_documents(self) -> int:
         """Index every document record the tiers hold (written by this process or another);
@@ -135,13 +145,13 @@ class CacheManager:
             Documents indexed.
         """
         for anchor, digest in self.shelf.stored():
-            self.registry.add_known(anchor, digest)
+            self._registry.add_known(anchor, digest)
         self.charge_indexes()
-        return len(self.registry)
+        return len(self._registry)
 
     def register(self, record: DocumentRecord) -> None:
         """Store a document's record and index it."""
-        self.registry.register(record)
+        self._registry.register(record)
         self.charge_indexes()
 
     @property
@@ -149,7 +159,7 @@ class CacheManager:
         """Estimated bytes of the in-process indexes (counted in the memory budget)."""
         with self._maps_lock:
             owned = len(self._documents) * DOCUMENT_ENTRY_BYTES + self._owned_chunks * OWNED_CHUNK_BYTES
-        return self.registry.nbytes + self.prefix_index.nbytes + owned
+        return self._registry.nbytes + self._prefix_index.nbytes + owned
 
     # ------------------------------------------------------------------ documents as units
     def note_document(self, record: DocumentRecord) -> None:
@@ -180,11 +190,11 @@ class CacheManager:
     def kept_in(self, record: DocumentRecord) -> list[str]:
         """Names of the tiers holding ``record`` and every one of its chunks."""
         keys = [self.record_key(record), *record.chunk_keys]
-        return [tier.name for tier in self.store.tiers if all(key in tier for key in keys)]
+        return [tier.name for tier in self._store.tiers if all(key in tier for key in keys)]
 
     def documents_by_tier(self) -> dict[str, int]:
         """Document records each tier holds (reads key names only)."""
-        return {tier.name: sum(1 for _ in tier.keys_with_prefix(self.shelf.prefix)) for tier in self.store.tiers}
+        return {tier.name: sum(1 for _ in tier.keys_with_prefix(self.shelf.prefix)) for tier in self._store.tiers}
 
     def evicted_in(self, text: str) -> int:
         """How many documents that were stored and then evicted start somewhere in ``text``."""
@@ -204,7 +214,7 @@ class CacheManager:
 
     def charge_indexes(self) -> None:
         """Count the indexes' bytes against the memory budget (evicting entries if needed)."""
-        self.store.reserve(INDEX_RESERVATION, self.index_bytes)
+        self._store.reserve(INDEX_RESERVATION, self.index_bytes)
 
     def _forget(self, key: str) -> None:
         """A key left every tier: drop what describes it, and the rest of its document."""
@@ -212,7 +222,7 @@ class CacheManager:
         doomed: list[str] = []
         if parsed is not None:
             anchor, digest = parsed
-            indexed = self.registry.forget(anchor, digest)
+            indexed = self._registry.forget(anchor, digest)
             with self._maps_lock:
                 known = self._documents.pop(digest, None)
                 if known is not None:
@@ -232,22 +242,23 @@ class CacheManager:
             if indexed or known is not None:
                 self._count({"documents_evicted": 1})
         else:
-            self.prefix_index.drop(key)
+            self._prefix_index.drop(key)
             with self._maps_lock:
                 for digest in self._owners.get(key, ()):
                     known = self._documents.get(digest)
                     if known is not None:
                         doomed.append(self.shelf.key_of(known[0], digest))
         for other in doomed:
-            if self.store.contains(other):
-                self.store.delete(other)
+            if self._store.contains(other):
+                self._store.delete(other)
 
     # ------------------------------------------------------------------ blocks
     def load(self, key: str) -> KVBlock | None:
         """The block stored under ``key``; a corrupt entry is deleted and counts as a miss."""
-        entry = self.store.get(key)
-        if entry is None:
+        found = self._store.fetch(key)
+        if found is None:
             return None
+        entry, trusted = found
         try:
             return decode_block(
                 entry,
@@ -255,10 +266,11 @@ class CacheManager:
                 expected_layout=self.layout.as_tuple(),
                 device=self._device,
                 dtype=self._dtype,
+                trusted=trusted,
             )
         except CorruptEntryError as exc:
             _warnings.warning("corrupt-entry", "dropping corrupt cache entry %s: %s", key[:12], exc)
-            self.store.delete(key)
+            self._store.delete(key)
             self._count({"corrupt_entries": 1})
             return None
 
@@ -269,7 +281,7 @@ class CacheManager:
         entry = encode_block(
             block, fingerprint=self.fingerprint, bits=self.settings.kv_cache_bits, group_size=self.settings.kv_group_size
         )
-        self.store.put(key, entry)
+        self._store.put(key, entry)
 
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, plan: PromptPlan) -> list[PrefixPiece]:
@@ -300,7 +312,7 @@ class CacheManager:
         return pieces
 
     def _partial_prefix(self, parent: str, ids: Sequence[int], pos: int, end: int) -> PrefixPiece | None:
-        children = self.prefix_index.children(parent)
+        children = self._prefix_index.children(parent)
         best: tuple[int, str] | None = None
         for key, tokens in children:
             length = 0
@@ -313,7 +325,7 @@ class CacheManager:
             return None
         block = self.load(best[1])
         if block is None:
-            self.prefix_index.drop(best[1])
+            self._prefix_index.drop(best[1])
             return None
         return PrefixPiece(best[1], pos, best[0], block)
 
@@ -337,9 +349,9 @@ class CacheManager:
         tokens = {record.digest: len(record.token_ids) for record in records}
         if not tokens:
             return None
-        memory = self.store.memory_tier
+        memory = self._store.memory_tier
         lower: int | None = 0
-        for tier in self.store.tiers:
+        for tier in self._store.tiers:
             if tier is memory or isinstance(tier, DeviceTier):
                 continue
             budget = tier.max_bytes if isinstance(tier, DiskTier) else None
@@ -351,12 +363,13 @@ class CacheManager:
             lower_bytes=lower,
         )
 
-    def missing_chunks(self, record: DocumentRecord) -> list[int]:
-        """Indices of the document's chunks that no tier holds."""
-        return [i for i, key in enumerate(record.chunk_keys) if not self.store.contains(key)]
+    def missing_chunks(self, record: DocumentRecord, chunks: Sequence[int] | None = None) -> list[int]:
+        """Indices of the document's chunks (of ``chunks``, default all) that no tier holds."""
+        indices = range(len(record.chunk_keys)) if chunks is None else chunks
+        return [i for i in indices if not self._store.contains(record.chunk_keys[i])]
 
     # ------------------------------------------------------------------ write-back
-    def write_back(self, plan: PromptPlan, outcome: PrefillOutcome, *, store_documents: bool, pin: bool = False) -> WriteBack:
+    def write_back(self, plan: PromptPlan, outcome: PrefillOutcome, *, store_documents: bool, pin: bool = False) -> int:
         """Store what the prompt taught: its exact leading part as prefix chunks, and the
         chunks of its documents that no tier holds yet, cut from the prompt's own K/V.
 
@@ -366,15 +379,18 @@ class CacheManager:
             store_documents: Store document chunks too.
             pin: Pin the prefix chunks that serve the leading part (an explicit warm).
                 Pinning writes nothing: a text already stored costs no write.
+
+        Returns:
+            Document tokens newly stored.
         """
         ids = plan.tokens.ids
         h = outcome.prefix_tokens
-        prefix_tokens = saved = 0
+        saved = 0
         served = list(outcome.prefix_keys)
         for chunk in plan.stored_prefix:
             if chunk.stop <= h:
                 continue  # served by the chunks that hit
-            if not self.store.contains(chunk.key):
+            if not self._store.contains(chunk.key):
                 self._save(
                     chunk.key,
                     outcome.keys[:, :, chunk.start : chunk.stop].clone(),
@@ -382,14 +398,13 @@ class CacheManager:
                     ids[chunk.start : chunk.stop],
                     chunk.start,
                 )
-                prefix_tokens += chunk.length
                 saved += 1
-            if self.store.contains(chunk.key):  # not stored when larger than every budget
-                self.prefix_index.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
+            if self._store.contains(chunk.key):  # not stored when larger than every budget
+                self._prefix_index.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
             served.append(chunk.key)
         if pin:
             for key in served:
-                self.store.pin(key)
+                self._store.pin(key)
         stored_chunks: list[str] = []
         document_tokens = 0
         if store_documents:
@@ -398,13 +413,13 @@ class CacheManager:
                 self.note_document(record)
                 stored_before = len(stored_chunks)
                 for index, key in enumerate(record.chunk_keys):
-                    if key in outcome.loaded_chunks or key in stored_chunks or self.store.contains(key):
+                    if key in outcome.loaded_chunks or key in stored_chunks or self._store.contains(key):
                         continue
                     first = document.chunk_span(index)
                     if first is None:
                         continue  # not wholly in this prompt, or split by a boundary merge
                     lo = index * record.chunk_size
-                    length = min(record.chunk_size, len(record.token_ids) - lo)
+                    length = record.chunk_length(index)
                     self._save(
                         key,
                         outcome.keys[:, :, first : first + length].clone(),
@@ -416,11 +431,11 @@ class CacheManager:
                     document_tokens += length
                 if len(stored_chunks) > stored_before:
                     # The record goes in after its chunks: the document's newest entry.
-                    self.registry.register(record)
+                    self._registry.register(record)
         if saved or stored_chunks:
             self._count({"stored_entries": saved + len(stored_chunks)})
         self.charge_indexes()
-        return WriteBack(prefix_tokens, document_tokens, tuple(stored_chunks))
+        return document_tokens
 
     # ------------------------------------------------------------------ counters
     def record(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
@@ -436,15 +451,36 @@ class CacheManager:
             }
         )
 
+    def stats(self) -> CacheStats:
+        """Counters of the cache and its tiers."""
+        memory = self._store.memory_tier
+        return CacheStats(
+            entries=len(list(memory.keys())),
+            memory_bytes=memory.used_bytes,
+            index_bytes=self.index_bytes,
+            prefix_index_entries=len(self._prefix_index),
+            documents=len(self._registry),
+            documents_evicted=self.counters["documents_evicted"],
+            documents_by_tier=self.documents_by_tier(),
+            tiers=self._store.stats(),
+            misses=self._store.misses,
+            counters=dict(self.counters),
+        )
+
+    def eviction_context(self) -> tuple[int, int, bool]:
+        """Documents evicted so far, the memory tier's budget, and whether a lower tier exists
+        (what a warning about evicted documents explains)."""
+        return self.counters["documents_evicted"], self._store.memory_tier.max_bytes, len(self._store.tiers) > 1
+
     def _count(self, amounts: dict[str, int]) -> None:
         with self._lock:
             self.counters.update(amounts)
 
     def clear(self) -> None:
         """Drop every entry and index."""
-        self.store.clear()
-        self.prefix_index.clear()
-        self.registry = DocumentRegistry(self.shelf)
+        self._store.clear()
+        self._prefix_index.clear()
+        self._registry = DocumentRegistry(self.shelf)
         with self._maps_lock:
             self._documents.clear()
             self._owners.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from kvboost_rag.hf.caches import ModelCache
 
 from kvboost_rag.plan import PlacedDocument
 
@@ -34,13 +34,12 @@ class PrefillOutcome:
         recomputed_tokens: Of those, tokens the repair recomputed.
         live_tokens: Tokens computed because nothing was cached for them.
         merged_tokens: Document tokens merged with a neighbour by the tokenizer.
-        exact_until: Every position before this has exactly the K/V of full prefill.
         strategy: ``"full"``, ``"exact"``, or the repair strategy used.
         recompute_ratio: Share of the loaded document tokens the repair recomputed.
     """
 
     logits: torch.Tensor | None
-    cache: DynamicCache | None
+    cache: ModelCache | None
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     prefix_tokens: int = 0
@@ -51,6 +50,5 @@ class PrefillOutcome:
     recomputed_tokens: int = 0
     live_tokens: int = 0
     merged_tokens: int = 0
-    exact_until: int = 0
     strategy: str = "full"
     recompute_ratio: float = 0.0

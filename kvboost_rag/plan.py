@@ -14,8 +14,9 @@ Pure: standard library and the pure helpers of :mod:`kvboost_rag.hashing` and
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvboost_rag.hashing import prefix_hash
 from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, DocumentRegistry, align_tokens
@@ -248,3 +249,25 @@ def _prefix_grid(
             break
         parent, start = full.key, stop
     return tuple(lookup), tail, tuple(stored)
+
+
+class Planner:
+    """Plans prompts for one engine: its hash root, chunk size and known documents.
+
+    Args:
+        root: Root of the prefix hash chain (from the model fingerprint).
+        chunk_size: Tokens per chunk.
+        documents: Returns the index of known documents to look for in prompts (read at each
+            plan: clearing the cache replaces it).
+    """
+
+    def __init__(self, root: str, chunk_size: int, documents: Callable[[], DocumentRegistry]) -> None:
+        self.root = root
+        self.chunk_size = chunk_size
+        self._documents = documents
+
+    def plan(self, tokens: PromptTokens, *, find_documents: bool = True, **options: Any) -> PromptPlan:
+        """:func:`build_plan` with this engine's root, chunk size and (unless
+        ``find_documents`` is false) known documents; ``options`` are its keyword arguments."""
+        registry = self._documents() if find_documents else None
+        return build_plan(tokens, root=self.root, chunk_size=self.chunk_size, registry=registry, **options)

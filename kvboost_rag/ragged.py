@@ -4,12 +4,12 @@ Batched decoding feeds one new token per sequence through the model in one forwa
 the projections, MLPs and logits run as one ``[batch, 1, hidden]`` batch, while attention
 runs row by row, each row's query over that row's own K/V. Nothing is padded and no K/V is
 copied into a shared batch tensor: every sequence keeps the
-:class:`~kvboost_rag.model_adapter.BufferedCache` its prefill built (with room reserved for its
+:class:`~kvboost_rag.hf.caches.BufferedCache` its prefill built (with room reserved for its
 new tokens), so a sequence joins or leaves the batch between two steps at no cost.
 
-:class:`RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
+:class:`~kvboost_rag.hf.caches.RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
 K/V to sequence ``b``'s layer ``i`` and leaves the per-row K/V where the attention function
-registered here (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
+registered by :mod:`kvboost_rag.hf.attention_switch` (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
 is switched to it) reads them. Each row attends causally up to its own position, within the
 layer's sliding window if it has one, with softcapping where the model applies it; it is
 the one-query case of :mod:`kvboost_rag.attention`'s block loop, so a row sees exactly what a
@@ -23,59 +23,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvboost_rag.attention import attend_blocks
 
 RAGGED_ATTENTION = "kvboost_ragged_decode"
 _state = threading.local()
-
-
-class RaggedLayer(DynamicLayer):
-    """Layer ``i`` of several sequences' caches, one row each.
-
-    Args:
-        rows: Layer ``i`` of each sequence's cache, in batch order.
-    """
-
-    def __init__(self, rows: Sequence[DynamicLayer]) -> None:
-        super().__init__()
-        self.rows = list(rows)
-        first = self.rows[0]
-        self.dtype, self.device = first.dtype, first.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append row ``b`` of ``[batch, kv_heads, 1, dim]`` to sequence ``b``; the rows' whole
-        K/V go to the attention function, the new states are returned unchanged."""
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for b, row in enumerate(self.rows):
-            k, v = row.update(key_states[b : b + 1], value_states[b : b + 1])
-            keys.append(k)
-            values.append(v)
-        _state.rows = (keys, values)
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return max(row.get_seq_length() for row in self.rows)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-
-class RaggedCache(DynamicCache):
-    """The caches of several sequences seen by the model as one batch cache.
-
-    Args:
-        caches: One cache per row, each with the same number of layers.
-    """
-
-    def __init__(self, caches: Sequence[DynamicCache]) -> None:
-        super().__init__()
-        self.layer_class_to_replicate = None
-        self.layers = [RaggedLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
 
 
 def ragged_decode_attention(
@@ -88,7 +40,7 @@ def ragged_decode_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of one query per row over that row's own K/V (left by :class:`RaggedLayer`).
+    """Attention of one query per row over that row's own K/V (left by :func:`set_rows`).
 
     Args:
         module: The attention module (unused).
@@ -124,10 +76,13 @@ def ragged_decode_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Hand every row's whole K/V of the layer being run to the next attention call."""
+    _state.rows = (keys, values)
+
+
 def attention_calls() -> int:
     """Calls of :func:`ragged_decode_attention` in this thread so far (a model whose attention
     does not go through transformers' attention interface never calls it)."""
     return getattr(_state, "calls", 0)
 
-
-AttentionInterface.register(RAGGED_ATTENTION, ragged_decode_attention)

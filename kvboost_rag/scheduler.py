@@ -196,11 +196,6 @@ class DecodeScheduler:
         with self._state:
             self._release_locked(reservation)
 
-    def submit(self, sequence: DecodeSequence, reservation: Reservation) -> DecodeHandle:
-        """Hand a prefilled sequence (with its pending token) to the decode worker; it joins
-        the batch at the next step, and its reservation is released when it leaves."""
-        return self.submit_many([(sequence, reservation)])[0]
-
     def submit_many(self, entries: Sequence[tuple[DecodeSequence, Reservation]]) -> list[DecodeHandle]:
         """Like :meth:`submit` for several sequences that join the same step."""
         handles = [DecodeHandle(sequence, reservation) for sequence, reservation in entries]

@@ -48,9 +48,14 @@ class DocumentRecord:
     chunk_keys: tuple[str, ...]
     chunk_size: int
 
-    def chunk_of(self, token_index: int) -> int:
-        """Index of the chunk holding document token ``token_index``."""
-        return token_index // self.chunk_size
+    def chunk_length(self, chunk: int) -> int:
+        """Tokens in chunk ``chunk`` (the last one may be short)."""
+        return min(self.chunk_size, len(self.token_ids) - chunk * self.chunk_size)
+
+    def whole_chunks(self, usable: int) -> list[int]:
+        """The chunks that lie wholly within the document's first ``usable`` tokens: the ones
+        a warm or a prompt that holds only those tokens can store or serve."""
+        return [c for c in range(len(self.chunk_keys)) if c * self.chunk_size + self.chunk_length(c) <= usable]
 
 
 def make_record(

@@ -15,6 +15,8 @@ from kvboost_rag.attention import (
 )
 from kvboost_rag.errors import InvalidInputError
 
+from rag_prompts import rag_prompt
+
 
 def dense_reference(q, k, v, positions, window=None, softcap=None):
     groups = q.shape[1] // k.shape[1]
@@ -143,3 +145,25 @@ def test_last_query_attention_records_the_last_querys_weights(window, softcap, k
     assert torch.allclose(recorded[0], expected, atol=1e-6)
     assert recorded[0].sum().item() == pytest.approx(1.0, abs=1e-5)
     assert recorded[0][int(positions[-1]) + 1 :].abs().max() == 0
+
+
+def test_model_whose_attention_cannot_be_recorded_is_repaired_by_cacheblend_and_says_so(
+    make_engine, docs, monkeypatch, caplog
+):
+    import contextlib
+
+    from kvboost_rag.hf import probes
+
+    @contextlib.contextmanager
+    def nothing_recorded():
+        yield []
+
+    monkeypatch.setattr(probes, "last_query_attention", nothing_recorded)
+    with caplog.at_level("WARNING", logger="kvboost_rag"):
+        engine = make_engine("llama")
+    assert not engine._adapter.features.records_attention
+    assert "repairing documents with CacheBlend" in caplog.text
+    engine.warm_documents(docs[:3])
+    result = engine.generate(rag_prompt(docs[2::-1]), max_new_tokens=2)
+    assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
+    assert result.strategy == "cacheblend"

@@ -233,12 +233,12 @@ def test_ragged_step_equals_one_sequence_steps(make_engine):
 
 
 def test_models_whose_attention_is_their_own_decode_one_row_per_pass(make_engine, docs, monkeypatch):
-    from kvboost_rag import model_adapter
+    from kvboost_rag.hf import probes
 
     prompts = _prompts(docs)
     alone = [_warmed(make_engine, "llama", docs).generate(p, max_new_tokens=6) for p in prompts]
-    monkeypatch.setattr(model_adapter, "attention_calls", lambda: 0)  # as if no layer called it
+    monkeypatch.setattr(probes, "attention_calls", lambda: 0)  # as if no layer called it
     engine = _warmed(make_engine, "llama", docs)
-    assert not engine._adapter.batched_decoding
+    assert not engine._adapter.features.batched_decoding
     for a, b in zip(alone, engine.generate_batch(prompts, max_new_tokens=6)):
         _same(a, b)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvboost_rag import KVBoost
-from kvboost_rag.batch_warm import BatchWarmer, batchable, batches
+from kvboost_rag.warming.batch import BatchWarmer, batchable, batches
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.testing import tiny_model
 
@@ -20,7 +20,7 @@ def _documents() -> list[str]:
 
 
 def _stored(engine: KVBoost, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    record = engine._cache.registry.lookup(text)
+    record = engine._cache.document_index.lookup(text)
     assert record is not None
     blocks = [engine._cache.load(key) for key in record.chunk_keys]
     assert all(block is not None for block in blocks)
@@ -73,7 +73,7 @@ def test_models_with_sliding_windows_are_warmed_one_by_one(tokenizer) -> None:
 
 
 def test_progress_counts_documents(tokenizer, monkeypatch) -> None:
-    import kvboost_rag.engine as engine_module
+    import kvboost_rag.warming.documents as engine_module
 
     totals: list[tuple[int, int]] = []
     real = engine_module.tqdm

@@ -12,7 +12,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvboost_rag import InvalidInputError
-from kvboost_rag import engine as engine_module
+from kvboost_rag import lifecycle as engine_module
 from kvboost_rag.constrained import OutputConstraint, masked_by_bitmask
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.options import GenerationOptions
@@ -100,7 +100,7 @@ def test_a_grammar_with_no_closing_path_is_cut_and_warns(engine, caplog, monkeyp
     schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^a+(bc)+d$"}}, "required": ["text"]}
     assert engine._constraints.compile(OutputConstraint(json_schema=schema), 8).minimum_tokens is None
     assert engine.min_new_tokens(OutputConstraint(json_schema=schema)) is None
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         result = engine.generate("Write.", max_new_tokens=8, constraint={"json_schema": schema})
     assert result.generated_tokens == 8
     if result.finish_reason == "length":  # (the tiny model's greedy text is not known here)

@@ -6,9 +6,9 @@ import pytest
 from rag_prompts import SYSTEM_PROMPT
 
 from kvboost_rag import KVBoost
-from kvboost_rag.batch_warm import BatchWarmer
+from kvboost_rag.warming.batch import BatchWarmer
 from kvboost_rag.cache_manager import CacheManager
-from kvboost_rag.engine import CONTEXT_DOCUMENT_SEPARATOR
+from kvboost_rag.warming import CONTEXT_DOCUMENT_SEPARATOR
 from kvboost_rag.testing import tiny_model
 
 
@@ -77,8 +77,8 @@ def test_a_batch_with_different_contexts_of_one_length_is_refused(make_engine, d
         for variant in (context[:-1] + letter for letter in "XYZQJK")
         if variant != context and engine.count_tokens(SYSTEM_PROMPT + variant) == engine.count_tokens(SYSTEM_PROMPT + context)
     )
-    record = engine._document_record(docs[0])
-    jobs = [engine._plan_document_warm(record, engine._lead_in((text,))).job for text in (context, other)]
+    record = engine._warming.document_record(docs[0])
+    jobs = [engine._warming._plan_document_warm(record, engine._warming._lead_in((text,))).job for text in (context, other)]
     assert jobs[0].plan.lookup_limit == jobs[1].plan.lookup_limit
     assert BatchWarmer(engine._adapter, engine._cache).run(jobs) is None
 

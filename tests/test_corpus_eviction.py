@@ -15,7 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-import kvboost_rag.engine as engine_module
+import kvboost_rag.lifecycle as lifecycle_module
+import kvboost_rag.warming.documents as warming_module
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -29,7 +30,8 @@ DOCS = python_reference_documents(max_chars=240)[:24]
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the engine's first warning of each kind."""
-    monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
+    for module in (lifecycle_module, warming_module):
+        monkeypatch.setattr(module, "_warnings", RateLimitedLogger(module.logger))
 
 
 def _corpus_bytes(engine: KVBoost, docs: list[str]) -> int:
@@ -44,7 +46,7 @@ def _budgeted(make_engine, factor: float, **settings) -> KVBoost:
 
 
 def _memory(engine: KVBoost) -> MemoryTier:
-    return engine._cache.store.memory_tier
+    return engine._cache._store.memory_tier
 
 
 def check_agreement(engine: KVBoost, memory_only: bool) -> None:
@@ -58,7 +60,7 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
         parsed = cache.shelf.parse_key(key)
         if parsed is not None:
             records[parsed[1]] = key
-    prefix_keys = set(cache.prefix_index.keys())
+    prefix_keys = set(cache._prefix_index.keys())
     for key in held:
         if key in records.values():
             continue
@@ -70,22 +72,22 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
                 assert any(digest in records for digest in owners), f"orphan chunk {key[:12]}"
             else:
                 stored = [cache.shelf.key_of(cache._documents[d][0], d) for d in owners if d in cache._documents]
-                assert any(cache.store.contains(k) for k in stored), f"orphan chunk {key[:12]}"
+                assert any(cache._store.contains(k) for k in stored), f"orphan chunk {key[:12]}"
         else:
             assert key in prefix_keys, f"unindexed entry {key[:12]}"
     for key in prefix_keys:
-        assert cache.store.contains(key), f"prefix index holds {key[:12]} that no tier holds"
-    for anchor, digest in cache.registry.known():
+        assert cache._store.contains(key), f"prefix index holds {key[:12]} that no tier holds"
+    for anchor, digest in cache.document_index.known():
         record_key = cache.shelf.key_of(anchor, digest)
-        assert cache.store.contains(record_key), "registry knows a document whose record is gone"
+        assert cache._store.contains(record_key), "registry knows a document whose record is gone"
         chunks = cache._documents[digest][1]
-        assert all(cache.store.contains(chunk) for chunk in chunks), "a kept document lost a chunk"
+        assert all(cache._store.contains(chunk) for chunk in chunks), "a kept document lost a chunk"
         if memory_only:
             assert all(chunk in held for chunk in chunks), "record held without its chunks"
-    for tier in cache.store.tiers:
+    for tier in cache._store.tiers:
         for key in tier.keys_with_prefix(cache.shelf.prefix):
             anchor, digest = cache.shelf.parse_key(key)
-            assert digest in dict((d, a) for a, d in cache.registry.known()), "a stored record the registry forgot"
+            assert digest in dict((d, a) for a, d in cache.document_index.known()), "a stored record the registry forgot"
     assert memory.used_bytes <= memory.max_bytes
 
 
@@ -93,7 +95,7 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
 def test_memory_only_keeps_or_drops_documents_whole(make_engine, caplog, factor):
     engine = _budgeted(make_engine, factor, disk_cache_dir=None)
     engine.warm(SYSTEM_PROMPT + "\n\n")
-    with caplog.at_level(logging.INFO, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.INFO, logger="kvboost_rag"):
         results = engine.warm_documents(DOCS)
     check_agreement(engine, memory_only=True)
     stats = engine.cache_stats()
@@ -111,7 +113,7 @@ def test_memory_only_keeps_or_drops_documents_whole(make_engine, caplog, factor)
     assert result.documents_found == len(survivors) and result.content_hit_tokens > 0
     lost = [d for d, r in zip(DOCS[2:], results[2:]) if not r.kept_in][:3]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         engine.generate(rag_prompt(lost), max_new_tokens=1)
     assert any("warmed and then evicted" in r.getMessage() for r in caplog.records)
     check_agreement(engine, memory_only=True)
@@ -164,10 +166,10 @@ def test_the_automatic_disk_tier_writes_only_what_memory_evicts(make_engine, tmp
     monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "auto"))
     engine = make_engine("llama")
     engine.warm_documents(DOCS[:3])
-    disk = engine._cache.store.tiers[-1]
+    disk = engine._cache._store.tiers[-1]
     assert isinstance(disk, DiskTier) and disk.spill_only and len(disk) == 0
     monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", "off")
-    assert [t.name for t in make_engine("llama")._cache.store.tiers] == ["memory"]
+    assert [t.name for t in make_engine("llama")._cache._store.tiers] == ["memory"]
 
 
 def _pinned(engine: KVBoost) -> set[str]:
@@ -225,7 +227,7 @@ def test_random_warms_generates_and_evictions_keep_everything_in_agreement(make_
         else:
             monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path / "auto"))
     engine = _budgeted(make_engine, factor, **settings)
-    assert [t.name for t in engine._cache.store.tiers] == (["memory"] if tiers == "memory" else ["memory", "disk"])
+    assert [t.name for t in engine._cache._store.tiers] == (["memory"] if tiers == "memory" else ["memory", "disk"])
     engine.warm(SYSTEM_PROMPT + "\n\n")
     system = _pinned(engine)
     assert system
@@ -240,7 +242,7 @@ def test_random_warms_generates_and_evictions_keep_everything_in_agreement(make_
         elif op == "novel":
             engine.generate(f"Chat {step}: tell me about topic {rng.randint(0, 10**6)} in detail.", max_new_tokens=1)
         else:  # the indexes grow (or another owner reserves room): entries are evicted
-            engine._cache.store.reserve("test", rng.randint(0, _memory(engine).max_bytes // 2))
+            engine._cache._store.reserve("test", rng.randint(0, _memory(engine).max_bytes // 2))
         check_agreement(engine, memory_only=tiers == "memory")
         assert system <= set(_memory(engine).keys()), "the pinned system prompt was evicted"
     stats = engine.cache_stats()

@@ -26,11 +26,13 @@ def _entry(tokens: int = 4, bits: int | None = None, seed: int = 0) -> StoredEnt
 
 
 def test_entries_are_moved_to_the_tiers_device():
-    # The meta device stands in for an accelerator: nothing stays on the CPU.
+    # The meta device stands in for an accelerator: K/V move there; token ids stay on the
+    # host, where they are compared with prompt tokens (no device read per chunk).
     tier = DeviceTier(10**6, "meta")
     tier.put("a", _entry())
     held = tier.get("a")
-    assert held is not None and {t.device.type for t in held.tensors.values()} == {"meta"}
+    assert held is not None and held.tensors["token_ids"].device.type == "cpu"
+    assert {t.device.type for name, t in held.tensors.items() if name != "token_ids"} == {"meta"}
     assert tier.used_bytes == _entry().nbytes
 
 
@@ -51,7 +53,7 @@ def test_hit_below_is_promoted_and_served_from_the_device_copy():
     memory.put("k", _entry())
     served = store.get("k")
     assert served is device.resident("k")
-    assert {t.device.type for t in served.tensors.values()} == {"meta"}
+    assert {t.device.type for name, t in served.tensors.items() if name != "token_ids"} == {"meta"}
     assert store.stats()["memory"]["hits"] == 1
     assert store.get("k") is served and store.stats()["device"]["hits"] == 1
 
@@ -84,3 +86,24 @@ def test_build_store_adds_device_and_pinned_tiers_on_cuda_only():
 def test_negative_device_budget_is_rejected():
     with pytest.raises(ValidationError, match="device_cache_bytes"):
         KVBoostSettings(device_cache_bytes=-1)
+
+
+def test_cuda_tier_layout_charges_indexes_to_host_memory_only(make_engine, docs, monkeypatch):
+    """The tier stack a CUDA engine builds (device tier above the memory tier), built on CPU:
+    the indexes are charged to the host memory budget, never the device budget, and the
+    stats report the memory tier as memory."""
+    from kvboost_rag import engine as engine_module
+
+    def cuda_layout(settings, device=None):
+        return TieredStore([DeviceTier(5 * 1024**2, "cpu"), MemoryTier(64 * 1024**2)])
+
+    monkeypatch.setattr(engine_module, "build_store", cuda_layout)
+    engine = make_engine("llama")
+    engine.warm_documents(docs)
+    device_tier, memory = engine._cache._store.tiers
+    assert isinstance(device_tier, DeviceTier) and not isinstance(memory, DeviceTier)
+    assert device_tier.reserved_bytes == 0
+    assert memory.reserved_bytes == engine._cache.index_bytes > 0
+    stats = engine.cache_stats()
+    assert stats.memory_bytes == memory.used_bytes and stats.index_bytes == memory.reserved_bytes
+    assert stats.documents == len(docs) and stats.documents_by_tier["memory"] == len(docs)

@@ -37,17 +37,17 @@ def test_registry_and_prefix_index_stay_within_the_memory_budget(make_engine, to
         engine.generate(rag_prompt([doc]), max_new_tokens=1, documents=[doc])
         engine.generate(f"Chat {i}: tell me something new about topic number {i * 7919}.", max_new_tokens=1)
     stats = engine.cache_stats()
-    store = engine._cache.store
+    store = engine._cache._store
     # Everything the process holds for the cache counts against the one budget.
     assert stats.memory_bytes <= budget
     assert stats.index_bytes > 0
     # Documents are known only while their stored record is: far fewer than were seen.
     assert 0 < stats.documents < len(novel)
     shelf = engine._cache.shelf
-    assert all(store.contains(shelf.key_of(a, d)) for a, d in engine._cache.registry.known())
+    assert all(store.contains(shelf.key_of(a, d)) for a, d in engine._cache.document_index.known())
     # The prefix index describes only stored chunks.
     assert 0 < stats.prefix_index_entries <= stats.entries
-    assert all(store.contains(key) for key in engine._cache.prefix_index.keys())
+    assert all(store.contains(key) for key in engine._cache._prefix_index.keys())
 
 
 def test_fresh_engine_over_the_same_disk_folder_finds_stored_documents(tokenizer, docs, tmp_path):
@@ -55,7 +55,7 @@ def test_fresh_engine_over_the_same_disk_folder_finds_stored_documents(tokenizer
     first = _engine(model, tokenizer, disk_cache_dir=tmp_path)
     first.warm(SYSTEM_PROMPT)
     first.warm_documents(docs[:3])
-    first._cache.store.close()
+    first._cache._store.close()
 
     restarted = _engine(model, tokenizer, disk_cache_dir=tmp_path)
     assert restarted.cache_stats().documents == 3
@@ -71,7 +71,7 @@ def test_warming_stored_documents_in_a_fresh_engine_reads_no_kv(tokenizer, docs,
 
     restarted = _engine(model, tokenizer, disk_cache_dir=tmp_path, warm_prefix=SYSTEM_PROMPT)
     read: list[str] = []
-    for tier in restarted._cache.store.tiers:
+    for tier in restarted._cache._store.tiers:
         original = tier.get
 
         def spy(key, _get=original):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvboost_rag import UnsupportedModelError
+from kvboost_rag.hf.windows import LayerWindows
 from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
 from decoding_checks import check_against_full_prefill
@@ -79,7 +80,7 @@ def test_no_repair_differs_from_full_prefill(make_engine, docs, family):
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
 def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family):
-    from kvboost_rag.model_adapter import ModelAdapter
+    from kvboost_rag.hf import ModelAdapter
 
     adapter = ModelAdapter(tiny_model(family), tokenizer)
     ids = torch.tensor(tokenizer("def f(x):\n    return x + 1", add_special_tokens=False).input_ids)
@@ -161,7 +162,7 @@ def test_models_without_rope_fall_back_to_prefix_only(make_engine, docs):
 def test_sliding_window_longer_than_prompt_reuses_documents(make_engine, docs):
     engine = make_engine("mistral")
     engine.model.config.sliding_window = 4096
-    engine._adapter.sliding_window = 4096
+    engine._adapter.windows = LayerWindows(prompt_window=4096, all_global=False)
     engine.warm_documents(docs[:2])
     assert engine.generate(rag_prompt(docs[1::-1]), max_new_tokens=1).content_hit_tokens > 0
 
@@ -188,11 +189,11 @@ def test_rerotation_uses_each_layer_types_frequencies(tokenizer, family):
     """Local and global layers of Gemma 3 rotate with different bases: every layer's keys
     move to the new position exactly, and a document is served at new positions even when
     the prompt is longer than the local layers' window."""
-    from kvboost_rag.model_adapter import ModelAdapter
+    from kvboost_rag.hf import ModelAdapter
 
     model = tiny_model(family)
     adapter = ModelAdapter(model, tokenizer)
-    assert adapter.position_independent and adapter.sliding_window is None
+    assert adapter.position_independent and adapter.windows.prompt_window is None
     ids = torch.tensor(tokenizer("def f(x):\n    return x + 1", add_special_tokens=False).input_ids)
     n = ids.numel()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.testing import tiny_model
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import kvboost_rag.engine as engine_module
+import kvboost_rag.lifecycle as engine_module
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.missed_documents import explain_missed_documents, unescape
 from kvboost_rag.segments import DocumentRegistry
@@ -28,7 +28,7 @@ def test_escaped_documents_are_named_as_the_cause(make_engine, docs, caplog) -> 
     engine = make_engine()
     engine.warm_documents(docs[:3])
     prompt = LEAD + repr(docs[:3]) + "\n\nQuestion: what?"
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         result = engine.generate(prompt, max_new_tokens=2)
         engine.generate(prompt + " Again?", max_new_tokens=2)
     assert result.documents_found == 0
@@ -42,7 +42,7 @@ def test_a_different_document_template_is_named_as_the_cause(make_engine, docs, 
     engine = make_engine()
     engine.warm_documents(docs[:3])
     prompt = LEAD + "\n\n".join(f"Source: {i}\n" + d.upper() for i, d in enumerate(docs[:3])) + "\n\nQ?"
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         engine.generate(prompt, max_new_tokens=2)
     (message,) = _missed_warnings(caplog)
     assert "warmed text exactly" in message and "document_prompt" in message
@@ -50,7 +50,7 @@ def test_a_different_document_template_is_named_as_the_cause(make_engine, docs, 
 
 def test_no_warning_when_documents_are_found_or_none_were_prewarmed(make_engine, docs, caplog) -> None:
     engine = make_engine()
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         engine.generate(LEAD + "\n\n".join(docs[:3]) + "\n\nQ?", max_new_tokens=2)  # nothing prewarmed
         engine.warm_documents(docs[3:5])
         found = engine.generate(LEAD + "\n\n".join(docs[3:5]) + "\n\nQ?", max_new_tokens=2)
@@ -63,7 +63,7 @@ def test_explanations_are_pure_functions_of_prompt_and_registry(make_engine, doc
     assert unescape("a\\nb\\'c\\\\") == "a\nb'c\\"
     engine = make_engine()
     engine.warm_documents(docs[:1])
-    registry = engine._cache.registry
+    registry = engine._cache.document_index
     assert "escaped" in explain_missed_documents(repr(docs[0]), registry)
     assert "exactly" in explain_missed_documents("unrelated text", registry)
     assert "exactly" in explain_missed_documents(repr(docs[0]), DocumentRegistry())

@@ -208,7 +208,7 @@ def test_template_tool_rendering_is_detected(engine):
         "{% if tools %}TOOLS:{{ tools | tojson }}{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     )
-    engine._renders_tools = None
+    engine._chat._renders_tools = None
     assert engine.chat_template_renders_tools is True
 
 

@@ -51,9 +51,10 @@ class DeviceTier(MemoryTier):
 
     def on_device(self, entry: StoredEntry) -> StoredEntry:
         """``entry`` with every tensor on this tier's device."""
-        if all(t.device == self.device for t in entry.tensors.values()):
+        if all(t.device == self.device for name, t in entry.tensors.items() if name != "token_ids"):
             return entry
-        tensors = {name: _to_device(t, self.device) for name, t in entry.tensors.items()}
+        # Token ids stay on the host: they are compared with prompt tokens there.
+        tensors = {name: t if name == "token_ids" else _to_device(t, self.device) for name, t in entry.tensors.items()}
         return StoredEntry(tensors=tensors, metadata=dict(entry.metadata))
 
 

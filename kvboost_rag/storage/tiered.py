@@ -71,6 +71,13 @@ class TieredStore:
 
         When a :class:`DeviceTier` took the promoted entry, its device copy is returned.
         """
+        found = self.fetch(key)
+        return None if found is None else found[0]
+
+    def fetch(self, key: str) -> tuple[StoredEntry, bool] | None:
+        """Like :meth:`get`, and whether the entry came from a tier of this process's own
+        memory (memory or device tier: entries this process wrote, or read from a shared tier
+        and checked then), so its values need no checking again."""
         for depth, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is None:
@@ -83,7 +90,7 @@ class TieredStore:
                 if isinstance(upper, DeviceTier):
                     # Serve the device copy just made rather than copy the entry again.
                     served = upper.resident(key) or served
-            return served
+            return served, isinstance(tier, MemoryTier)
         with self._lock:
             self.misses += 1
         return None
@@ -101,11 +108,6 @@ class TieredStore:
             pinned = tier.pin(key) or pinned
         return pinned
 
-    def unpin(self, key: str) -> None:
-        """Unpin ``key`` in every tier."""
-        for tier in self.tiers:
-            tier.unpin(key)
-
     def contains(self, key: str) -> bool:
         """Whether any tier holds ``key``."""
         return any(key in tier for tier in self.tiers)
@@ -117,12 +119,10 @@ class TieredStore:
         self._notify([key])
 
     def reserve(self, owner: str, nbytes: int) -> None:
-        """Count ``nbytes`` that ``owner`` holds outside the tiers against the budget of the
-        tiers that take reservations (the memory tier), evicting entries to make room."""
-        for tier in self.tiers:
-            reserve = getattr(tier, "reserve", None)
-            if reserve is not None:
-                self._count_evictions(tier, reserve(owner, nbytes))
+        """Count ``nbytes`` that ``owner`` holds in host memory outside the tiers against the
+        memory tier's budget (never a device tier's), evicting entries to make room."""
+        memory = self.memory_tier
+        self._count_evictions(memory, memory.reserve(owner, nbytes))
 
     def keys_with_prefix(self, prefix: str) -> Iterator[str]:
         """Keys starting with ``prefix`` held by any tier (each once)."""

@@ -243,7 +243,7 @@ def test_calls_warm_and_pin_nothing(tiny_engine: KVBoost) -> None:
     # neither warms nor pins per call, so a context in the system turn cannot pile up pins.
     llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4)
     calls: list[str] = []
-    store = tiny_engine._cache.store
+    store = tiny_engine._cache._store
     real_warm, real_pin = tiny_engine.warm, store.pin
     tiny_engine.warm = lambda text: calls.append(f"warm {text}") or real_warm(text)  # type: ignore[method-assign]
     store.pin = lambda key: calls.append(f"pin {key}") or real_pin(key)  # type: ignore[method-assign]

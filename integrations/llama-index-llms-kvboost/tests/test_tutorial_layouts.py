@@ -98,13 +98,13 @@ def test_simple_summarize_escapes_nodes_and_the_warning_says_so(
 ) -> None:
     import logging
 
-    import kvboost_rag.engine as engine_module
+    import kvboost_rag.lifecycle as engine_module
     from kvboost_rag.log_limits import RateLimitedLogger
 
     monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
     index, llm, _ = index_and_llm
     engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K, response_mode="simple_summarize")
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
         engine.query(QUESTIONS[0])
     (message,) = [r.getMessage() for r in caplog.records if "none was found" in r.getMessage()]
     assert "escaped" in message and "compact" in message

@@ -58,7 +58,7 @@ def test_calls_warm_and_pin_nothing(chat: ChatKVBoost, engine: Any) -> None:
     # Pinning is for what users warm explicitly; a call only generates (the engine's own
     # write-back stores the leading part, evictable).
     calls: list[str] = []
-    store = engine._cache.store
+    store = engine._cache._store
     real_warm, real_pin = engine.warm, store.pin
     engine.warm = lambda text: calls.append(f"warm {text}") or real_warm(text)
     store.pin = lambda key: calls.append(f"pin {key}") or real_pin(key)

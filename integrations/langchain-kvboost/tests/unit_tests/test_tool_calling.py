@@ -228,7 +228,7 @@ def test_template_that_renders_tools_gets_them_as_tools(engine: Any) -> None:
         "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}{% endfor %}{% endif %}<|im_end|>\n"
         "{% endfor %}<|im_start|>assistant\n"
     )
-    engine._renders_tools = None
+    engine._chat._renders_tools = None
     chat = ChatKVBoost(engine=engine, max_new_tokens=48)
     call = {"name": "lookup", "args": {"section": "library"}, "id": "call_1", "type": "tool_call"}
     history = [*_messages(), AIMessage("", tool_calls=[call]), ToolMessage("found", tool_call_id="call_1")]

@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-
 from kvboost_rag.cache_manager import CacheManager
-from kvboost_rag.model_adapter import ModelAdapter
+from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PromptPlan
 
@@ -42,8 +40,7 @@ class WarmJob:
 
 def batchable(adapter: ModelAdapter) -> bool:
     """Whether every layer of the model attends globally (so rows may share one plain batch)."""
-    layer_types = set(getattr(adapter.config, "layer_types", None) or ["full_attention"])
-    return adapter.sliding_window is None and layer_types == {"full_attention"}
+    return adapter.windows.all_global
 
 
 def batches(jobs: Sequence[WarmJob], max_tokens: int) -> list[list[WarmJob]]:
@@ -90,51 +87,34 @@ class BatchWarmer:
         lead = plan0.tokens.ids[:h]
         if h != plan0.lookup_limit or any(job.plan.lookup_limit != h or job.plan.tokens.ids[:h] != lead for job in jobs):
             return None
-        layers, heads, dim = self.adapter.num_layers, self.adapter.layout.kv_heads, self.adapter.layout.head_dim
-        lead_keys = torch.empty((layers, heads, h, dim), dtype=self.adapter.dtype, device=self.adapter.device)
-        lead_values = torch.empty_like(lead_keys)
-        for piece in pieces:
-            end = piece.start + piece.length
-            lead_keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
-            lead_values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
-
         rows = len(jobs)
         width = max(job.plan.num_tokens for job in jobs) - h
+        keys, values = self.adapter.batch_buffers(rows, h + width)
+        for piece in pieces:
+            end = piece.start + piece.length
+            keys[:, :, :, piece.start : end] = piece.block.keys[:, None, :, : piece.length]
+            values[:, :, :, piece.start : end] = piece.block.values[:, None, :, : piece.length]
         input_ids = torch.zeros((rows, width), dtype=torch.long)
         for r, job in enumerate(jobs):
             ids = job.plan.tokens.ids[h:]
             input_ids[r, : len(ids)] = torch.tensor(ids)
             input_ids[r, len(ids) :] = ids[-1]  # padding after the document: never attended to
         positions = torch.arange(h, h + width).expand(rows, width)
-        cache = DynamicCache(
-            ddp_cache_data=[
-                (lead_keys[i : i + 1].expand(rows, -1, -1, -1).contiguous(), lead_values[i : i + 1].expand(rows, -1, -1, -1).contiguous())
-                for i in range(layers)
-            ]
-        )
-        self.adapter.model(
-            input_ids=input_ids.to(self.adapter.device),
-            position_ids=positions.to(self.adapter.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        cache = self.adapter.batch_cache(keys, values, h)
+        self.adapter.forward_batch(input_ids, positions, cache)
         stored: dict[int, int] = {}
         for r, job in enumerate(jobs):
             n = job.plan.num_tokens
-            keys = torch.stack([cache.layers[i].keys[r, :, :n] for i in range(layers)])
-            values = torch.stack([cache.layers[i].values[r, :, :n] for i in range(layers)])
             outcome = PrefillOutcome(
                 logits=None,
                 cache=None,
-                keys=keys,
-                values=values,
+                keys=keys[:, r, :, :n],
+                values=values[:, r, :, :n],
                 prefix_tokens=h,
                 prefix_keys=tuple(piece.key for piece in pieces),
                 documents=job.plan.documents_after(h),
                 live_tokens=n - h,
-                exact_until=n,
                 strategy="exact",
             )
-            stored[job.index] = self.cache.write_back(job.plan, outcome, store_documents=True).document_tokens
+            stored[job.index] = self.cache.write_back(job.plan, outcome, store_documents=True)
         return stored

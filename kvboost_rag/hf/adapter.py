@@ -1,0 +1,339 @@
+"""The model adapter: the engine's one handle on a transformers model.
+
+The rest of the engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` tensors and calls
+a few things here: a forward pass over chosen tokens at chosen positions on top of a cache, a
+pass through a range of layers (CacheBlend's selection, gradual filtering), one decode step of
+several sequences, a batched warm pass, and key re-rotation. What the model supports is
+probed once, at construction (:mod:`kvboost_rag.hf.probes`), and every fallback is named by
+:attr:`ModelAdapter.features`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvboost_rag.attention import ATTENTION_NAME, query_positions
+from kvboost_rag.errors import UnsupportedModelError
+from kvboost_rag.fingerprint import model_fingerprint
+from kvboost_rag.hf.attention_switch import AttentionSwitch
+from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, batch_cache, cache_tensors
+from kvboost_rag.hf.layers import DecoderLayers, StopForward
+from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
+from kvboost_rag.hf.rope import find_rope
+from kvboost_rag.hf.windows import LayerWindows
+from kvboost_rag.kv_codec import KVLayout
+from kvboost_rag.ragged import RAGGED_ATTENTION
+
+logger = logging.getLogger(__name__)
+
+
+class ModelAdapter:
+    """Wraps a causal LM and its tokenizer for the engine.
+
+    Args:
+        model: A transformers causal LM (eval mode is set here).
+        tokenizer: Its fast tokenizer.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+        if tokenizer is None:
+            raise UnsupportedModelError("a tokenizer is required: pass the model's tokenizer")
+        if not getattr(tokenizer, "is_fast", False):
+            raise UnsupportedModelError(
+                "a fast tokenizer is required (character offsets locate documents in prompts): "
+                "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config(decoder=True)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.layout: KVLayout = probe_layout(model, tokenizer, self.device)
+        self.windows = LayerWindows.of(self.config)
+        self._attention = AttentionSwitch(model)
+        self._layers = DecoderLayers(model, self.layout.layers)
+        self._inv_freq, self.position_independent_reason = find_rope(model, self.config, self.layout.layers, self.layout.head_dim)
+        # Whether every layer rotates with the same frequencies (one angle table serves all).
+        self._one_rope = self._inv_freq is not None and bool((self._inv_freq == self._inv_freq[:1]).all())
+        #: What this model supports, probed once; each fallback is named there.
+        self.features: ModelFeatures = probe_features(self)
+        if not self.features.batched_decoding:
+            logger.warning("%s; concurrent requests decode one sequence per forward pass", self.features.batched_decoding_reason)
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def position_independent(self) -> bool:
+        """Whether cached keys can move to new positions by re-rotation."""
+        return self._inv_freq is not None
+
+    @property
+    def model_name(self) -> str:
+        """The model's name: its folder's name, or the id it was loaded by, or its type."""
+        source = str(getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type)
+        return Path(source).name if Path(source).is_dir() else source
+
+    @property
+    def vocab_width(self) -> int:
+        """Width of the model's logits (the output embedding's rows, else the vocabulary size)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            return int(weight.shape[0])
+        return int(getattr(self.config, "vocab_size", None) or len(self.tokenizer))
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers."""
+        return self.layout.layers
+
+    @property
+    def context_window(self) -> int:
+        """Largest number of positions the model accepts."""
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(self.config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return int(getattr(self.tokenizer, "model_max_length", 2048))
+
+    def fingerprint(self, extra: list[str]) -> str:
+        """Fingerprint of the model (config, every weight and buffer), dtype, tokenizer and
+        ``extra`` settings; see :func:`kvboost_rag.fingerprint.model_fingerprint`."""
+        return model_fingerprint(self.model, self.tokenizer, self.dtype, extra)
+
+    # ----------------------------------------------------------------- forward passes
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: ModelCache,
+        sparse_queries: bool = False,
+    ) -> torch.Tensor:
+        """Run ``input_ids`` ``[n]`` at ``position_ids`` ``[n]`` on top of ``cache``.
+
+        Args:
+            input_ids: Tokens to run.
+            position_ids: Their positions (sorted).
+            cache: The cache to attend to and extend.
+            sparse_queries: The tokens sit at scattered positions of an armed
+                :class:`BufferedCache` that holds every prompt position; attention is made
+                causal by position (:mod:`kvboost_rag.attention`).
+
+        Returns:
+            Logits of the last input token, ``[vocab]`` float32.
+        """
+        call = dict(
+            input_ids=input_ids.view(1, -1).to(self.device),
+            position_ids=position_ids.view(1, -1).to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if not sparse_queries:
+            return self.model(**call).logits[0, -1].float()
+        with self._attention.use(ATTENTION_NAME), query_positions(position_ids):
+            out = self.model(**call)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_ragged(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]
+    ) -> torch.Tensor:
+        """One decode step of several sequences in one forward pass.
+
+        Row ``b`` runs token ``input_ids[b]`` at ``position_ids[b]`` over ``caches[b]``, which
+        must hold exactly positions ``0..position_ids[b] - 1``; its K/V is appended there.
+        Attention runs per row over the row's own cache (:mod:`kvboost_rag.ragged`), so
+        sequences of any lengths share the step without padding.
+
+        Args:
+            input_ids: ``[batch]`` tokens.
+            position_ids: ``[batch]`` their positions.
+            caches: One cache per row.
+
+        Returns:
+            ``[batch, vocab]`` float32 logits.
+        """
+        if not self.features.batched_decoding:
+            rows = [self.forward(input_ids[b : b + 1], position_ids[b : b + 1], cache) for b, cache in enumerate(caches)]
+            return torch.stack(rows)
+        return self.ragged_step(input_ids, position_ids, caches)
+
+    @torch.inference_mode()
+    def ragged_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]) -> torch.Tensor:
+        """:meth:`forward_ragged` as one forward pass, whatever the probe found (the probe
+        itself calls it)."""
+        with self._attention.use(RAGGED_ATTENTION):
+            out = self.model(
+                input_ids=input_ids.view(-1, 1).to(self.device),
+                position_ids=position_ids.view(-1, 1).to(self.device),
+                past_key_values=RaggedCache(caches),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BufferedCache) -> None:
+        """Run ``[rows, tokens]`` on top of a :func:`~kvboost_rag.hf.caches.batch_cache`, filling it
+        (batched warming; the logits are not needed)."""
+        self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+    @torch.inference_mode()
+    def forward_until_layer(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: ModelCache, last_layer: int
+    ) -> torch.Tensor:
+        """Run the first ``last_layer + 1`` decoder layers only, filling ``cache`` for them.
+
+        Returns:
+            ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
+        """
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        with self._layers.stop_after(last_layer) as captured:
+            try:
+                base(
+                    input_ids=input_ids.view(1, -1).to(self.device),
+                    position_ids=position_ids.view(1, -1).to(self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+            except StopForward:
+                pass
+        return captured[0]
+
+    @torch.inference_mode()
+    def forward_from_layer(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: BufferedCache,
+        first_layer: int,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Like :meth:`forward` with sparse queries, but starting at decoder layer
+        ``first_layer`` from ``hidden`` (``[1, tokens, hidden]``, the output of the layer
+        before; ``None`` with ``first_layer=0``): the layers below are skipped, and their
+        cache layers left as they are.
+
+        Returns:
+            Logits of the last input token, ``[vocab]`` float32.
+        """
+        with self._layers.only(first_layer, self.num_layers - 1, hidden):
+            return self.forward(input_ids, position_ids, cache, sparse_queries=True)
+
+    @torch.inference_mode()
+    def hidden_through_layers(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: BufferedCache,
+        first_layer: int,
+        last_layer: int,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run decoder layers ``first_layer..last_layer`` only, from ``hidden`` (the output of
+        the layer before; ``None`` with ``first_layer=0``), with sparse queries over an armed
+        cache.
+
+        Returns:
+            ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
+        """
+        if last_layer >= self.num_layers - 1:
+            raise ValueError("hidden_through_layers stops below the last layer; use forward_from_layer")
+        with self._layers.stop_after(last_layer) as captured, self._layers.only(first_layer, last_layer, hidden):
+            try:
+                self.forward(input_ids, position_ids, cache, sparse_queries=True)
+            except StopForward:
+                pass
+        return captured[0]
+
+    # ----------------------------------------------------------------- caches
+    def new_cache(self, capacity: int) -> BufferedCache:
+        """An empty cache reserving ``capacity`` tokens per layer.
+
+        Every layer keeps all its tokens, sliding-window layers included: the model's masks
+        still apply the window, and stored K/V stays complete.
+        """
+        return BufferedCache(self.num_layers, capacity)
+
+    def buffers(self, capacity: int, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialized ``[layers, heads, capacity, dim]`` K and V buffers."""
+        shape = (layers or self.num_layers, self.layout.kv_heads, capacity, self.layout.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return keys, torch.empty_like(keys)
+
+    @staticmethod
+    def cache_over(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
+        """A cache over ``[layers, heads, capacity, dim]`` buffers holding ``length`` tokens."""
+        return BufferedCache(keys.shape[0], keys.shape[2], keys, values, length)
+
+    @staticmethod
+    def cache_tensors(cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cache's K/V as ``[layers, heads, tokens, dim]`` (a view when it still lives in the
+        buffers it was built over; callers that keep it must clone it)."""
+        return cache_tensors(cache)
+
+    def batch_buffers(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialized ``[layers, rows, heads, capacity, dim]`` K and V buffers."""
+        shape = (self.num_layers, rows, self.layout.kv_heads, capacity, self.layout.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return keys, torch.empty_like(keys)
+
+    @staticmethod
+    def batch_cache(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
+        """A cache of several rows over :meth:`batch_buffers` holding ``length`` tokens each."""
+        return batch_cache(keys, values, length)
+
+    # ----------------------------------------------------------------- RoPE
+    def rotate_keys(
+        self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None, first_layer: int = 0
+    ) -> torch.Tensor:
+        """Move keys by ``delta`` positions by RoPE re-rotation, with each layer's frequencies.
+
+        Args:
+            keys: ``[layers, heads, tokens, head_dim]``: layers ``first_layer`` on.
+            delta: New position minus the position the keys were computed at: one int for all
+                tokens, or ``[tokens]``.
+            out: Tensor to write the result into (same shape; may be a view of a larger
+                tensor). A new tensor when omitted.
+            first_layer: Model layer of ``keys[0]``.
+
+        Returns:
+            The rotated keys (``out`` when given).
+        """
+        if self._inv_freq is None:
+            raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
+        dst = out if out is not None else torch.empty_like(keys)
+        half = self._inv_freq.shape[1]
+        if isinstance(delta, int) and delta == 0:  # checked on the host: no device read
+            if dst is not keys:
+                dst.copy_(keys)
+            return dst
+        delta_t = torch.as_tensor(delta, dtype=torch.float64).view(-1, 1)
+        # Angles in float64 (positions times frequencies lose precision in float32), the
+        # rotation itself in float32.
+        if self._one_rope:
+            frequencies = self._inv_freq[:1]  # one table for all layers
+        else:
+            frequencies = self._inv_freq[first_layer : first_layer + keys.shape[0]]  # [layers, half]
+        angles = delta_t.view(1, 1, -1, 1) * frequencies.view(-1, 1, 1, half)  # [layers or 1, 1, tokens or 1, half]
+        cos = angles.cos().float().to(keys.device)
+        sin = angles.sin().float().to(keys.device)
+        x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
+        first = x1 * cos - x2 * sin
+        second = x2 * cos + x1 * sin
+        dst[..., :half] = first
+        dst[..., half : 2 * half] = second
+        if 2 * half < keys.shape[-1] and dst is not keys:
+            dst[..., 2 * half :] = keys[..., 2 * half :]
+        return dst

@@ -1,0 +1,68 @@
+"""The engine's attention functions, registered with transformers, and the switch to them.
+
+Two attention functions run inside a model call: the sparse causal attention of blend passes
+and prefix hits (:mod:`kvboost_rag.attention`) and the per-row attention of a batched decode
+step (:mod:`kvboost_rag.ragged`). Each is registered under its name with transformers'
+``AttentionInterface``, together with a mask function that builds no mask (both functions
+derive causality from positions themselves), so transformers never spends time on a mask
+they would ignore. :class:`AttentionSwitch` selects one of them for the duration of a block,
+on every config the model's attention layers read (a multimodal model's text config
+included), and restores the model's own implementation afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
+
+from kvboost_rag.attention import ATTENTION_NAME, sparse_causal_attention
+from kvboost_rag.ragged import RAGGED_ATTENTION, ragged_decode_attention
+
+
+def _no_mask(*_args: Any, **_kwargs: Any) -> None:
+    """Mask function of the engine's attention functions: they need none."""
+    return None
+
+
+for _name, _function in ((ATTENTION_NAME, sparse_causal_attention), (RAGGED_ATTENTION, ragged_decode_attention)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, _no_mask)
+
+
+class AttentionSwitch:
+    """Switches a model's attention implementation for the duration of a block.
+
+    Args:
+        model: A transformers model; its configs are collected once here.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        configs: dict[int, PretrainedConfig] = {}
+        for module in [model, *model.modules()]:
+            config = getattr(module, "config", None)
+            if isinstance(config, PretrainedConfig):
+                configs.setdefault(id(config), config)
+                text = config.get_text_config(decoder=True)
+                configs.setdefault(id(text), text)
+        self._configs = list(configs.values())
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Within the block every attention layer calls the function registered as ``name``.
+
+        Args:
+            name: :data:`~kvboost_rag.attention.ATTENTION_NAME` or
+                :data:`~kvboost_rag.ragged.RAGGED_ATTENTION`.
+        """
+        previous = [config._attn_implementation for config in self._configs]
+        for config in self._configs:
+            config._attn_implementation = name
+        try:
+            yield
+        finally:
+            for config, implementation in zip(self._configs, previous):
+                config._attn_implementation = implementation

@@ -1,0 +1,217 @@
+"""The cache objects handed to transformers models.
+
+The engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` buffers. The classes here
+present such buffers to a model as a transformers ``Cache``: :class:`BufferedCache` (one
+sequence, appends in place and scatters into armed positions), :class:`RaggedCache` (one
+decode step of several sequences, each over its own cache) and :func:`batch_cache` (several
+rows behind one shared beginning, for batched warming).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvboost_rag.ragged import set_rows
+
+#: The cache type every forward call of the engine receives and returns.
+ModelCache = DynamicCache
+
+
+class BufferedLayer(DynamicLayer):
+    """A cache layer whose K/V live in a buffer with room to grow.
+
+    Appending writes only the new tokens (``DynamicLayer`` concatenates, copying the whole
+    cache on every decoded token). After :meth:`arm`, the next update instead scatters the
+    new tokens' K/V into the armed positions of the tokens already held and returns all of
+    them, so attention sees every prompt token while only the chosen tokens were computed.
+    """
+
+    def __init__(self, key_buffer: torch.Tensor | None, value_buffer: torch.Tensor | None, length: int, capacity: int) -> None:
+        super().__init__()
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._length = length
+        self._capacity_hint = capacity
+        self._scatter_index: torch.Tensor | None = None
+        if key_buffer is not None:
+            self.dtype, self.device = key_buffer.dtype, key_buffer.device
+            self.is_initialized = True
+
+    # DynamicLayer reads and assigns ``keys``/``values``; they are views of the buffers.
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self._length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._key_buffer = value
+        self._length = 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self._length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._value_buffer = value
+
+    def arm(self, positions: torch.Tensor) -> None:
+        """Make the next update scatter into ``positions`` instead of appending."""
+        self._scatter_index = positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._scatter_index is not None:
+            index, self._scatter_index = self._scatter_index, None
+            self._key_buffer[:, :, index] = key_states
+            self._value_buffer[:, :, index] = value_states
+            return self.keys, self.values
+        new = key_states.shape[-2]
+        end = self._length + new
+        if self._key_buffer is None:
+            shape = (*key_states.shape[:2], max(self._capacity_hint, end), key_states.shape[-1])
+            self._key_buffer = key_states.new_empty(shape)
+            self._value_buffer = value_states.new_empty((*shape[:3], value_states.shape[-1]))
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        elif end > self._key_buffer.shape[-2]:
+            self._grow(max(end, 2 * self._key_buffer.shape[-2]))
+        self._key_buffer[:, :, self._length : end] = key_states
+        self._value_buffer[:, :, self._length : end] = value_states
+        self._length = end
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        length = self._length
+        keys = self._key_buffer.new_empty((*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[-1]))
+        values = self._value_buffer.new_empty((*self._value_buffer.shape[:2], capacity, self._value_buffer.shape[-1]))
+        keys[:, :, :length] = self._key_buffer[:, :, :length]
+        values[:, :, :length] = self._value_buffer[:, :, :length]
+        self._key_buffer, self._value_buffer, self._length = keys, values, length
+
+
+class BufferedCache(DynamicCache):
+    """A :class:`DynamicCache` of :class:`BufferedLayer`, one per model layer.
+
+    Args:
+        num_layers: Layers of the model.
+        capacity: Tokens to reserve per layer (prompt plus new tokens).
+        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer already holding the
+            first ``length`` tokens; each layer uses a view of it.
+        value_buffer: Same for V.
+        length: Tokens already in the buffers.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        key_buffer: torch.Tensor | None = None,
+        value_buffer: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
+        super().__init__()
+        self.layer_class_to_replicate = None
+        self._shared = (key_buffer, value_buffer) if key_buffer is not None and value_buffer is not None else None
+        if self._shared is None:
+            self.layers = [BufferedLayer(None, None, 0, capacity) for _ in range(num_layers)]
+        else:
+            self.layers = [
+                BufferedLayer(key_buffer[i : i + 1], value_buffer[i : i + 1], length, capacity) for i in range(num_layers)
+            ]
+
+    def arm(self, positions: torch.Tensor, first_layer: int = 0) -> None:
+        """Arm layers from ``first_layer`` on to scatter the next update into ``positions``."""
+        for layer in self.layers[first_layer:]:
+            layer.arm(positions)
+
+    def shared_view(self, start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[layers, heads, tokens, dim]`` views of tokens ``[start, end)`` if every layer still
+        writes into the buffer the cache was built over (no layer had to grow)."""
+        if self._shared is None:
+            return None
+        keys, values = self._shared
+        for i, layer in enumerate(self.layers):
+            if layer._key_buffer is None or layer._key_buffer.data_ptr() != keys[i].data_ptr():
+                return None
+        length = self.layers[0]._length
+        stop = length if end is None else min(end, length)
+        return keys[:, :, start:stop], values[:, :, start:stop]
+
+
+def cache_tensors(cache: DynamicCache, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's K/V for tokens ``[start, end)`` of its first row as ``[layers, heads, tokens, dim]``.
+
+    A view (no copy) when the cache is a :class:`BufferedCache` still living in the one buffer
+    it was built over; callers that keep the result must clone it.
+    """
+    if isinstance(cache, BufferedCache):
+        shared = cache.shared_view(start, end)
+        if shared is not None:
+            return shared
+    keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
+    values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
+    return keys, values
+
+
+def batch_cache(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
+    """A cache of ``rows`` sequences over ``[layers, rows, heads, capacity, dim]`` buffers whose
+    first ``length`` tokens are filled (every row alike); the model appends after them."""
+    cache = BufferedCache(keys.shape[0], keys.shape[3])
+    cache.layers = [BufferedLayer(keys[i], values[i], length, keys.shape[3]) for i in range(keys.shape[0])]
+    return cache
+
+
+def row_tensors(cache: BufferedCache, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[0, end)`` of one row of a :func:`batch_cache` as ``[layers, heads, tokens, dim]``."""
+    keys = torch.stack([layer.keys[row, :, :end] for layer in cache.layers])
+    values = torch.stack([layer.values[row, :, :end] for layer in cache.layers])
+    return keys, values
+
+
+class RaggedLayer(DynamicLayer):
+    """Layer ``i`` of several sequences' caches, one row each.
+
+    Args:
+        rows: Layer ``i`` of each sequence's cache, in batch order.
+    """
+
+    def __init__(self, rows: Sequence[DynamicLayer]) -> None:
+        super().__init__()
+        self.rows = list(rows)
+        first = self.rows[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append row ``b`` of ``[batch, kv_heads, 1, dim]`` to sequence ``b``; the rows' whole
+        K/V go to the ragged attention function, the new states are returned unchanged."""
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for b, row in enumerate(self.rows):
+            k, v = row.update(key_states[b : b + 1], value_states[b : b + 1])
+            keys.append(k)
+            values.append(v)
+        set_rows(keys, values)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(row.get_seq_length() for row in self.rows)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+class RaggedCache(DynamicCache):
+    """The caches of several sequences seen by the model as one batch cache.
+
+    Args:
+        caches: One cache per row, each with the same number of layers.
+    """
+
+    def __init__(self, caches: Sequence[DynamicCache]) -> None:
+        super().__init__()
+        self.layer_class_to_replicate = None  # the layers are set here, not grown by update()
+        self.layers = [RaggedLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]

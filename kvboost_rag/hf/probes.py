@@ -1,0 +1,81 @@
+"""What a model supports, probed once when the engine is built.
+
+Each probe runs the model on one or two tokens and checks that the path the engine relies on
+was taken. A probe that fails does not fail quietly later: the engine either refuses the model
+(:class:`~kvboost_rag.errors.UnsupportedModelError`, for the K/V layout) or takes one named
+fallback that every result then reports (:class:`ModelFeatures`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from kvboost_rag.attention import last_query_attention
+from kvboost_rag.errors import UnsupportedModelError
+from kvboost_rag.kv_codec import KVLayout
+from kvboost_rag.ragged import attention_calls
+
+if TYPE_CHECKING:
+    from kvboost_rag.hf.adapter import ModelAdapter
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    """What the engine found the model supports.
+
+    Attributes:
+        batched_decoding: One forward pass decodes several sequences (else one pass per
+            sequence: the fallback).
+        batched_decoding_reason: Why not, when it does not.
+        records_attention: The model's attention goes through transformers' attention
+            interface, so the attention repair can read what the last token attends to (else
+            the engine repairs with CacheBlend and results say ``strategy="cacheblend"``).
+    """
+
+    batched_decoding: bool
+    batched_decoding_reason: str
+    records_attention: bool
+
+
+def _probe_token(tokenizer) -> int:
+    return tokenizer.pad_token_id or tokenizer.eos_token_id or 0
+
+
+@torch.inference_mode()
+def probe_layout(model: torch.nn.Module, tokenizer, device: torch.device) -> KVLayout:
+    """The K/V layout of the model's cache, from one token run through it.
+
+    Raises:
+        UnsupportedModelError: Layers with different K/V shapes.
+    """
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([[_probe_token(tokenizer)]], device=device), past_key_values=cache, use_cache=True)
+    shapes = {tuple(layer.keys.shape) for layer in cache.layers}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"layers with different K/V shapes are not supported: {sorted(shapes)}")
+    _, heads, _, dim = shapes.pop()
+    return KVLayout(layers=len(cache.layers), kv_heads=heads, head_dim=dim)
+
+
+def probe_features(adapter: ModelAdapter) -> ModelFeatures:
+    """Probe batched decoding and attention recording on one or two tokens."""
+    token = torch.tensor([_probe_token(adapter.tokenizer)])
+    cache = adapter.new_cache(3)
+    adapter.forward(token, torch.tensor([0]), cache)
+    before = attention_calls()
+    adapter.ragged_step(token, torch.tensor([1]), [cache])
+    calls = attention_calls() - before
+    batched = calls == adapter.num_layers
+    reason = "" if batched else (
+        f"this model's attention does not go through transformers' attention interface ({calls} of "
+        f"{adapter.num_layers} layers)"
+    )
+    with last_query_attention() as recorded:
+        adapter.forward(token, torch.tensor([2]), cache, sparse_queries=True)
+    return ModelFeatures(
+        batched_decoding=batched, batched_decoding_reason=reason, records_attention=len(recorded) == adapter.num_layers
+    )

@@ -1,0 +1,73 @@
+"""The blend pass: the chosen cached tokens and the live tokens run over the stitched cache.
+
+With one stage the pass is one model call over the armed cache (the chosen and live tokens'
+K/V scattered into it, attention causal by position). With ``blend_stages > 1``,
+:func:`filtered_blend` runs CacheBlend's gradual filtering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvboost_rag.blend import kv_deviation, layer_spans
+from kvboost_rag.hf import BufferedCache, ModelAdapter
+
+
+def filtered_blend(
+    adapter: ModelAdapter,
+    blend_stages: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    chosen: torch.Tensor,
+    keep: torch.Tensor,
+    sizes: list[int],
+    stitched: BufferedCache,
+) -> tuple[torch.Tensor, float]:
+    """CacheBlend's gradual filtering: the blend pass runs the layers in ``len(sizes)``
+    spans; after each span but the last, only the ``sizes[k + 1]`` chosen tokens whose K/V
+    deviated most at the span's last layer go on. Live tokens and ``keep`` go through
+    every layer.
+
+    A token that leaves gets its cached K/V back in the layers it ran, so every cached
+    token's K/V is either cached in all layers or fresh where it was recomputed from
+    layer 0 up: decoding then sees no fresh-over-stale mix.
+
+    Args:
+        input_ids: Every prompt token.
+        positions: Sorted positions computed in the first span (``chosen``, ``keep``, live).
+        chosen: Sorted cached positions chosen for the first span.
+        keep: Cached positions recomputed in every layer (``keep_document_start``).
+        sizes: Set size per span, the first one ``len(chosen)``.
+        stitched: The armed-to-be cache over the stitched buffers.
+
+    Returns:
+        Last logits and the mean number of cached tokens recomputed per layer.
+    """
+    keys, values = adapter.cache_tensors(stitched)
+    spans = layer_spans(adapter.num_layers, blend_stages)
+    current = chosen[~torch.isin(chosen, keep)]
+    token_layers = float(keep.numel() * adapter.num_layers)
+    hidden: torch.Tensor | None = None
+    for k, (low, high) in enumerate(spans):
+        stitched.arm(positions.to(adapter.device), first_layer=low)
+        token_layers += current.numel() * (high - low + 1)
+        if k == len(spans) - 1:
+            logits = adapter.forward_from_layer(input_ids[positions], positions, stitched, low, hidden)
+            break
+        rows = current.to(adapter.device)
+        saved_keys = keys[low : high + 1][:, :, rows].clone()
+        saved_values = values[low : high + 1][:, :, rows].clone()
+        hidden = adapter.hidden_through_layers(input_ids[positions], positions, stitched, low, high, hidden)
+        deviation = kv_deviation(keys[high][:, rows], values[high][:, rows], saved_keys[-1], saved_values[-1])
+        goes_on = torch.zeros(current.numel(), dtype=torch.bool)
+        goes_on[torch.topk(deviation.cpu(), k=min(sizes[k + 1], current.numel())).indices] = True
+        leaving = (~goes_on).to(adapter.device)
+        keys[low : high + 1][:, :, rows[leaving]] = saved_keys[:, :, leaving]
+        values[low : high + 1][:, :, rows[leaving]] = saved_values[:, :, leaving]
+        stays = ~torch.isin(positions, current[~goes_on])
+        positions = positions[stays]
+        hidden = hidden[:, stays.to(adapter.device)]
+        current = current[goes_on]
+    return logits, token_layers / adapter.num_layers

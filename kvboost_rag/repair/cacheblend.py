@@ -1,0 +1,55 @@
+"""CacheBlend's choice: the cached tokens whose K/V deviates most at ``check_layer``."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_rag.blend import adaptive_budget, kv_deviation, kv_energy, select_highest
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.repair.base import RepairInputs, Selection, StagePlanner
+
+
+class CacheBlendRepair:
+    """Recomputes the cached tokens whose K/V deviates most from a fresh computation.
+
+    The tokens after the prefix run through layers ``0..check_layer`` into scratch buffers;
+    the stitched K/V is left as it is. (Writing those fresh shallow layers into the cache would
+    leave the tokens not chosen with exact shallow layers over stale deep ones, a mix measured
+    worse than a consistently stale cache.)
+
+    Args:
+        adapter: The model adapter.
+        settings: Engine settings (``check_layer``, ``max_deviation``, ratios).
+    """
+
+    name = "cacheblend"
+
+    def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
+        self.adapter = adapter
+        self.settings = settings
+        self.stages = StagePlanner(adapter, settings)
+
+    def choose(self, inputs: RepairInputs) -> Selection:
+        """The most deviating cached tokens of the first filtering stage (sorted)."""
+        content = inputs.content_positions
+        if inputs.budget == 0:
+            return Selection(content[:0])
+        adapter, ids, h = self.adapter, inputs.ids, inputs.prefix_tokens
+        n = len(ids)
+        check = min(self.settings.check_layer, adapter.num_layers - 1)
+        fresh_keys, fresh_values = adapter.buffers(n, layers=check + 1)
+        fresh_keys[:, :, :h] = inputs.keys[: check + 1, :, :h]
+        fresh_values[:, :, :h] = inputs.values[: check + 1, :, :h]
+        partial = adapter.cache_over(fresh_keys, fresh_values, h)
+        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+        rows = content.to(adapter.device)
+        fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
+        deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])
+        count = int(content.numel())
+        budget = inputs.budget
+        if budget is None:
+            low, high = self.stages.auto_bounds(count)
+            budget = adaptive_budget(deviation, kv_energy(fresh_k, fresh_v), self.settings.max_deviation, low, high)
+        sizes = self.stages.sizes(budget, count)
+        return Selection(select_highest(content, deviation.cpu(), sizes[0]), sizes)

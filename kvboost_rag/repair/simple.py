@@ -1,0 +1,27 @@
+"""The two strategies that run no selection pass: document starts, and no repair."""
+
+from __future__ import annotations
+
+from kvboost_rag.blend import select_document_starts
+from kvboost_rag.repair.base import RepairInputs, Selection
+from kvboost_rag.repair.runs import contiguous_runs
+
+
+class SelectiveRepair:
+    """Recomputes the first tokens of each document (just after each seam)."""
+
+    name = "selective"
+
+    def choose(self, inputs: RepairInputs) -> Selection:
+        """The leading tokens of each run of cached positions, within the budget."""
+        return Selection(select_document_starts(contiguous_runs(inputs.content_positions), inputs.budget))
+
+
+class NoRepair:
+    """Recomputes nothing: documents are used as loaded (re-rotated only)."""
+
+    name = "none"
+
+    def choose(self, inputs: RepairInputs) -> Selection:
+        """No tokens."""
+        return Selection(inputs.content_positions[:0])
