@@ -465,7 +465,19 @@ class CacheManager:
             tiers=self._store.stats(),
             misses=self._store.misses,
             counters=dict(self.counters),
+            shared_bytes_written=self.shared_bytes_written(),
         )
+
+    def shared_bytes_written(self) -> int:
+        """Bytes written to the shared tiers: Redis counts them; a write-through disk folder's
+        usage stands in for it (exact for one writer)."""
+        total = 0
+        for tier in self._store.tiers:
+            if tier.name == "redis":
+                total += int(getattr(tier, "bytes_written", 0))
+            elif tier.name == "disk" and not tier.spill_only:
+                total += int(tier.used_bytes)
+        return total
 
     def eviction_context(self) -> tuple[int, int, bool]:
         """Documents evicted so far, the memory tier's budget, and whether a lower tier exists

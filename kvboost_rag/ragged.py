@@ -19,7 +19,6 @@ one-sequence decode step sees.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

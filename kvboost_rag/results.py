@@ -147,6 +147,8 @@ class CacheStats(BaseModel):
         tiers: Per-tier hits, evictions and bytes.
         misses: Lookups no tier could answer.
         counters: Engine counters (prefix/content hit tokens, boundary merges, ...).
+        shared_bytes_written: Bytes written to the tiers other processes read: what Redis
+            counts, plus the usage of a write-through disk folder (exact for one writer).
     """
 
     entries: int
@@ -159,3 +161,4 @@ class CacheStats(BaseModel):
     tiers: dict[str, dict[str, int]]
     misses: int
     counters: dict[str, int]
+    shared_bytes_written: int = 0

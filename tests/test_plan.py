@@ -231,25 +231,3 @@ def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs, strategy, tar
         assert 0.0 <= result.recompute_ratio <= 0.5 + 1e-9
         budgets.append(result.recomputed_tokens)
     assert budgets[0] <= budgets[1] <= budgets[2] and budgets[0] < budgets[2]
-
-
-def test_attention_strategy_falls_back_to_deviation_when_attention_is_not_recorded(make_engine, docs, monkeypatch, caplog):
-    """A model whose attention bypasses transformers' AttentionInterface records nothing: the
-    repair still happens, chosen by CacheBlend's deviation, with a warning."""
-    import contextlib
-
-    from kvboost_rag import prefill
-
-    @contextlib.contextmanager
-    def records_nothing():
-        yield []
-
-    monkeypatch.setattr(prefill, "last_query_attention", records_nothing)
-    engine = make_engine("llama", recompute_strategy="attention", recompute_ratio=0.2)
-    engine.warm(SYSTEM_PROMPT)
-    engine.warm_documents(docs[:3])
-    with caplog.at_level("WARNING", logger="kvboost_rag.prefill"):
-        result = engine.generate(rag_prompt([docs[2], docs[0], docs[1]]), max_new_tokens=1)
-    assert result.content_hit_tokens > 0
-    assert result.recomputed_tokens == pytest.approx(0.2 * result.content_hit_tokens, abs=2)
-    assert "AttentionInterface" in caplog.text

@@ -22,7 +22,7 @@ def filtered_blend(
     positions: torch.Tensor,
     chosen: torch.Tensor,
     keep: torch.Tensor,
-    sizes: list[int],
+    sizes: Sequence[int],
     stitched: BufferedCache,
 ) -> tuple[torch.Tensor, float]:
     """CacheBlend's gradual filtering: the blend pass runs the layers in ``len(sizes)``

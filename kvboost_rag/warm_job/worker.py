@@ -71,16 +71,8 @@ def load_factory(path: str) -> Callable[..., Any]:
 
 
 def shared_bytes_written(engine: Any) -> int:
-    """Bytes the engine's shared tiers have written: Redis counts them; a disk folder's usage
-    stands in for it (exact for one writer)."""
-    store = getattr(getattr(engine, "_cache", None), "store", None)
-    total = 0
-    for tier in getattr(store, "tiers", []):
-        if tier.name == "redis":
-            total += int(getattr(tier, "bytes_written", 0))
-        elif tier.name == "disk" and not getattr(tier, "spill_only", False):
-            total += int(tier.used_bytes)
-    return total
+    """Bytes the engine's shared tiers have written (``CacheStats.shared_bytes_written``)."""
+    return engine.cache_stats().shared_bytes_written
 
 
 class WarmWorker:
