@@ -33,7 +33,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.kv_codec import KVBlock
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
-from kvboost_rag.repair import RepairInputs, make_strategy
+from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
 from kvboost_rag.repair.blend_pass import filtered_blend
 from kvboost_rag.repair.runs import contiguous_runs
 
@@ -62,8 +62,18 @@ class Prefiller:
         self.adapter = adapter
         self.cache = cache
         self.settings = settings
-        #: The repair strategy, chosen once (:func:`~kvboost_rag.repair.make_strategy`).
-        self.repair = make_strategy(adapter, settings)
+        self._strategies: dict[str, RepairStrategy] = {}
+
+    @property
+    def repair(self) -> RepairStrategy:
+        """The repair strategy ``settings.recompute_strategy`` names (built once per name by
+        :func:`~kvboost_rag.repair.make_strategy`, with its fallback; settings may change
+        between calls)."""
+        name = self.settings.recompute_strategy
+        strategy = self._strategies.get(name)
+        if strategy is None:
+            strategy = self._strategies[name] = make_strategy(self.adapter, self.settings)
+        return strategy
 
     def run(self, plan: PromptPlan, *, reuse: bool = True) -> PrefillOutcome:
         """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
@@ -194,7 +204,8 @@ class Prefiller:
         live = ~cached  # computed whatever the repair: after the prefix, not loaded, and the last token
         live[:h] = False
         live[n - 1] = True
-        selection = self.repair.choose(RepairInputs(ids, h, live, keys, values, content_positions, budget))
+        repair = self.repair
+        selection = repair.choose(RepairInputs(ids, h, live, keys, values, content_positions, budget))
         recompute, stage_sizes = selection.positions, selection.stage_sizes
         keep = leading_tokens(contiguous_runs(content_positions), self.settings.keep_document_start)
         compute = live.clone()
@@ -224,7 +235,7 @@ class Prefiller:
             content_tokens=loaded,
             recomputed_tokens=recomputed_tokens,
             live_tokens=int(live.sum()),
-            strategy=self.repair.name,
+            strategy=repair.name,
             recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
         )
 

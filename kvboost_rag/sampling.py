@@ -144,20 +144,28 @@ class TextAssembler:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        # Incremental detokenization: only the tokens from ``_prefix`` on are decoded again
+        # at each step (the ones from ``_read`` on are not in ``text`` yet), so assembling an
+        # output is linear in its length.
+        self._prefix = 0
+        self._read = 0
 
     def add(self, token_id: int) -> str:
         """Add one token; returns the new text that is safe to emit (may be empty)."""
         self.token_ids.append(token_id)
-        self.text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._first_stop()
-        if cut is not None:
-            self.text = self.text[:cut]
-            self.stopped = True
-            return self._emit(len(self.text))
-        safe = len(self.text) - self._holdback
-        while safe > self._emitted and self.text[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._emit(safe)
+        decode = self._tokenizer.decode
+        known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
+        if len(window) > len(known) and not window.endswith("\ufffd"):
+            searched_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0) + 1)
+            self.text += window[len(known) :]
+            self._prefix, self._read = self._read, len(self.token_ids)
+            cut = self._first_stop(searched_from)
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.stopped = True
+                return self._emit(len(self.text))
+        return self._emit(len(self.text) - self._holdback)
 
     def finish(self) -> str:
         """Everything not emitted yet (call once decoding ended)."""
@@ -172,8 +180,9 @@ class TextAssembler:
             ids.pop()
         return ids
 
-    def _first_stop(self) -> int | None:
-        positions = [p for p in (self.text.find(s) for s in self._stop) if p >= 0]
+    def _first_stop(self, start: int = 0) -> int | None:
+        """Where the first stop string begins in ``text``, looking from ``start`` on."""
+        positions = [p for p in (self.text.find(s, start) for s in self._stop) if p >= 0]
         return min(positions) if positions else None
 
     def _emit(self, upto: int) -> str:
