@@ -159,11 +159,11 @@ def test_model_whose_attention_cannot_be_recorded_is_repaired_by_cacheblend_and_
         yield []
 
     monkeypatch.setattr(probes, "last_query_attention", nothing_recorded)
-    with caplog.at_level("WARNING", logger="kvboost_rag"):
-        engine = make_engine("llama")
+    engine = make_engine("llama")
     assert not engine._adapter.features.records_attention
-    assert "repairing documents with CacheBlend" in caplog.text
     engine.warm_documents(docs[:3])
-    result = engine.generate(rag_prompt(docs[2::-1]), max_new_tokens=2)
+    with caplog.at_level("WARNING", logger="kvboost_rag"):
+        result = engine.generate(rag_prompt(docs[2::-1]), max_new_tokens=2)
+    assert "repairing documents with CacheBlend" in caplog.text
     assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
     assert result.strategy == "cacheblend"
