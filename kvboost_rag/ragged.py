@@ -18,7 +18,9 @@ one-sequence decode step sees.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +67,9 @@ def ragged_decode_attention(
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // keys[0].shape[1]
+    one_call = getattr(_state, "one_call", None)
+    if softcap is None and (one_call if one_call is not None else query.device.type == "cuda"):
+        return _in_one_call(query, keys, values, scale, window, groups).transpose(1, 2).contiguous(), None
     out = torch.empty_like(query)
     for b, (k, v) in enumerate(zip(keys, values)):
         q = query[b : b + 1]
@@ -73,6 +78,43 @@ def ragged_decode_attention(
         else:
             out[b : b + 1] = attend_blocks(q, k, v, [k.shape[-2] - 1], scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _in_one_call(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None, groups: int
+) -> torch.Tensor:
+    """Every row's attention in one SDPA call: the rows' K/V padded to the longest, each row
+    masked to its own keys (and window). Row lengths are shapes, read on the host: no sync."""
+    lengths = [k.shape[-2] for k in keys]
+    longest = max(lengths)
+    batch, kv_heads, dim = len(keys), keys[0].shape[1], keys[0].shape[-1]
+    padded_keys = query.new_zeros((batch, kv_heads, longest, dim))
+    padded_values = query.new_zeros((batch, kv_heads, longest, values[0].shape[-1]))
+    for b, (k, v) in enumerate(zip(keys, values)):
+        padded_keys[b, :, : lengths[b]] = k[0]
+        padded_values[b, :, : lengths[b]] = v[0]
+    index = torch.arange(longest, device=query.device).view(1, -1)
+    length = torch.tensor(lengths, device=query.device).view(-1, 1)
+    visible = index < length
+    if window is not None:
+        visible &= index >= length - window
+    mask = visible.view(batch, 1, 1, longest)
+    return F.scaled_dot_product_attention(
+        query, padded_keys, padded_values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+    )
+
+
+@contextlib.contextmanager
+def one_call(enabled: bool) -> Iterator[None]:
+    """Within the block (this thread), batched decode steps compute every row's attention in
+    one call (``True``) or one call per row (``False``); by default one call on CUDA, per row
+    elsewhere (on CPU the per-row calls skip the padding)."""
+    previous = getattr(_state, "one_call", None)
+    _state.one_call = enabled
+    try:
+        yield
+    finally:
+        _state.one_call = previous
 
 
 def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

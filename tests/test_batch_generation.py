@@ -210,9 +210,13 @@ def test_decode_sequence_ends_on_eos_stop_and_budget(tokenizer):
     assert s.finish_reason == "stop" and "".join(pieces) == s.assembler.text == "the list and the "
 
 
-def test_ragged_step_equals_one_sequence_steps(make_engine):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_ragged_step_equals_one_sequence_steps(make_engine, one_call):
     """One batched forward over caches of different lengths gives each row the logits of
-    its own one-sequence step (sliding-window layers included)."""
+    its own one-sequence step (sliding-window layers included), whether the rows' attention
+    runs one call per row (CPU's default) or one padded call for all rows (CUDA's)."""
+    from kvboost_rag.ragged import one_call as attention_in_one_call
+
     for family in (*ROPE_FAMILIES, "gpt2"):
         adapter = make_engine(family)._adapter
         torch.manual_seed(0)
@@ -225,7 +229,8 @@ def test_ragged_step_equals_one_sequence_steps(make_engine):
                 bucket.append(cache)
         tokens = torch.tensor([7, 8, 9])
         positions = torch.tensor([len(p) for p in prompts])
-        batched = adapter.forward_ragged(tokens, positions, caches)
+        with attention_in_one_call(one_call):
+            batched = adapter.forward_ragged(tokens, positions, caches)
         for b, cache in enumerate(alone):
             single = adapter.forward(tokens[b : b + 1], positions[b : b + 1], cache)
             torch.testing.assert_close(batched[b], single, rtol=1e-4, atol=1e-4)

@@ -20,7 +20,7 @@ from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.hf.attention_switch import AttentionSwitch
-from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, batch_cache, cache_tensors
+from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, batch_cache, cache_keyword, cache_tensors
 from kvboost_rag.hf.layers import DecoderLayers, StopForward
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.rope import find_rope
@@ -52,6 +52,7 @@ class ModelAdapter:
         self.config = model.config.get_text_config(decoder=True)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._cache_keyword = cache_keyword(model)
         self.layout: KVLayout = probe_layout(model, tokenizer, self.device)
         self.windows = LayerWindows.of(self.config)
         self._attention = AttentionSwitch(model)
@@ -129,7 +130,7 @@ class ModelAdapter:
         call = dict(
             input_ids=input_ids.view(1, -1).to(self.device),
             position_ids=position_ids.view(1, -1).to(self.device),
-            past_key_values=cache,
+            **{self._cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -171,7 +172,7 @@ class ModelAdapter:
             out = self.model(
                 input_ids=input_ids.view(-1, 1).to(self.device),
                 position_ids=position_ids.view(-1, 1).to(self.device),
-                past_key_values=RaggedCache(caches),
+                **{self._cache_keyword: RaggedCache(caches)},
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -184,7 +185,7 @@ class ModelAdapter:
         self.model(
             input_ids=input_ids.to(self.device),
             position_ids=position_ids.to(self.device),
-            past_key_values=cache,
+            **{self._cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -204,7 +205,7 @@ class ModelAdapter:
                 base(
                     input_ids=input_ids.view(1, -1).to(self.device),
                     position_ids=position_ids.view(1, -1).to(self.device),
-                    past_key_values=cache,
+                    **{self._cache_keyword: cache},
                     use_cache=True,
                 )
             except StopForward:

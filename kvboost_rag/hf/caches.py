@@ -9,6 +9,7 @@ rows behind one shared beginning, for batched warming).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,12 @@ from kvboost_rag.ragged import set_rows
 
 #: The cache type every forward call of the engine receives and returns.
 ModelCache = DynamicCache
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's ``forward`` takes its cache by: ``cache`` in newer transformers
+    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class BufferedLayer(DynamicLayer):

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvboost_rag.attention import last_query_attention
 from kvboost_rag.errors import UnsupportedModelError
+from kvboost_rag.hf.caches import cache_keyword
 from kvboost_rag.kv_codec import KVLayout
 from kvboost_rag.ragged import attention_calls
 
@@ -53,7 +54,8 @@ def probe_layout(model: torch.nn.Module, tokenizer, device: torch.device) -> KVL
         UnsupportedModelError: Layers with different K/V shapes.
     """
     cache = DynamicCache()
-    model(input_ids=torch.tensor([[_probe_token(tokenizer)]], device=device), past_key_values=cache, use_cache=True)
+    token = torch.tensor([[_probe_token(tokenizer)]], device=device)
+    model(input_ids=token, use_cache=True, **{cache_keyword(model): cache})
     shapes = {tuple(layer.keys.shape) for layer in cache.layers}
     if len(shapes) != 1:
         raise UnsupportedModelError(f"layers with different K/V shapes are not supported: {sorted(shapes)}")
