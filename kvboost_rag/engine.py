@@ -31,6 +31,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.inputs import check_device
 from kvboost_rag.lifecycle import GenerationStream, Requests
 from kvboost_rag.options import GenerationOptions
+from kvboost_rag.parts import EngineParts
 from kvboost_rag.plan import Planner
 from kvboost_rag.prefill import Prefiller
 from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, WarmResult
@@ -83,11 +84,9 @@ class KVBoost:
         self._scheduler = DecodeScheduler(partial(decode_step, adapter), turns, settings)
         eos_ids = eos_token_ids(self.model, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
-        self._warming = Warming(adapter, cache, settings, tokenizing, planner, prefiller, turns)
-        self._requests = Requests(
-            adapter, cache, settings, tokenizing, planner, prefiller, self._warming, turns, self._scheduler,
-            self._constraints, eos_ids,
-        )
+        parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)
+        self._warming = Warming(parts)
+        self._requests = Requests(parts, self._warming, self._scheduler, self._constraints, eos_ids)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason

@@ -17,22 +17,18 @@ from typing import cast
 import torch
 
 from kvboost_rag.batch_decode import DecodeSequence
-from kvboost_rag.cache_manager import CacheManager
-from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.errors import InvalidInputError, KVBoostError, UnsupportedModelError
-from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.inputs import check_documents
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.missed_documents import explain_evicted_documents, explain_missed_documents
 from kvboost_rag.options import GenerationOptions
 from kvboost_rag.outcome import PrefillOutcome
-from kvboost_rag.plan import Planner, PromptPlan, PromptTokens
-from kvboost_rag.prefill import Prefiller
+from kvboost_rag.parts import EngineParts
+from kvboost_rag.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import GenerationResult
 from kvboost_rag.sampling import SequenceSampling, TextAssembler, make_generator
-from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, ModelTurns, Reservation
-from kvboost_rag.text import Tokenizing
+from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, Reservation
 from kvboost_rag.warming import Warming
 
 logger = logging.getLogger(__name__)
@@ -111,14 +107,8 @@ class Requests:
     """Runs generation requests for one engine.
 
     Args:
-        adapter: The model adapter.
-        cache: The cache manager.
-        settings: Engine settings.
-        tokenizing: Text to tokens.
-        planner: Plans prompts.
-        prefiller: Runs prefill.
+        parts: The engine's parts.
         warming: Records of explicit documents.
-        turns: The model lock.
         scheduler: The decode worker.
         constraints: Compiles output constraints.
         eos_ids: End-of-sequence token ids.
@@ -126,21 +116,15 @@ class Requests:
 
     def __init__(
         self,
-        adapter: ModelAdapter,
-        cache: CacheManager,
-        settings: KVBoostSettings,
-        tokenizing: Tokenizing,
-        planner: Planner,
-        prefiller: Prefiller,
+        parts: EngineParts,
         warming: Warming,
-        turns: ModelTurns,
         scheduler: DecodeScheduler,
         constraints: ConstraintCompiler,
-        eos_ids: list[int],
+        eos_ids: frozenset[int],
     ) -> None:
-        self.adapter, self.cache, self.settings = adapter, cache, settings
-        self.tokenizing, self.planner, self.prefiller, self.warming = tokenizing, planner, prefiller, warming
-        self.turns, self.scheduler, self.constraints, self.eos_ids = turns, scheduler, constraints, eos_ids
+        self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
+        self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
+        self.warming, self.scheduler, self.constraints, self.eos_ids = warming, scheduler, constraints, eos_ids
 
     def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
         """Validate, then return the stream of one prompt (see :meth:`kvboost_rag.KVBoost.stream`)."""

@@ -6,12 +6,10 @@ import torch
 
 from kvboost_rag.attention import last_query_attention
 from kvboost_rag.blend import budget_for_left, select_highest
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.repair.base import RepairInputs, Selection, StagePlanner
+from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 
 
-class AttentionRepair:
+class AttentionRepair(SelectingRepair):
     """Recomputes the cached tokens whose staleness moves the answer most.
 
     The live tokens (computed whatever the repair: the question, separators, the last token)
@@ -28,11 +26,6 @@ class AttentionRepair:
     """
 
     name = "attention"
-
-    def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
-        self.adapter = adapter
-        self.settings = settings
-        self.stages = StagePlanner(adapter, settings)
 
     def choose(self, inputs: RepairInputs) -> Selection:
         """The most attended cached tokens of the first filtering stage (sorted)."""

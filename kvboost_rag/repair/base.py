@@ -77,3 +77,19 @@ class StagePlanner:
         """Set size of each ``blend_stages`` stage for ``budget`` tokens among ``count``."""
         spans = layer_spans(self.num_layers, self.settings.blend_stages)
         return tuple(stage_sizes(budget, [last - first + 1 for first, last in spans], count))
+
+
+class SelectingRepair:
+    """Base of the strategies that run a selection pass through the model.
+
+    Args:
+        adapter: The model adapter.
+        settings: Engine settings (ratios and the strategy's own targets).
+    """
+
+    name = ""
+
+    def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
+        self.adapter = adapter
+        self.settings = settings
+        self.stages = StagePlanner(adapter, settings)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.blend import adaptive_budget, kv_deviation, kv_energy, select_highest
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.repair.base import RepairInputs, Selection, StagePlanner
+from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 
 
-class CacheBlendRepair:
+class CacheBlendRepair(SelectingRepair):
     """Recomputes the cached tokens whose K/V deviates most from a fresh computation.
 
     The tokens after the prefix run through layers ``0..check_layer`` into scratch buffers;
@@ -24,11 +22,6 @@ class CacheBlendRepair:
     """
 
     name = "cacheblend"
-
-    def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
-        self.adapter = adapter
-        self.settings = settings
-        self.stages = StagePlanner(adapter, settings)
 
     def choose(self, inputs: RepairInputs) -> Selection:
         """The most deviating cached tokens of the first filtering stage (sorted)."""

@@ -16,19 +16,14 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvboost_rag.cache_manager import CacheManager
-from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.corpus_fit import kept_summary, summary_line
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.inputs import check_text
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.plan import Planner, PromptPlan, PromptTokens
-from kvboost_rag.prefill import Prefiller
+from kvboost_rag.parts import EngineParts
+from kvboost_rag.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import WarmResult
-from kvboost_rag.scheduler import ModelTurns
 from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
-from kvboost_rag.text import Tokenizing
 from kvboost_rag.warming.batch import BatchWarmer, WarmJob, batches
 
 logger = logging.getLogger(__name__)
@@ -84,28 +79,13 @@ class Warming:
     """Warms beginnings and documents for one engine.
 
     Args:
-        adapter: The model adapter.
-        cache: The cache manager.
-        settings: Engine settings.
-        tokenizing: Text to tokens.
-        planner: Plans prompts.
-        prefiller: Runs prefill.
-        turns: The model lock (a warm takes its turn like a prompt).
+        parts: The engine's parts (a warm is a prefill through them, with no decoding).
     """
 
-    def __init__(
-        self,
-        adapter: ModelAdapter,
-        cache: CacheManager,
-        settings: KVBoostSettings,
-        tokenizing: Tokenizing,
-        planner: Planner,
-        prefiller: Prefiller,
-        turns: ModelTurns,
-    ) -> None:
-        self.adapter, self.cache, self.settings = adapter, cache, settings
-        self.tokenizing, self.planner, self.prefiller, self.turns = tokenizing, planner, prefiller, turns
-        self._batch_warmer = BatchWarmer(adapter, cache)
+    def __init__(self, parts: EngineParts) -> None:
+        self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
+        self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
+        self._batch_warmer = BatchWarmer(parts.adapter, parts.cache)
         self._last_beginning: str | None = None
         # The first distinct documents warmed: others are warmed behind them.
         self._context_documents: list[str] = []
