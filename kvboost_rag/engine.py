@@ -1,12 +1,4 @@
-"""The engine facade: the one entry point users and integrations call.
-
-It builds the parts and delegates: text to tokens (:mod:`~kvboost_rag.text`), plans
-(:mod:`~kvboost_rag.plan`), prefill with lookup, stitching and repair
-(:mod:`~kvboost_rag.prefill`, :mod:`~kvboost_rag.repair`), the request lifecycle and decoding
-(:mod:`~kvboost_rag.lifecycle`, :mod:`~kvboost_rag.scheduler`), warming
-(:mod:`~kvboost_rag.warming`), the cache (:mod:`~kvboost_rag.cache_manager`), and the model
-through the transformers boundary (:mod:`~kvboost_rag.hf`).
-"""
+"""The engine facade: builds the parts (``kvboost_rag/README.md`` maps them) and delegates."""
 
 from __future__ import annotations
 
@@ -27,7 +19,7 @@ from kvboost_rag.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.correctness import compare_runs
 from kvboost_rag.errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
 from kvboost_rag.hashing import root_hash
-from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf import ModelAdapter, ModelFeatures
 from kvboost_rag.inputs import check_device
 from kvboost_rag.lifecycle import GenerationStream, Requests
 from kvboost_rag.options import GenerationOptions
@@ -132,6 +124,13 @@ class KVBoost:
         :class:`~kvboost_rag.config.KVBoostSettings`)."""
         return cls(model, tokenizer, KVBoostSettings(**settings))
 
+    @property
+    def features(self) -> ModelFeatures:
+        """What the model supports, probed when the engine was built: batched decoding, and
+        whether the attention repair can read its attention (else results report the
+        CacheBlend fallback as their ``strategy``)."""
+        return self._adapter.features
+
     # ------------------------------------------------------------------ text
     @property
     def context_window(self) -> int:
@@ -195,14 +194,12 @@ class KVBoost:
     def warm_documents(self, texts: Iterable[str], show_progress: bool | None = None) -> list[WarmResult]:
         """Cache documents so they hit by content hash wherever they land in a prompt.
 
-        Each document is computed behind :attr:`document_context` followed by
-        ``warm_context_documents`` other documents, and stored in ``chunk_size`` pieces beside
-        a record of its text and tokens that lets any process over the same disk folder or
-        Redis find it in prompts. Documents already cached (by this process or another) are
-        registered without computing or reading their K/V. A document longer than the context
-        window is warmed up to it (``WarmResult.skipped_tokens`` counts the rest). Warns when
-        the corpus does not fit the tiers; ``WarmResult.kept_in`` names the tiers that hold
-        each document whole.
+        Each is computed behind :attr:`document_context` and ``warm_context_documents`` other
+        documents, stored in ``chunk_size`` pieces beside a record any process over the same
+        disk folder or Redis finds. Documents already cached are registered without reading
+        their K/V; one longer than the context window is warmed up to it
+        (``WarmResult.skipped_tokens``). Warns when the corpus does not fit the tiers;
+        ``WarmResult.kept_in`` names the tiers that hold each document whole.
 
         Args:
             texts: Document texts, exactly as they will appear in prompts.
@@ -223,8 +220,7 @@ class KVBoost:
     def generate(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationResult:
         """Generate a completion of ``prompt``, reusing cached K/V where possible.
 
-        Concurrent calls (threads, async integrations) decode together: each request joins
-        the running batch at the next decode step (see ``max_batch_size``).
+        Concurrent calls (threads, async integrations) decode together in one batch.
 
         Args:
             prompt: The full prompt text.
