@@ -168,3 +168,25 @@ def tiny_engine(family: str = "llama", **settings: Any) -> Any:
     from kvboost_rag import KVBoost
 
     return KVBoost.from_model(tiny_model(family), tiny_tokenizer(), **settings)
+
+
+def record_calls(monkeypatch: Any, target: Any, name: str) -> list[dict[str, Any]]:
+    """Record the keyword arguments of every call of ``target.<name>`` (which still runs).
+
+    Args:
+        monkeypatch: pytest's ``monkeypatch`` fixture (the method is restored after the test).
+        target: The object, e.g. an engine.
+        name: The method, e.g. ``"generate"``.
+
+    Returns:
+        A list that receives each call's keyword arguments as the calls happen.
+    """
+    calls: list[dict[str, Any]] = []
+    real = getattr(target, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(dict(kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, recording)
+    return calls
