@@ -242,7 +242,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         Args:
             tools: Tools as LangChain tools, functions, pydantic models, TypedDicts or
                 OpenAI-style dicts.
-            tool_choice: ``"auto"`` (default: a plain-text answer or one call),
+            tool_choice: ``"auto"`` (default: a plain-text answer or one call; a call's
+                ``tool_required=True`` makes the default ``"required"``),
                 ``"any"``/``"required"``/``True`` (one call of any tool), a tool's name (one
                 call of that tool), or ``"none"`` (plain text; the tools stay in the prompt).
                 Decoding is constrained accordingly, so every call names a bound tool and its
@@ -257,10 +258,12 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
             InvalidInputError: A ``tool_choice`` that names no bound tool, or a malformed tool.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
-        choice = normalize_tool_choice(tool_choice, [s.name for s in tool_specs(formatted)])
+        names = [s.name for s in tool_specs(formatted)]
+        if tool_choice is not None:  # unset: "auto", unless a call passes tool_required=True
+            kwargs["tool_choice"] = normalize_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
-        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+        return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(
         self,
