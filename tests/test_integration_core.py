@@ -25,6 +25,7 @@ from kvboost_rag.integration import (
 from kvboost_rag.integration.params import DocumentConverter, document_texts
 from kvboost_rag.integration.prewarm import check_max_document_tokens
 from kvboost_rag.results import GenerationResult
+from kvboost_rag.testing import refuse_documents
 from kvboost_rag.tool_calls import CallFormat, call_format
 
 DEFAULTS = SimpleNamespace(
@@ -205,18 +206,8 @@ def test_prewarm_skips_empty_repeated_warm_and_oversized_documents(make_engine, 
 
 def test_prewarm_isolates_the_document_the_engine_refuses(make_engine, docs, monkeypatch) -> None:
     engine = make_engine()
-    real = engine.warm_documents
-    batches: list[int] = []
-
-    def refusing(texts: list[str], show_progress: Any = None) -> Any:
-        batches.append(len(texts))
-        if docs[1] in texts:
-            raise InvalidInputError("bad document")
-        if docs[3] in texts:
-            raise PromptTooLongError("too long behind the prefix")
-        return real(texts, show_progress=show_progress)
-
-    monkeypatch.setattr(engine, "warm_documents", refusing)
+    refusals = {docs[1]: InvalidInputError("bad document"), docs[3]: PromptTooLongError("too long behind the prefix")}
+    batches = refuse_documents(monkeypatch, engine, refusals)
     labels = [f"doc-{i}" for i in range(5)]
     stats = prewarm_texts(engine, docs[:5], labels=labels, batch_size=5)
     assert batches == [5, 1, 1, 1, 1, 1]
@@ -230,14 +221,7 @@ def test_prewarm_isolates_the_document_the_engine_refuses(make_engine, docs, mon
 
 def test_prewarm_batches_and_checks_its_arguments(make_engine, docs, monkeypatch) -> None:
     engine = make_engine()
-    real = engine.warm_documents
-    batches: list[int] = []
-
-    def counting(texts: list[str], show_progress: Any = None) -> Any:
-        batches.append(len(texts))
-        return real(texts, show_progress=show_progress)
-
-    monkeypatch.setattr(engine, "warm_documents", counting)
+    batches = refuse_documents(monkeypatch, engine, {})
     assert prewarm_texts(engine, docs[:5], batch_size=2).warmed == 5
     assert batches == [2, 2, 1]
     with pytest.raises(ValueError, match="batch_size"):

@@ -14,7 +14,7 @@ from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer, node_prompt_t
 
 from kvboost_rag import InvalidInputError, KVBoost
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.testing import record_calls
+from kvboost_rag.testing import record_calls, refuse_documents
 
 TEXTS = python_reference_documents(max_chars=240)[:6]
 
@@ -87,14 +87,7 @@ def test_tool_keywords_of_both_frameworks(tiny_engine: KVBoost) -> None:
 
 def test_prewarm_isolates_a_failing_node(tiny_engine: KVBoost, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     nodes = [TextNode(text=text, id_=f"n{i}") for i, text in enumerate(TEXTS[:4])]
-    real = tiny_engine.warm_documents
-
-    def refusing(texts: list[str], show_progress: Any = None) -> Any:
-        if TEXTS[1] in texts:
-            raise InvalidInputError("not text")
-        return real(texts, show_progress=show_progress)
-
-    monkeypatch.setattr(tiny_engine, "warm_documents", refusing)
+    refuse_documents(monkeypatch, tiny_engine, {TEXTS[1]: InvalidInputError("not text")})
     prewarm = KVBoostPrewarmer(engine=tiny_engine, batch_size=4)
     with caplog.at_level(logging.WARNING):
         assert prewarm(nodes) is nodes

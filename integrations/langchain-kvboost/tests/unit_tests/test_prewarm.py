@@ -17,6 +17,7 @@ from langchain_kvboost import (
 
 from kvboost_rag import InvalidInputError
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.testing import refuse_documents
 
 TEXTS = python_reference_documents(max_chars=200)[:8]
 
@@ -66,16 +67,7 @@ def test_already_warm_and_repeated_documents_are_skipped(engine: Any) -> None:
 
 
 def test_a_failing_document_fails_alone(engine: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    real = engine.warm_documents
-    calls: list[int] = []
-
-    def refuse_the_third(texts: list[str], show_progress: Any = None) -> Any:
-        calls.append(len(texts))
-        if TEXTS[2] in texts:
-            raise InvalidInputError("document is not text")
-        return real(texts, show_progress=show_progress)
-
-    monkeypatch.setattr(engine, "warm_documents", refuse_the_third)
+    calls = refuse_documents(monkeypatch, engine, {TEXTS[2]: InvalidInputError("document is not text")})
     prewarmer = KVBoostPrewarmer(engine, batch_size=4)
     with caplog.at_level(logging.WARNING):
         results = prewarmer.warm(_docs(TEXTS[:6]))
