@@ -63,10 +63,11 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             llm.invoke(prompt, documents=[doc1, doc2])
             llm.invoke(prompt, config={"metadata": {"documents": [doc1, doc2]}})
 
-    ``generation_info`` of each generation holds ``ttft_ms``, ``total_ms``,
-    ``prompt_tokens``, ``generated_tokens``, ``cached_tokens``, ``prefix_hit_tokens``,
-    ``content_hit_tokens``, ``recomputed_tokens``, ``kv_reuse_ratio``, ``documents_found``
-    and ``finish_reason``.
+    ``generation_info`` of each generation holds the figures of the engine's result
+    (``kvboost_rag.integration.usage.RESULT_FIGURES``: ``ttft_ms``, ``total_ms``,
+    ``prompt_tokens``, ``generated_tokens``, ``cached_tokens``, ``kv_reuse_ratio``,
+    ``documents_found``, ``finish_reason``, ...); ``llm_output["token_usage"]`` the usage of
+    all prompts (``kvboost_rag.integration.usage.usage``).
     """
 
     # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
