@@ -2,8 +2,8 @@
 
 Both integrations renamed a few public names to share one vocabulary (``KVBoostPrewarmer``,
 ``KVBoostRetrievalWarmer``, ``engine_settings``). The old names stay as aliases: a module
-lists them in a ``{old: new}`` mapping and forwards its ``__getattr__`` to
-:func:`renamed_module_attribute`; a keyword argument calls :func:`warn_deprecated`.
+sets ``__getattr__ = renamed_attributes(__name__, {old: new})`` (see
+:func:`renamed_attributes`); a keyword argument calls :func:`warn_deprecated`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _warned: set[str] = set()
@@ -82,3 +82,26 @@ def renamed_module_attribute(
     # Frames: warnings.warn <- warn_deprecated <- here <- module __getattr__ <- the user's code.
     warn_deprecated(f"{module_name}.{name}", f"{module_name}.{new}", stacklevel=4)
     return namespace[new]
+
+
+def renamed_attributes(module_name: str, renamed: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that serves the old names of renamed attributes.
+
+    Args:
+        module_name: The module's ``__name__``.
+        renamed: ``{old name: new name}`` of this module.
+
+    Returns:
+        The function to assign to the module's ``__getattr__``.
+
+    Example:
+        .. code-block:: python
+
+            __getattr__ = renamed_attributes(__name__, {"KVBoostPrewarm": "KVBoostPrewarmer"})
+    """
+    names = dict(renamed)
+
+    def __getattr__(name: str) -> Any:
+        return renamed_module_attribute(module_name, name, names, vars(sys.modules[module_name]))
+
+    return __getattr__

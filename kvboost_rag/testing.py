@@ -168,3 +168,53 @@ def tiny_engine(family: str = "llama", **settings: Any) -> Any:
     from kvboost_rag import KVBoost
 
     return KVBoost.from_model(tiny_model(family), tiny_tokenizer(), **settings)
+
+
+def record_calls(monkeypatch: Any, target: Any, name: str) -> list[dict[str, Any]]:
+    """Record the keyword arguments of every call of ``target.<name>`` (which still runs).
+
+    Args:
+        monkeypatch: pytest's ``monkeypatch`` fixture (the method is restored after the test).
+        target: The object, e.g. an engine.
+        name: The method, e.g. ``"generate"``.
+
+    Returns:
+        A list that receives each call's keyword arguments as the calls happen.
+    """
+    calls: list[dict[str, Any]] = []
+    real = getattr(target, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(dict(kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, recording)
+    return calls
+
+
+def refuse_documents(monkeypatch: Any, engine: Any, refusals: dict[str, Exception]) -> list[int]:
+    """Make ``engine.warm_documents`` raise for any batch holding a text of ``refusals``.
+
+    Other batches are warmed as usual, so a caller that isolates failures can be checked.
+
+    Args:
+        monkeypatch: pytest's ``monkeypatch`` fixture (the method is restored after the test).
+        engine: The engine.
+        refusals: ``{document text: the error a batch holding it raises}``.
+
+    Returns:
+        A list that receives the size of each batch handed to ``warm_documents``.
+    """
+    sizes: list[int] = []
+    real = engine.warm_documents
+
+    def warm_documents(texts: Any, show_progress: Any = None) -> Any:
+        texts = list(texts)
+        sizes.append(len(texts))
+        for text in texts:
+            if text in refusals:
+                raise refusals[text]
+        return real(texts, show_progress=show_progress)
+
+    monkeypatch.setattr(engine, "warm_documents", warm_documents)
+    return sizes

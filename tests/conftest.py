@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
-
 import pytest
 import torch
 
@@ -21,18 +16,7 @@ torch.set_num_threads(1)
 from rag_prompts import SYSTEM_PROMPT
 
 
-# Engines built with default settings spill what memory evicts to an automatic disk tier: the
-# tests keep it out of the user's cache folder (a folder for the session's shared engines,
-# removed at exit, and a fresh one per test), so no run sees what an earlier one left.
-_SESSION_KV_CACHE = tempfile.mkdtemp(prefix="kvboost-test-kv-")
-os.environ["KVBOOST_RAG_KV_CACHE"] = _SESSION_KV_CACHE
-atexit.register(shutil.rmtree, _SESSION_KV_CACHE, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _isolated_kv_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test's engines spill to a folder of their own."""
-    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path_factory.mktemp("kv-cache")))
+# Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ Importing this package is light; torch and transformers load with the first engi
 """
 
 from importlib import metadata
-from typing import Any
 
 from langchain_kvboost._common import DOCUMENTS_METADATA_KEY
 from langchain_kvboost.callbacks import KVBoostRetrievalWarmer
@@ -21,7 +20,7 @@ from langchain_kvboost.chat_models import ChatKVBoost
 from langchain_kvboost.llms import KVBoostLLM
 from langchain_kvboost.prewarm import KVBoostPrewarmer, PrewarmingVectorStore
 
-from kvboost_rag.deprecation import renamed_module_attribute
+from kvboost_rag.deprecation import renamed_attributes
 
 try:
     __version__ = metadata.version("langchain-kvboost")
@@ -38,9 +37,5 @@ __all__ = [
     "__version__",
 ]
 
-#: Old public names and the names that replaced them.
-RENAMED = {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_module_attribute(__name__, name, RENAMED, globals())
+#: Old public names of this module (they warn once) and the names that replaced them.
+__getattr__ = renamed_attributes(__name__, {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"})

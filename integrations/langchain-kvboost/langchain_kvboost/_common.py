@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
@@ -12,10 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.engine_registry import ArgumentNames, resolve_engine
+from kvboost_rag.integration.params import DocumentConverter, call_params, resolve_aliases
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Packages between user code and the validator that warns about a deprecated argument.
 _FRAMEWORK_PACKAGES = ("langchain_kvboost", "langchain_core", "pydantic")
@@ -30,51 +29,13 @@ DOCUMENTS_METADATA_KEY = "documents"
 #: a model that runs in this process, so they are accepted and dropped.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries", "base_url")
 
-#: Per-call keyword arguments understood by ``_generate`` / ``_stream``.
-CALL_PARAMS = (
-    "max_new_tokens",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "repetition_penalty",
-    "seed",
-    "reuse",
-    "documents",
-)
-
 #: Keyword arguments LangChain core itself may pass down to ``_generate`` / ``_stream``.
 _CORE_KWARGS = ("stream",)
 
-#: Fields of ``GenerationResult`` reported in ``generation_info``.
-GENERATION_INFO_FIELDS = (
-    "finish_reason",
-    "ttft_ms",
-    "total_ms",
-    "prompt_tokens",
-    "generated_tokens",
-    "cached_tokens",
-    "prefix_hit_tokens",
-    "content_hit_tokens",
-    "recomputed_tokens",
-    "kv_reuse_ratio",
-    "documents_found",
+#: A LangChain ``Document`` in ``documents=`` stands for its ``page_content``.
+LANGCHAIN_DOCUMENTS = DocumentConverter(
+    lambda item: item.page_content if isinstance(item, Document) else None, "str or Document"
 )
-
-
-def _pick_max_new_tokens(values: Mapping[str, Any]) -> Any:
-    """The one token budget named by ``max_new_tokens`` and/or its alias ``max_tokens``.
-
-    Raises:
-        ValueError: Both are set to different values.
-    """
-    new = values.get("max_new_tokens")
-    alias = values.get("max_tokens")
-    if new is not None and alias is not None and new != alias:
-        raise ValueError(
-            f"max_tokens={alias!r} and max_new_tokens={new!r} conflict: they are two names for "
-            "the same limit on generated tokens; set only one."
-        )
-    return new if new is not None else alias
 
 
 class KVBoostParams(BaseModel):
@@ -147,12 +108,7 @@ class KVBoostParams(BaseModel):
                 )
             if values.get("engine_settings") is None:
                 values["engine_settings"] = old
-        if "max_tokens" in values:
-            budget = _pick_max_new_tokens(values)
-            values.pop("max_tokens")
-            if budget is not None:
-                values["max_new_tokens"] = budget
-        return values
+        return resolve_aliases(values)
 
     @model_validator(mode="after")
     def _attach_engine(self) -> KVBoostParams:
@@ -212,78 +168,21 @@ class KVBoostParams(BaseModel):
 
         Args:
             stop: Stop strings given at call time; they replace ``self.stop``.
-            kwargs: Per-call overrides (see ``CALL_PARAMS``).
+            kwargs: Per-call parameters (``kvboost_rag.integration.params.CALL_PARAMETERS``).
             metadata: Run metadata; its ``"documents"`` entry names explicit documents when
                 no ``documents`` keyword is given.
 
         Raises:
-            ValueError: An unknown keyword, or conflicting ``max_tokens``/``max_new_tokens``.
+            kvboost_rag.integration.UnknownParameterError: An unknown keyword.
+            ValueError: Conflicting ``max_tokens``/``max_new_tokens``.
+            TypeError: ``documents`` is not a list of strings or ``Document`` objects.
         """
-        unknown = sorted(set(kwargs) - set(CALL_PARAMS) - set(_CORE_KWARGS))
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} got unknown parameter(s) {unknown}; per-call parameters "
-                f"are {list(CALL_PARAMS)} (and `stop`)."
-            )
-        budget = _pick_max_new_tokens(kwargs)
-        documents = kwargs.get("documents")
-        if documents is None and metadata:
-            documents = metadata.get(DOCUMENTS_METADATA_KEY)
-        call_stop = stop if stop is not None else self.stop
-        return {
-            "max_new_tokens": self.max_new_tokens if budget is None else budget,
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "repetition_penalty": kwargs.get("repetition_penalty", self.repetition_penalty),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": list(call_stop) if call_stop else None,
-            "reuse": kwargs.get("reuse", self.reuse),
-            "documents": document_texts(documents),
-        }
-
-
-def document_texts(documents: Any) -> list[str] | None:
-    """Texts of explicit documents given as strings or LangChain ``Document`` objects.
-
-    Args:
-        documents: ``None``, or a sequence of ``str`` / ``Document``. A ``Document`` stands for
-            its ``page_content``; pass rendered strings when the prompt shows documents through
-            a ``document_prompt`` other than ``{page_content}``.
-
-    Raises:
-        TypeError: ``documents`` is not a sequence of strings or Documents.
-    """
-    if documents is None:
-        return None
-    if isinstance(documents, (str, Document)) or not isinstance(documents, Sequence):
-        raise TypeError(
-            "`documents` must be a list of strings or Documents, got "
-            f"{type(documents).__name__}."
+        return call_params(
+            self,
+            kwargs,
+            owner=type(self).__name__,
+            stop=stop,
+            fallback_documents=(metadata or {}).get(DOCUMENTS_METADATA_KEY),
+            documents=LANGCHAIN_DOCUMENTS,
+            ignored=_CORE_KWARGS,
         )
-    texts: list[str] = []
-    for item in documents:
-        if isinstance(item, Document):
-            texts.append(item.page_content)
-        elif isinstance(item, str):
-            texts.append(item)
-        else:
-            raise TypeError(
-                f"`documents` items must be str or Document, got {type(item).__name__}."
-            )
-    return texts or None
-
-
-def generation_info(result: Any, extra_ttft_ms: float = 0.0) -> dict[str, Any]:
-    """The reuse and timing figures of a ``GenerationResult`` as a plain dict.
-
-    Args:
-        result: The engine's ``GenerationResult``.
-        extra_ttft_ms: Time spent in this call before the engine call (warming a new system
-            prompt), added to ``ttft_ms`` and ``total_ms`` so they stay the wall times to the
-            first token and of the call.
-    """
-    info = {name: getattr(result, name) for name in GENERATION_INFO_FIELDS}
-    if extra_ttft_ms:
-        info["ttft_ms"] = float(info["ttft_ms"]) + extra_ttft_ms
-        info["total_ms"] = float(info["total_ms"]) + extra_ttft_ms
-    return info

@@ -20,17 +20,14 @@ from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
 from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.deprecation import renamed_module_attribute, warn_deprecated
+from kvboost_rag.deprecation import renamed_attributes, warn_deprecated
+from kvboost_rag.integration.prewarm import texts_to_warm
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)
 
-#: Old public names of this module and the names that replaced them.
-RENAMED = {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_module_attribute(__name__, name, RENAMED, globals())
+#: Old public names of this module (they warn once) and the names that replaced them.
+__getattr__ = renamed_attributes(__name__, {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"})
 
 
 class KVBoostRetrievalWarmer(BaseCallbackHandler):
@@ -47,6 +44,8 @@ class KVBoostRetrievalWarmer(BaseCallbackHandler):
         document_prompt: How the chain renders each document into the prompt; must match.
         idle_seconds: Quiet time after the last answer (or retrieval) before warming starts.
         max_pending: Most documents queued; the oldest are dropped beyond it.
+        max_document_tokens: Longest document, in model tokens, that is warmed (documents the
+            engine already holds are not queued either). Defaults as ``KVBoostPrewarmer``'s.
 
     Example:
         .. code-block:: python
@@ -63,8 +62,9 @@ class KVBoostRetrievalWarmer(BaseCallbackHandler):
         document_prompt: BasePromptTemplate | str | None = None,
         idle_seconds: float = 0.5,
         max_pending: int = 4096,
+        max_document_tokens: int | None = None,
     ) -> None:
-        self._prewarmer = KVBoostPrewarmer(llm, document_prompt=document_prompt)
+        self._prewarmer = KVBoostPrewarmer(llm, document_prompt=document_prompt, max_document_tokens=max_document_tokens)
         self._warmer = BackgroundWarmer(self._prewarmer.engine, idle_seconds=idle_seconds, max_pending=max_pending)
         self._lock = threading.Lock()
         self._parents: dict[UUID, UUID | None] = {}
@@ -209,7 +209,7 @@ class KVBoostRetrievalWarmer(BaseCallbackHandler):
     # -- background warming ---------------------------------------------------------------
 
     def _enqueue(self, texts: list[str]) -> None:
-        added = self._warmer.submit(texts)
+        added = self._warmer.submit(texts_to_warm(self._prewarmer.engine, texts, self._prewarmer.max_document_tokens))
         with self._lock:
             self._queued += added
         if added:

@@ -24,21 +24,12 @@ from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
 from kvboost_rag.engine_registry import resolve_engine
-from kvboost_rag.tool_calls import (
-    CallFormat,
-    normalize_tool_choice,
-    parse_tool_calls,
-    render_chat,
-    tool_specs,
-)
-from langchain_kvboost._common import KVBoostParams, generation_info
-from langchain_kvboost.tool_calling import (
-    ai_message,
-    message_dict,
-    pop_call_format,
-    structured_output,
-    tool_call_chunks,
-)
+from kvboost_rag.integration.tool_arguments import pop_call_format
+from kvboost_rag.integration.tool_stream import ToolCallHoldBack
+from kvboost_rag.integration.usage import result_figures, usage
+from kvboost_rag.tool_calls import CallFormat, normalize_tool_choice, render_chat, tool_specs
+from langchain_kvboost._common import KVBoostParams
+from langchain_kvboost.tool_calling import ai_message, message_dict, structured_output, tool_call_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +106,14 @@ def _fields_of_llm(llm: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
-    prompt_tokens = int(info["prompt_tokens"])
-    output_tokens = int(info["generated_tokens"])
+def _usage_metadata(result: Any) -> UsageMetadata:
+    """LangChain's ``usage_metadata`` of one result (the core usage dict, renamed)."""
+    counts = usage(result)
     return UsageMetadata(
-        input_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        total_tokens=prompt_tokens + output_tokens,
-        input_token_details=InputTokenDetails(cache_read=int(info["cached_tokens"])),
+        input_tokens=counts["prompt_tokens"],
+        output_tokens=counts["completion_tokens"],
+        total_tokens=counts["total_tokens"],
+        input_token_details=InputTokenDetails(cache_read=counts["cached_tokens"]),
     )
 
 
@@ -232,7 +223,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     ) -> tuple[str, dict[str, Any], CallFormat]:
         """The prompt, the engine parameters and the tool/format setting of one call."""
         kwargs = dict(kwargs)
-        call_format = pop_call_format(kwargs)
+        call_format = pop_call_format(kwargs, convert_to_openai_tool)
         params = self._call_params(stop, kwargs, run_manager.metadata if run_manager else None)
         if call_format.constraint is not None:
             params["constraint"] = call_format.constraint
@@ -251,7 +242,8 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         Args:
             tools: Tools as LangChain tools, functions, pydantic models, TypedDicts or
                 OpenAI-style dicts.
-            tool_choice: ``"auto"`` (default: a plain-text answer or one call),
+            tool_choice: ``"auto"`` (default: a plain-text answer or one call; a call's
+                ``tool_required=True`` makes the default ``"required"``),
                 ``"any"``/``"required"``/``True`` (one call of any tool), a tool's name (one
                 call of that tool), or ``"none"`` (plain text; the tools stay in the prompt).
                 Decoding is constrained accordingly, so every call names a bound tool and its
@@ -266,10 +258,12 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
             InvalidInputError: A ``tool_choice`` that names no bound tool, or a malformed tool.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
-        choice = normalize_tool_choice(tool_choice, [s.name for s in tool_specs(formatted)])
+        names = [s.name for s in tool_specs(formatted)]
+        if tool_choice is not None:  # unset: "auto", unless a call passes tool_required=True
+            kwargs["tool_choice"] = normalize_tool_choice(tool_choice, names)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
-        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+        return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(
         self,
@@ -303,9 +297,9 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         return structured_output(self, schema, method, include_raw, strict)
 
     def _result_message_fields(self, result: Any) -> tuple[dict[str, Any], UsageMetadata, dict[str, Any]]:
-        info = generation_info(result)
+        info = result_figures(result)
         response_metadata = {"model_name": self.model_name, "finish_reason": info["finish_reason"]}
-        return info, _usage_metadata(info), response_metadata
+        return info, _usage_metadata(result), response_metadata
 
     def _generate(
         self,
@@ -372,17 +366,16 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         return self.engine.stream(prompt, **params), call_format
 
     @staticmethod
-    def _chunks(pieces: Iterator[str], call_format: CallFormat) -> Iterator[ChatGenerationChunk]:
-        """Text pieces as chunks; a tool call (output starting with ``<``, which plain text
-        under a tool constraint never does) is held back and sent whole as tool-call chunks."""
-        held: list[str] = []
-        for piece in pieces:
-            if call_format.parses_tool_calls and (held or piece.startswith("<")):
-                held.append(piece)
-                continue
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        if held:
-            parsed = parse_tool_calls("".join(held))
+    def _chunks(stream: Any, call_format: CallFormat) -> Iterator[ChatGenerationChunk]:
+        """The stream's text pieces as chunks; a tool call is held back and sent whole as
+        tool-call chunks once the stream has ended (see ``kvboost_rag.integration.tool_stream``)."""
+        hold = ToolCallHoldBack(call_format)
+        for piece in stream:
+            shown = hold.feed(piece)
+            if shown is not None:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=shown))
+        parsed = hold.finish(stream.result.finish_reason)
+        if parsed is not None:
             yield ChatGenerationChunk(
                 message=AIMessageChunk(content=parsed.content, tool_call_chunks=tool_call_chunks(parsed))
             )
@@ -421,7 +414,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
         def start() -> Iterator[ChatGenerationChunk]:
             # Rendering and starting the stream block: keep them off the loop.
             started.extend(self._start_stream(messages, stop, run_manager, kwargs))
-            return self._chunks(iter(started[0]), started[1])
+            return self._chunks(started[0], started[1])
 
         async for chunk in iterate_in_thread(start):
             yield chunk

@@ -17,7 +17,8 @@ from pydantic import ConfigDict
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
-from langchain_kvboost._common import KVBoostParams, generation_info
+from kvboost_rag.integration.usage import result_figures, usage
+from langchain_kvboost._common import KVBoostParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             llm.invoke(prompt, documents=[doc1, doc2])
             llm.invoke(prompt, config={"metadata": {"documents": [doc1, doc2]}})
 
-    ``generation_info`` of each generation holds ``ttft_ms``, ``total_ms``,
-    ``prompt_tokens``, ``generated_tokens``, ``cached_tokens``, ``prefix_hit_tokens``,
-    ``content_hit_tokens``, ``recomputed_tokens``, ``kv_reuse_ratio``, ``documents_found``
-    and ``finish_reason``.
+    ``generation_info`` of each generation holds the figures of the engine's result
+    (``kvboost_rag.integration.usage.RESULT_FIGURES``: ``ttft_ms``, ``total_ms``,
+    ``prompt_tokens``, ``generated_tokens``, ``cached_tokens``, ``kv_reuse_ratio``,
+    ``documents_found``, ``finish_reason``, ...); ``llm_output["token_usage"]`` the usage of
+    all prompts (``kvboost_rag.integration.usage.usage``).
     """
 
     # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
@@ -157,29 +159,24 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
         if self.streaming:
             outputs = [self._generate_streaming(prompt, params, run_manager) for prompt in prompts]
         else:
-            outputs = [self._text_and_info(result) for result in self.engine.generate_batch(prompts, **params)]
+            outputs = [self._text_and_result(result) for result in self.engine.generate_batch(prompts, **params)]
         generations: list[list[Generation]] = []
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        for text, info in outputs:
+        for text, result in outputs:
             logger.debug(
                 "kvboost: ttft %.0f ms, %d/%d prompt tokens from cache",
-                info["ttft_ms"],
-                info["cached_tokens"],
-                info["prompt_tokens"],
+                result.ttft_ms,
+                result.cached_tokens,
+                result.prompt_tokens,
             )
-            generations.append([Generation(text=text, generation_info=info)])
-            usage["prompt_tokens"] += int(info["prompt_tokens"])
-            usage["completion_tokens"] += int(info["generated_tokens"])
-            usage["cached_tokens"] += int(info["cached_tokens"])
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            generations.append([Generation(text=text, generation_info=result_figures(result))])
         return LLMResult(
             generations=generations,
-            llm_output={"model_name": self.model_name, "token_usage": usage},
+            llm_output={"model_name": self.model_name, "token_usage": usage(result for _, result in outputs)},
         )
 
     @staticmethod
-    def _text_and_info(result: Any) -> tuple[str, dict[str, Any]]:
-        """One entry of ``generate_batch``: its text and figures, or the error that failed it.
+    def _text_and_result(result: Any) -> tuple[str, Any]:
+        """One entry of ``generate_batch``: its text and result, or the error that failed it.
 
         Raises:
             Exception: The prompt's own error (LangChain has no per-prompt error in one
@@ -187,21 +184,21 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
         """
         if isinstance(result, Exception):
             raise result
-        return result.output_text, generation_info(result)
+        return result.output_text, result
 
     def _generate_streaming(
         self,
         prompt: str,
         params: dict[str, Any],
         run_manager: CallbackManagerForLLMRun | None,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[str, Any]:
         stream = self.engine.stream(prompt, **params)
         pieces: list[str] = []
         for piece in stream:
             pieces.append(piece)
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=GenerationChunk(text=piece))
-        return "".join(pieces), generation_info(stream.result)
+        return "".join(pieces), stream.result
 
     async def _agenerate(
         self,
@@ -227,7 +224,7 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=generation_info(stream.result))
+        yield GenerationChunk(text="", generation_info=result_figures(stream.result))
 
     async def _astream(
         self,
@@ -249,4 +246,4 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=generation_info(streams[0].result))
+        yield GenerationChunk(text="", generation_info=result_figures(streams[0].result))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +26,21 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.vectorstores import VectorStore
 
 from kvboost_rag.engine_registry import engine_of
+from kvboost_rag.integration.prewarm import (
+    DEFAULT_BATCH_SIZE,
+    PrewarmStats,
+    check_max_document_tokens,
+    default_max_document_tokens,
+    prewarm_texts,
+)
 
 if TYPE_CHECKING:
     from kvboost_rag import WarmResult
 
 logger = logging.getLogger(__name__)
+
+#: What the oversized-document warning tells the user to do.
+_SPLIT_HINT = "split documents smaller before KVBoostPrewarmer (e.g. RecursiveCharacterTextSplitter)"
 
 #: The document prompt LangChain's stuff-documents chains use by default.
 DEFAULT_DOCUMENT_PROMPT = "{page_content}"
@@ -49,6 +58,11 @@ def as_document_prompt(document_prompt: BasePromptTemplate | str | None) -> Base
 class KVBoostPrewarmer(BaseDocumentTransformer):
     """Warms documents in a kvboost engine as they enter the index.
 
+    Empty documents, repeats and documents the engine already holds are skipped; documents
+    longer than ``max_document_tokens`` are skipped with a warning naming the fix; the rest are
+    warmed in batches of ``batch_size``, and a document the engine refuses fails alone (logged
+    and listed in ``last_stats.failures``) while the others of its batch are warmed.
+
     Args:
         llm: The ``KVBoostLLM`` / ``ChatKVBoost`` the chain answers with, or its
             ``kvboost_rag.KVBoost`` engine.
@@ -57,6 +71,15 @@ class KVBoostPrewarmer(BaseDocumentTransformer):
             chain's, or the warmed text will not be found in the prompt.
         progress_min_documents: Show a progress bar when warming at least this many new
             documents at once.
+        max_document_tokens: Longest document, in model tokens, that is warmed. Defaults to
+            the model's context window less the LLM's ``max_new_tokens`` (what a prompt can
+            hold), or the whole window when built on an engine.
+        batch_size: Documents handed to the engine per call.
+
+    Raises:
+        ValueError: ``progress_min_documents`` or ``batch_size`` below 1, or
+            ``max_document_tokens`` above the model's context window.
+        TypeError: ``llm`` neither is nor holds a ``KVBoost``.
 
     Example:
         .. code-block:: python
@@ -64,6 +87,7 @@ class KVBoostPrewarmer(BaseDocumentTransformer):
             prewarmer = KVBoostPrewarmer(llm)
             store = prewarmer.wrap(InMemoryVectorStore(embeddings))
             store.add_documents(docs)          # warms, then indexes
+            prewarmer.last_stats.failures      # documents not warmed, and why
     """
 
     def __init__(
@@ -72,49 +96,55 @@ class KVBoostPrewarmer(BaseDocumentTransformer):
         *,
         document_prompt: BasePromptTemplate | str | None = None,
         progress_min_documents: int = 32,
+        max_document_tokens: int | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
     ) -> None:
         if progress_min_documents < 1:
             raise ValueError(f"progress_min_documents must be >= 1, got {progress_min_documents}.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         self.engine = engine_of(llm)
+        limit = default_max_document_tokens(self.engine, llm) if max_document_tokens is None else max_document_tokens
+        self.max_document_tokens = check_max_document_tokens(self.engine, limit)
         self.document_prompt = as_document_prompt(document_prompt)
         self.progress_min_documents = progress_min_documents
+        self.batch_size = batch_size
+        self.last_stats = PrewarmStats()
+        """Counts and failures of the most recent warm."""
 
     def render(self, documents: Iterable[Document]) -> list[str]:
         """The text each document contributes to a prompt, rendered by ``document_prompt``."""
         return [format_document(doc, self.document_prompt) for doc in documents]
 
-    def warm_texts(self, texts: Sequence[str]) -> list[WarmResult]:
+    def warm_texts(self, texts: Sequence[str], labels: Sequence[str] | None = None) -> list[WarmResult]:
         """Warm already-rendered document texts.
 
-        Empty texts and repeats are skipped; texts the engine already holds are not recomputed
-        (their ``WarmResult.already_warm`` is true).
+        Empty texts, repeats, texts the engine already holds and texts longer than
+        ``max_document_tokens`` are skipped; ``last_stats`` counts each kind and lists the
+        documents that were not warmed.
 
         Args:
             texts: Document texts exactly as they will appear in prompts.
+            labels: How logs and ``last_stats.failures`` name each text (default
+                ``"document <i>"``).
 
         Returns:
-            One ``WarmResult`` per distinct non-empty text, in first-seen order.
+            The engine's ``WarmResult`` of each text it was handed, in first-seen order.
         """
-        unique = list(dict.fromkeys(text for text in texts if text.strip()))
-        if not unique:
-            return []
-        started = time.perf_counter()
-        results = list(
-            self.engine.warm_documents(unique, show_progress=len(unique) >= self.progress_min_documents)
+        self.last_stats = prewarm_texts(
+            self.engine,
+            list(texts),
+            labels=labels,
+            max_document_tokens=self.max_document_tokens,
+            batch_size=self.batch_size,
+            progress_min_documents=self.progress_min_documents,
+            split_hint=_SPLIT_HINT,
         )
-        new = [r for r in results if not r.already_warm]
-        logger.info(
-            "Prewarmed %d new documents (%d tokens) in %.1f s; %d were already warm",
-            len(new),
-            sum(r.new_tokens for r in new),
-            time.perf_counter() - started,
-            len(results) - len(new),
-        )
-        return results
+        return list(self.last_stats.results)
 
     def warm(self, documents: Sequence[Document]) -> list[WarmResult]:
         """Render and warm ``documents``; see :meth:`warm_texts`."""
-        return self.warm_texts(self.render(documents))
+        return self.warm_texts(self.render(documents), _labels(documents))
 
     async def awarm(self, documents: Sequence[Document]) -> list[WarmResult]:
         """Like :meth:`warm`, run in a worker thread so the event loop stays free."""
@@ -133,6 +163,15 @@ class KVBoostPrewarmer(BaseDocumentTransformer):
     def wrap(self, vectorstore: VectorStore) -> PrewarmingVectorStore:
         """A view of ``vectorstore`` whose ``add_*`` methods warm documents before adding."""
         return PrewarmingVectorStore(vectorstore, self)
+
+
+def _labels(documents: Sequence[Document]) -> list[str]:
+    """How logs name each document: its position, and its id or source when it has one."""
+    labels = []
+    for i, doc in enumerate(documents):
+        name = doc.id or doc.metadata.get("source")
+        labels.append(f"document {i} ({name})" if name else f"document {i}")
+    return labels
 
 
 def _documents_from_texts(

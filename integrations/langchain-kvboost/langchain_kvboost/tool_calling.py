@@ -22,25 +22,10 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import CallFormat, ParsedOutput, call_format, parse_tool_calls
+from kvboost_rag.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
 
 #: ``with_structured_output`` methods.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")
-
-
-def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
-    """Take ``tools``, ``tool_choice``, ``response_format`` and ``parallel_tool_calls`` (one
-    or more calls per reply) out of ``kwargs``.
-
-    Raises:
-        InvalidInputError: Malformed tools, a ``tool_choice`` that names no bound tool, or a
-            ``response_format`` of another kind.
-    """
-    tools = kwargs.pop("tools", None)
-    choice = kwargs.pop("tool_choice", None)
-    response_format = kwargs.pop("response_format", None)
-    parallel = bool(kwargs.pop("parallel_tool_calls", False))
-    return call_format([convert_to_openai_tool(t) for t in tools or []], choice, response_format, parallel)
 
 
 def ai_message(text: str, finish_reason: str, output_format: CallFormat, **fields: Any) -> AIMessage:

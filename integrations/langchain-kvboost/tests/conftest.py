@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import math
-import os
 import re
-import shutil
-import tempfile
 
 import pytest
 from langchain_core.embeddings import Embeddings
 
-# Engines built with default settings spill what memory evicts to an automatic disk tier: the
-# tests keep it out of the user's cache folder (a folder for the session's shared engines,
-# removed at exit, and a fresh one per test), so no run sees what an earlier one left.
-_SESSION_KV_CACHE = tempfile.mkdtemp(prefix="kvboost-test-kv-")
-os.environ["KVBOOST_RAG_KV_CACHE"] = _SESSION_KV_CACHE
-atexit.register(shutil.rmtree, _SESSION_KV_CACHE, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _isolated_kv_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test's engines spill to a folder of their own."""
-    monkeypatch.setenv("KVBOOST_RAG_KV_CACHE", str(tmp_path_factory.mktemp("kv-cache")))
+# Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
 
 
 _WORD = re.compile(r"[a-z_][a-z0-9_]+")

@@ -7,12 +7,11 @@ import warnings
 import pytest
 from llama_index.llms.kvboost import KVBoostPrewarmer
 
-from kvboost_rag import KVBoost, deprecation
+from kvboost_rag import KVBoost
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(deprecation, "_warned", set())
+# Each test sees the first use of an old name (kvboost_rag.pytest_isolation).
+pytestmark = pytest.mark.usefixtures("fresh_deprecation_warnings")
 
 
 def test_prewarm_old_name(tiny_engine: KVBoost) -> None:

@@ -20,6 +20,7 @@ from llama_index.llms.kvboost import KVBoostLLM
 from pydantic import BaseModel, Field
 
 from kvboost_rag import InvalidInputError, KVBoost
+from kvboost_rag.testing import record_calls
 from kvboost_rag.tool_calls import call_text
 
 pytest.importorskip("llguidance", reason="function calling needs kvboost-rag[constrained]")
@@ -225,18 +226,11 @@ def test_custom_messages_to_prompt_cannot_show_tools(tiny_engine: KVBoost, looku
 
 
 def test_repetition_penalty_is_a_field_and_a_call_keyword(tiny_engine: KVBoost, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[float] = []
-    real = tiny_engine.generate
-
-    def generate(prompt: str, **params: Any) -> Any:
-        seen.append(params["repetition_penalty"])
-        return real(prompt, **params)
-
-    monkeypatch.setattr(tiny_engine, "generate", generate)
+    calls = record_calls(monkeypatch, tiny_engine, "generate")
     llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4, repetition_penalty=1.2)
     llm.complete("Hello")
     llm.complete("Hello", repetition_penalty=1.4)
-    assert seen == [1.2, 1.4]
+    assert [call["repetition_penalty"] for call in calls] == [1.2, 1.4]
 
 
 def test_stream_structured_predict_ends_with_a_valid_instance(llm: KVBoostLLM) -> None:

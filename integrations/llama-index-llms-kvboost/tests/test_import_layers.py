@@ -1,5 +1,5 @@
-"""The package's modules import each other one way: formatting <- prewarm, retrieval <- base;
-tool_calling <- base."""
+"""The package's modules import each other one way: formatting <- prewarm, retrieval,
+rendering <- base; huggingface, structured, tool_calling <- base."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ ALLOWED = {
     "prewarm": {"formatting"},
     "retrieval": {"formatting"},
     "tool_calling": set(),
-    "base": {"formatting", "retrieval", "tool_calling"},
+    "huggingface": set(),
+    "structured": set(),
+    "rendering": {"formatting"},
+    "base": {"formatting", "huggingface", "rendering", "retrieval", "structured", "tool_calling"},
 }
 
 

@@ -157,7 +157,7 @@ def test_answer_stores_retrieved_nodes_from_its_own_prefill(tiny_engine: KVBoost
 
 
 def test_progress_bar_counts_nodes_not_batches(tiny_engine: KVBoost, monkeypatch: pytest.MonkeyPatch) -> None:
-    import llama_index.llms.kvboost.prewarm as prewarm_module
+    import kvboost_rag.integration.prewarm as prewarm_module
 
     bars: list[tuple[int, int, str]] = []
     real = prewarm_module.tqdm

@@ -8,12 +8,8 @@ from typing import Any
 import pytest
 from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostRetrievalWarmer
 
-from kvboost_rag import deprecation
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(deprecation, "_warned", set())
+# Each test sees the first use of an old name (kvboost_rag.pytest_isolation).
+pytestmark = pytest.mark.usefixtures("fresh_deprecation_warnings")
 
 
 def test_retriever_warmer_old_name(engine: Any) -> None:

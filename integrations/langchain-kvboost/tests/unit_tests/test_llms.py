@@ -11,7 +11,7 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_kvboost import KVBoostLLM
-from langchain_kvboost._common import GENERATION_INFO_FIELDS
+from kvboost_rag.integration.usage import RESULT_FIGURES as GENERATION_INFO_FIELDS
 from pydantic import ValidationError
 
 from kvboost_rag.corpus import python_reference_documents

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -14,7 +15,9 @@ from langchain_kvboost import (
     PrewarmingVectorStore,
 )
 
+from kvboost_rag import InvalidInputError
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.testing import refuse_documents
 
 TEXTS = python_reference_documents(max_chars=200)[:8]
 
@@ -54,9 +57,44 @@ def test_already_warm_and_repeated_documents_are_skipped(engine: Any) -> None:
     assert len(first) == 2
     assert not any(r.already_warm for r in first)
     assert all(r.new_tokens > 0 for r in first)
+    assert (prewarmer.last_stats.duplicates, prewarmer.last_stats.empty) == (1, 1)
     again = prewarmer.warm_texts([TEXTS[1], TEXTS[0], TEXTS[2]])
-    assert [r.already_warm for r in again] == [True, True, False]
-    assert again[0].new_tokens == again[1].new_tokens == 0
+    # Texts the engine holds are skipped before the engine is called: one result, for TEXTS[2].
+    assert [r.already_warm for r in again] == [False]
+    stats = prewarmer.last_stats
+    assert (stats.documents, stats.already_warm, stats.warmed) == (3, 2, 1)
+    assert stats.new_tokens == again[0].new_tokens > 0
+
+
+def test_a_failing_document_fails_alone(engine: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    calls = refuse_documents(monkeypatch, engine, {TEXTS[2]: InvalidInputError("document is not text")})
+    prewarmer = KVBoostPrewarmer(engine, batch_size=4)
+    with caplog.at_level(logging.WARNING):
+        results = prewarmer.warm(_docs(TEXTS[:6]))
+    # The batch holding the bad document was retried one document at a time.
+    assert calls == [4, 1, 1, 1, 1, 2]
+    assert len(results) == 5 and prewarmer.last_stats.warmed == 5
+    assert [d for d in TEXTS[:6] if not engine.is_document_warm(d)] == [TEXTS[2]]
+    (failure,) = prewarmer.last_stats.failures
+    assert (failure.doc_id, failure.error) == ("document 2 (doc2)", "InvalidInputError: document is not text")
+    assert prewarmer.last_stats.failed == 1
+    assert "document 2 (doc2)" in caplog.text
+
+
+def test_oversized_documents_are_skipped_with_a_warning(engine: Any, caplog: Any) -> None:
+    long_text = " ".join(TEXTS)
+    llm = KVBoostLLM(engine=engine, max_new_tokens=16)
+    assert KVBoostPrewarmer(llm).max_document_tokens == engine.context_window - 16
+    prewarmer = KVBoostPrewarmer(llm, max_document_tokens=100)
+    with caplog.at_level(logging.WARNING):
+        prewarmer.warm_texts([long_text, TEXTS[0]])
+    assert not engine.is_document_warm(long_text) and engine.is_document_warm(TEXTS[0])
+    stats = prewarmer.last_stats
+    assert (stats.oversized, stats.warmed) == (1, 1)
+    assert stats.failures[0].doc_id == "document 0" and stats.failures[0].error.startswith("oversized: ")
+    assert "max_document_tokens=100" in caplog.text and "RecursiveCharacterTextSplitter" in caplog.text
+    with pytest.raises(ValueError, match="exceeds the model's context window"):
+        KVBoostPrewarmer(engine, max_document_tokens=engine.context_window + 1)
 
 
 def test_progress_bar_only_for_large_batches(engine: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from kvboost_rag import InvalidInputError
+from kvboost_rag.testing import record_calls
 
 pytest.importorskip("llguidance", reason="tool calling needs kvboost-rag[constrained]")
 
@@ -238,18 +239,11 @@ def test_template_that_renders_tools_gets_them_as_tools(engine: Any) -> None:
 
 
 def test_repetition_penalty_reaches_the_engine(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[float] = []
-    real = engine.generate
-
-    def generate(prompt: str, **params: Any) -> Any:
-        seen.append(params["repetition_penalty"])
-        return real(prompt, **params)
-
-    monkeypatch.setattr(engine, "generate", generate)
+    calls = record_calls(monkeypatch, engine, "generate")
     chat = ChatKVBoost(engine=engine, max_new_tokens=4, repetition_penalty=1.2)
     chat.invoke(_messages())
     chat.invoke(_messages(), repetition_penalty=1.5)
-    assert seen == [1.2, 1.5]
+    assert [call["repetition_penalty"] for call in calls] == [1.2, 1.5]
     with pytest.raises(ValueError, match="repetition_penalty"):
         ChatKVBoost(engine=engine, repetition_penalty=0.5)
 

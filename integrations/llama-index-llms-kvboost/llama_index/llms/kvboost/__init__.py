@@ -9,15 +9,13 @@ The names are the ones the LangChain integration uses for the same parts
 ``KVBoostPrewarm`` still works and warns once (``DeprecationWarning``).
 """
 
-from typing import Any
-
 from llama_index.llms.kvboost.base import KVBoostLLM
 from llama_index.llms.kvboost.formatting import node_prompt_text
 from llama_index.llms.kvboost.prewarm import KVBoostPrewarmer, PrewarmStats
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.deprecation import renamed_module_attribute
+from kvboost_rag.deprecation import renamed_attributes
 
 __all__ = [
     "BackgroundWarmer",
@@ -28,9 +26,5 @@ __all__ = [
     "node_prompt_text",
 ]
 
-#: Old public names and the names that replaced them.
-RENAMED = {"KVBoostPrewarm": "KVBoostPrewarmer"}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_module_attribute(__name__, name, RENAMED, globals())
+#: Old public names of this module (they warn once) and the names that replaced them.
+__getattr__ = renamed_attributes(__name__, {"KVBoostPrewarm": "KVBoostPrewarmer"})

@@ -3,20 +3,23 @@
 It answers like ``HuggingFaceLLM`` but runs through a ``kvboost_rag.KVBoost`` engine: the
 exact leading part of prompts (system turn up to the first document) is stored by the engine
 after each answer and served by prefix hash; retrieved documents that were warmed
-(``KVBoostPrewarmer``) are served by content hash wherever they land, system turn included.
+(``KVBoostPrewarmer``) or passed as ``documents`` are served by content hash wherever they
+land, system turn included.
+
+The class is assembled from parts: ``huggingface`` maps ``HuggingFaceLLM`` arguments,
+``rendering`` turns messages into prompts, ``structured`` decodes structured output, and the
+per-call parameters, usage and tool-call stream hold-back are those of
+:mod:`kvboost_rag.integration`, shared with the LangChain integration.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from llama_index.core.base.llms.generic_utils import (
-    messages_to_prompt as generic_messages_to_prompt,
-)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -28,55 +31,43 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from llama_index.core.llms.utils import parse_partial_json
-from llama_index.core.program.utils import FlexibleModel, create_flexible_model
-from llama_index.llms.kvboost.formatting import message_dicts
+from llama_index.llms.kvboost.formatting import NODE_DOCUMENTS
+from llama_index.llms.kvboost.huggingface import huggingface_llm_arguments
+from llama_index.llms.kvboost.rendering import PromptRenderingMixin
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
+from llama_index.llms.kvboost.structured import StructuredOutputMixin
 from llama_index.llms.kvboost.tool_calling import (
     assistant_message,
     chat_with_tools_arguments,
-    pop_call_format,
+    openai_tool,
     tool_selections,
 )
 
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
 from kvboost_rag.deprecation import warn_deprecated
-from kvboost_rag.dropin import device_setting, generation_fields, model_settings
-from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.integration.params import call_params, resolve_aliases
+from kvboost_rag.integration.tool_arguments import pop_call_format
+from kvboost_rag.integration.tool_stream import ToolCallHoldBack
+from kvboost_rag.integration.usage import result_figures, usage
 from kvboost_rag.react import react_call_format
-from kvboost_rag.tool_calls import CallFormat, render_chat
+from kvboost_rag.tool_calls import CallFormat
 
 if TYPE_CHECKING:
-    from llama_index.core.prompts import BasePromptTemplate
     from llama_index.core.tools.types import BaseTool
 
     from kvboost_rag import GenerationResult, KVBoost, WarmResult
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 
-#: Generation keywords a call may override, and the engine keyword each maps to.
-_CALL_KEYWORDS = {
-    "max_new_tokens": "max_new_tokens",
-    "max_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop": "stop",
-    "reuse": "reuse",
-}
-
-
-class KVBoostLLM(CustomLLM, FunctionCallingLLM):
+class KVBoostLLM(PromptRenderingMixin, StructuredOutputMixin, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM backed by the KVBoost reuse engine; a function-calling LLM.
 
     Build it from an engine, a local model folder, a loaded model and tokenizer, or nothing
@@ -168,8 +159,6 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     )
 
     _engine: Any = PrivateAttr()
-    _model: Any = PrivateAttr()
-    _tokenizer: Any = PrivateAttr()
     _has_chat_template: bool = PrivateAttr(default=False)
     _custom_messages_to_prompt: bool = PrivateAttr(default=False)
     _custom_completion_to_prompt: bool = PrivateAttr(default=False)
@@ -189,94 +178,62 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         completion_to_prompt: Callable[[str], str] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Build the LLM and, unless given one, its engine.
+        """Build the LLM and, unless given one, its engine (from exactly one source).
 
         Args:
             engine: A ready ``KVBoost`` engine.
-            model_path: Local HuggingFace model folder to load (instead of ``engine``). Engines
-                built from a folder (or the default model) are shared per process by folder
-                and ``engine_settings``, with the LangChain classes too.
-            model: A loaded causal LM (with ``tokenizer``; instead of ``engine``).
+            model_path: Local HuggingFace model folder; engines built from a folder (or the
+                default model) are shared per process by folder and ``engine_settings``.
+            model: A loaded causal LM, with ``tokenizer`` (its fast tokenizer).
             tokenizer: The fast tokenizer of ``model``.
-            engine_settings: ``KVBoostSettings`` fields for an engine built here
-                (``recompute_ratio``, ``kv_cache_bits``, ``disk_cache_dir``, ...).
+            engine_settings: ``KVBoostSettings`` fields for an engine built here.
             context_window: Token budget for synthesizers; at most the model's maximum.
             is_chat_model: Send chat messages; defaults to whether a chat template exists.
-            set_global_tokenizer: Make the model's tokenizer LlamaIndex's global tokenizer so
-                ``PromptHelper`` and chat-message estimates budget the model's real tokens
-                (tiktoken's counts differ from this model's).
+            set_global_tokenizer: Make the model's tokenizer LlamaIndex's global tokenizer.
             messages_to_prompt: Custom chat rendering (default: the model's chat template).
             completion_to_prompt: Custom completion rendering (default: a user turn of the
                 chat template, or the plain prompt when the model has none).
-            **kwargs: Other fields (``max_new_tokens``, ``temperature``, ``system_prompt``,
-                ``callback_manager``, ...), and what ``HuggingFaceLLM`` users type:
-                ``model_name`` (the model to load, as ``model_path``), ``tokenizer_name``
-                (the same model), ``generate_kwargs`` (``temperature``, ``top_p``,
-                ``do_sample``, ``max_new_tokens``, ``seed``), ``device_map`` (``"auto"`` or
-                one device), ``model_kwargs`` (``torch_dtype``), ``query_wrapper_prompt``
-                (a ``{query_str}`` template for completion prompts). Arguments the engine
-                cannot honour raise an error naming the alternative.
+            **kwargs: Other fields (``max_new_tokens`` or ``max_tokens``, ``temperature``,
+                ``system_prompt``, ...) and the arguments ``HuggingFaceLLM`` users type (see
+                ``llama_index.llms.kvboost.huggingface``).
 
         Raises:
-            ValueError: Conflicting sources, or ``context_window`` above the model's maximum.
+            ValueError: Conflicting sources, ``context_window`` above the model's maximum, or
+                ``max_new_tokens`` leaving no room for a prompt.
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
-        model_path, engine_settings, completion_to_prompt = _huggingface_llm_arguments(
-            kwargs, model_path, engine_settings, completion_to_prompt
-        )
-        if kwargs.pop("warm_shared_beginning", None) is not None:
-            # Warming and pinning each system turn per call made memory grow with every query
-            # (the context is in the system turn of several chat modes); the engine stores the
-            # leading part of each prompt itself, evictable.
-            warn_deprecated(
-                "KVBoostLLM(warm_shared_beginning=...)",
-                "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
-                "instruction block with llm.warm_prefix(text))",
-            )
+        kwargs = resolve_aliases(kwargs)
+        sources = huggingface_llm_arguments(kwargs, model_path, engine_settings, completion_to_prompt)
+        _drop_deprecated_arguments(kwargs)
         resolved = resolve_engine(
-            engine, model_path=model_path, model=model, tokenizer=tokenizer, settings=engine_settings
+            engine, model_path=sources.model_path, model=model, tokenizer=tokenizer, settings=sources.engine_settings
         )
-        model_max = int(resolved.context_window)
-        window = model_max if context_window is None else int(context_window)
-        if window > model_max:
-            raise ValueError(
-                f"context_window={window} exceeds the model's maximum of {model_max} positions; "
-                f"pass context_window<={model_max} or leave it unset"
-            )
         has_template = bool(getattr(resolved.tokenizer, "chat_template", None))
-        if is_chat_model is None:
-            is_chat_model = has_template or messages_to_prompt is not None
         super().__init__(
             model_name=resolved.model_name,
-            model_path=None if model_path is None else str(model_path),
-            context_window=window,
-            is_chat_model=is_chat_model,
+            model_path=sources.model_path,
+            context_window=_context_window(resolved, context_window),
+            is_chat_model=(has_template or messages_to_prompt is not None) if is_chat_model is None else is_chat_model,
             messages_to_prompt=messages_to_prompt,
-            completion_to_prompt=completion_to_prompt,
+            completion_to_prompt=sources.completion_to_prompt,
             **kwargs,
         )
         if self.max_new_tokens >= self.context_window:
             raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
-                f"context_window={self.context_window}"
+                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in context_window={self.context_window}"
             )
         self._engine = resolved
-        self._model = resolved.model
-        self._tokenizer = resolved.tokenizer
-        self._custom_messages_to_prompt = messages_to_prompt is not None
-        self._custom_completion_to_prompt = completion_to_prompt is not None
-        self._has_chat_template = has_template
-        # Like HuggingFaceLLM: the public callables give the exact text sent to the model.
-        scheme = "chat template" if has_template else "role: content rendering"
-        if not self._custom_messages_to_prompt:
-            self.messages_to_prompt = _Formatter(self._default_messages_to_prompt, scheme)
-        if not self._custom_completion_to_prompt:
-            self.completion_to_prompt = _Formatter(self._default_completion_to_prompt, f"{scheme}, user turn")
+        self._install_formatters(has_template, messages_to_prompt is not None, sources.completion_to_prompt is not None)
         if set_global_tokenizer:
-            from llama_index.core import Settings
+            self._set_global_tokenizer()
 
-            Settings.tokenizer = self.model_tokenizer_fn
-            logger.info("LlamaIndex global tokenizer set to the tokenizer of %s", self.model_name)
+    def _set_global_tokenizer(self) -> None:
+        """Make the model's tokenizer LlamaIndex's global one, so ``PromptHelper`` and chat
+        estimates budget the model's real tokens (tiktoken's counts differ)."""
+        from llama_index.core import Settings
+
+        Settings.tokenizer = self.model_tokenizer_fn
+        logger.info("LlamaIndex global tokenizer set to the tokenizer of %s", self.model_name)
 
     @classmethod
     def class_name(cls) -> str:
@@ -306,7 +263,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         For ``Settings.tokenizer``, ``PromptHelper(tokenizer=...)`` or
         ``TokenCountingHandler(tokenizer=...)``.
         """
-        return partial(self._tokenizer.encode, add_special_tokens=False)
+        return partial(self._engine.tokenizer.encode, add_special_tokens=False)
 
     def warm_prefix(self, text: str) -> WarmResult:
         """Warm a shared beginning (e.g. a fixed instruction block) for prefix-hash hits.
@@ -340,73 +297,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         if warmer in self._warmers:
             self._warmers.remove(warmer)
 
-    # -- prompt rendering -------------------------------------------------------------------
-
-    def _render_messages(
-        self,
-        messages: Sequence[ChatMessage],
-        add_generation_prompt: bool = True,
-        output_format: CallFormat = CallFormat(),
-    ) -> str:
-        if self._custom_messages_to_prompt:
-            if output_format.specs:
-                raise InvalidInputError(
-                    "tools cannot be shown through a custom messages_to_prompt; leave it unset to use "
-                    "the chat template"
-                )
-            return self.messages_to_prompt(messages)  # type: ignore[misc]
-        if not self._has_chat_template:
-            if output_format.specs:
-                raise InvalidInputError("tools need a chat template; this tokenizer has none")
-            if output_format.instructions:
-                messages = [ChatMessage(role=MessageRole.SYSTEM, content=output_format.instructions), *messages]
-            return generic_messages_to_prompt(messages)
-        return render_chat(self._engine, message_dicts(messages), output_format, add_generation_prompt)
-
-    def _default_messages_to_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt ``chat`` sends for ``messages``: the model's chat template rendering."""
-        return self._render_messages(messages, True)
-
-    def _default_completion_to_prompt(self, prompt: str) -> str:
-        """The prompt ``complete`` sends for an unformatted ``prompt``."""
-        return self._completion_prompt(prompt, formatted=False)
-
-    def _chat_prompt(self, messages: Sequence[ChatMessage], output_format: CallFormat = CallFormat()) -> str:
-        if not messages:
-            raise ValueError("chat needs at least one message")
-        return self._render_messages(messages, output_format=output_format)
-
-    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
-        if not formatted:
-            if self._custom_completion_to_prompt:
-                prompt = self.completion_to_prompt(prompt)  # type: ignore[misc]
-            elif self._has_chat_template or self._custom_messages_to_prompt:
-                messages = [ChatMessage(role=MessageRole.USER, content=prompt)]
-                if self.system_prompt:
-                    messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
-                return self._chat_prompt(messages)
-            elif self.system_prompt:
-                prompt = f"{self.system_prompt}\n\n{prompt}"
-        return prompt
-
     # -- generation core --------------------------------------------------------------------
-
-    def _call_params(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(overrides) - set(_CALL_KEYWORDS))
-        if unknown:
-            raise TypeError(f"unsupported generation keyword(s) {unknown}; accepted: {sorted(_CALL_KEYWORDS)}")
-        params: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "repetition_penalty": self.repetition_penalty,
-            "seed": self.seed,
-            "stop": list(self.stop) or None,
-            "reuse": self.reuse,
-        }
-        for key, value in overrides.items():
-            params[_CALL_KEYWORDS[key]] = value
-        return params
 
     @contextmanager
     def _answer(self, prompt: str) -> Iterator[list[str]]:
@@ -420,26 +311,30 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
             for warmer in warmers:
                 warmer.answer_finished()
 
+    def _params(self, overrides: dict[str, Any], output_format: CallFormat) -> dict[str, Any]:
+        """The engine keywords of one call: its parameters and its output constraint."""
+        params = call_params(self, overrides, owner="KVBoostLLM", documents=NODE_DOCUMENTS)
+        if output_format.constraint is not None:
+            params["constraint"] = output_format.constraint
+        return params
+
+    @staticmethod
+    def _with_claimed(params: dict[str, Any], claimed: list[str]) -> dict[str, Any]:
+        """``params`` whose documents include those the background warmers handed over."""
+        if not claimed:
+            return params
+        return {**params, "documents": list(dict.fromkeys([*(params["documents"] or []), *claimed]))}
+
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         """The response's ``raw``: usage and the engine's figures (``ttft_ms``, ``kv_reuse_ratio``, ...)."""
-        metrics = result.model_dump(exclude={"output_text", "token_ids", "first_token_logits", "step_logits"})
-        usage = {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.generated_tokens,
-            "total_tokens": result.prompt_tokens + result.generated_tokens,
-            "cached_tokens": result.cached_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-        }
-        return {**metrics, "usage": usage, "model": self.model_name}
+        return {**result_figures(result), "usage": usage(result), "model": self.model_name}
 
     def _generate(
         self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
     ) -> CompletionResponse:
-        params = self._call_params(overrides)
-        if output_format.constraint is not None:
-            params["constraint"] = output_format.constraint
-        with self._answer(prompt) as documents:
-            result = self._engine.generate(prompt, documents=documents or None, **params)
+        params = self._params(overrides, output_format)
+        with self._answer(prompt) as claimed:
+            result = self._engine.generate(prompt, **self._with_claimed(params, claimed))
         logger.debug(
             "generated %d tokens: ttft %.1f ms, reuse %.2f",
             result.generated_tokens,
@@ -451,13 +346,11 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     def _stream(
         self, prompt: str, overrides: dict[str, Any], output_format: CallFormat = CallFormat()
     ) -> CompletionResponseGen:
-        params = self._call_params(overrides)
-        if output_format.constraint is not None:
-            params["constraint"] = output_format.constraint
+        params = self._params(overrides, output_format)  # a bad keyword fails the call itself
 
         def gen() -> CompletionResponseGen:
-            with self._answer(prompt) as documents:
-                stream = self._engine.stream(prompt, documents=documents or None, **params)
+            with self._answer(prompt) as claimed:
+                stream = self._engine.stream(prompt, **self._with_claimed(params, claimed))
                 text = ""
                 try:
                     for piece in stream:
@@ -481,7 +374,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
     def _output_format(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> CallFormat:
         """The tools and constraint of a chat call (taken out of ``kwargs``); with none given,
         the ReAct step constraint when the conversation is a ReAct prompt (``react_grammar``)."""
-        output_format = pop_call_format(kwargs)
+        output_format = pop_call_format(kwargs, openai_tool)
         react = self.react_grammar and output_format.constraint is None
         if react and messages and messages[0].role == MessageRole.SYSTEM:
             later = [(str(m.role.value), m.content or "") for m in messages[1:]]
@@ -507,8 +400,11 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
             prompt: The prompt. Unless ``formatted``, it becomes the user turn of the chat
                 template (after the system prompt), or ``completion_to_prompt`` renders it.
             formatted: ``prompt`` is final text; send it as is.
-            **kwargs: Per-call ``max_new_tokens`` (or ``max_tokens``), ``temperature``,
-                ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``reuse``.
+            **kwargs: Per-call parameters (``kvboost_rag.integration.params.CALL_PARAMETERS``):
+                ``max_new_tokens`` (or ``max_tokens``), ``temperature``, ``top_p``,
+                ``repetition_penalty``, ``seed``, ``stop``, ``reuse``, and ``documents``
+                (strings or nodes the prompt holds: cut on their boundaries and stored for
+                the next prompt).
 
         Returns:
             The completion; ``raw`` holds usage, timing and reuse figures.
@@ -527,12 +423,13 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         Args:
             messages: The conversation (tool results as ``tool`` messages with
                 ``additional_kwargs["tool_call_id"]``).
-            **kwargs: The generation keywords of :meth:`complete`, and ``tools``
-                (OpenAI-style definitions), ``tool_choice`` (``"auto"``, ``"required"``, a
-                tool name, ``"none"``), ``tool_required``, ``allow_parallel_tool_calls``,
-                ``response_format``
-                (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-                {"schema": ...}}``).
+            **kwargs: The per-call parameters of :meth:`complete`, and the tool keywords
+                (``kvboost_rag.integration.tool_arguments.TOOL_PARAMETERS``): ``tools``
+                (``BaseTool`` objects or OpenAI-style definitions), ``tool_choice``
+                (``"auto"``, ``"required"``, a tool name, ``"none"``), ``tool_required``,
+                ``allow_parallel_tool_calls`` (or ``parallel_tool_calls``),
+                ``response_format`` (``{"type": "json_object"}`` or ``{"type":
+                "json_schema", "json_schema": {"schema": ...}}``).
         """
         return self._chat_sync(messages, kwargs)
 
@@ -570,7 +467,7 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
 
         return iterate_in_thread(make)
 
-    # -- function calling and structured output ------------------------------------------------
+    # -- function calling --------------------------------------------------------------------
 
     def _prepare_chat_with_tools(
         self,
@@ -597,171 +494,34 @@ class KVBoostLLM(CustomLLM, FunctionCallingLLM):
         """
         return tool_selections(response.message, error_on_no_tool_call)
 
-    def structured_predict(
-        self,
-        output_cls: type[M],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
-    ) -> M:
-        """An ``output_cls`` instance for ``prompt``, decoded as JSON valid for its schema.
 
-        Args:
-            output_cls: A pydantic model.
-            prompt: The prompt template.
-            llm_kwargs: Generation keywords (``max_new_tokens``, ...).
-            **prompt_args: Template variables.
-
-        Raises:
-            ValueError: The output was cut by ``max_new_tokens`` before the JSON ended.
-
-        ``stream_structured_predict`` / ``astream_structured_predict`` decode the same way and
-        yield partial copies (``FlexibleModel``) before the validated instance.
-        """
-        messages = self._get_messages(prompt, **prompt_args)
-        response = self.chat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
-        return _parse_structured(output_cls, response)
-
-    async def astructured_predict(
-        self,
-        output_cls: type[M],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
-    ) -> M:
-        """Async :meth:`structured_predict`."""
-        messages = self._get_messages(prompt, **prompt_args)
-        response = await self.achat(messages, **self._structured_kwargs(output_cls, llm_kwargs))
-        return _parse_structured(output_cls, response)
-
-    def _structured_stream_call(
-        self,
-        output_cls: type[M],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
-    ) -> Generator[M | FlexibleModel, None, None]:
-        """What ``stream_structured_predict`` yields: partial copies (``FlexibleModel``) as the
-        JSON decodes under the output class's schema, then the validated instance."""
-        messages = self._get_messages(prompt, **prompt_args)
-        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
-        flexible = create_flexible_model(output_cls)
-
-        def gen() -> Generator[M | FlexibleModel, None, None]:
-            last: ChatResponse | None = None
-            for last in self.stream_chat(messages, **kwargs):
-                partial = _partial_object(flexible, last)
-                if partial is not None:
-                    yield partial
-            if last is not None:
-                yield _parse_structured(output_cls, last)
-
-        return gen()
-
-    async def _structured_astream_call(
-        self,
-        output_cls: type[M],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
-    ) -> AsyncGenerator[M | FlexibleModel, None]:
-        """Async :meth:`_structured_stream_call`."""
-        messages = self._get_messages(prompt, **prompt_args)
-        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
-        flexible = create_flexible_model(output_cls)
-        responses = await self.astream_chat(messages, **kwargs)
-
-        async def gen() -> AsyncGenerator[M | FlexibleModel, None]:
-            last: ChatResponse | None = None
-            async for last in responses:
-                partial = _partial_object(flexible, last)
-                if partial is not None:
-                    yield partial
-            if last is not None:
-                yield _parse_structured(output_cls, last)
-
-        return gen()
-
-    @staticmethod
-    def _structured_kwargs(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        schema = output_cls.model_json_schema()
-        response_format = {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": schema}}
-        return {**(llm_kwargs or {}), "response_format": response_format}
+def _drop_deprecated_arguments(kwargs: dict[str, Any]) -> None:
+    """Remove (with a warning) arguments that no longer do anything."""
+    if kwargs.pop("warm_shared_beginning", None) is not None:
+        # Warming and pinning each system turn per call made memory grow with every query
+        # (the context is in the system turn of several chat modes); the engine stores the
+        # leading part of each prompt itself, evictable.
+        warn_deprecated(
+            "KVBoostLLM(warm_shared_beginning=...)",
+            "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
+            "instruction block with llm.warm_prefix(text))",
+        )
 
 
-def _huggingface_llm_arguments(
-    kwargs: dict[str, Any],
-    model_path: str | None,
-    engine_settings: dict[str, Any] | None,
-    completion_to_prompt: Callable[[str], str] | None,
-) -> tuple[str | None, dict[str, Any] | None, Callable[[str], str] | None]:
-    """Map (and remove from ``kwargs``) the arguments ``HuggingFaceLLM`` users type.
-
-    Returns:
-        The model path, engine settings and completion formatter to use.
+def _context_window(engine: KVBoost, requested: int | None) -> int:
+    """The synthesizers' token budget: ``requested``, or the model's maximum.
 
     Raises:
-        kvboost_rag.InvalidInputError: An argument the engine cannot honour (the message
-            names the alternative), or two arguments that disagree.
+        ValueError: ``requested`` above the model's maximum.
     """
-    name = kwargs.pop("model_name", None)
-    if name is not None:
-        if model_path is not None and str(model_path) != str(name):
-            raise InvalidInputError(f"model_name={name!r} and model_path={model_path!r} disagree; pass one")
-        model_path = str(name)
-    tokenizer_name = kwargs.pop("tokenizer_name", None)
-    if tokenizer_name is not None and str(tokenizer_name) != str(model_path):
-        raise InvalidInputError(
-            f"tokenizer_name={tokenizer_name!r} differs from the model {model_path!r}: kvboost reads prompts with "
-            "the model's own tokenizer; load both yourself and pass model= and tokenizer="
+    model_max = int(engine.context_window)
+    window = model_max if requested is None else int(requested)
+    if window > model_max:
+        raise ValueError(
+            f"context_window={window} exceeds the model's maximum of {model_max} positions; "
+            f"pass context_window<={model_max} or leave it unset"
         )
-    if kwargs.pop("tokenizer_kwargs", None):
-        raise InvalidInputError(
-            "tokenizer_kwargs are not supported; load the tokenizer yourself "
-            "(AutoTokenizer.from_pretrained(..., **kwargs)) and pass model= and tokenizer="
-        )
-    stopping_ids = kwargs.pop("stopping_ids", None)
-    if stopping_ids:
-        raise InvalidInputError(
-            f"stopping_ids={stopping_ids!r} is not supported; pass stop=[...] strings (the model's own EOS "
-            "tokens always end generation)"
-        )
-    settings = dict(engine_settings or {})
-    settings.update(model_settings(kwargs.pop("model_kwargs", None)))
-    device = device_setting(None, kwargs.pop("device_map", None))
-    if device is not None:
-        settings["device"] = device
-    for field, value in generation_fields(kwargs.pop("generate_kwargs", None), "generate_kwargs").items():
-        if field in kwargs and kwargs[field] != value:
-            raise InvalidInputError(f"generate_kwargs[{field!r}]={value!r} and {field}={kwargs[field]!r} disagree; pass one")
-        kwargs[field] = value
-    wrapper = kwargs.pop("query_wrapper_prompt", None)
-    if wrapper is not None:
-        if completion_to_prompt is not None:
-            raise InvalidInputError("pass query_wrapper_prompt or completion_to_prompt, not both")
-        template = str(getattr(wrapper, "template", wrapper))
-        if "{query_str}" not in template:
-            raise InvalidInputError(f"query_wrapper_prompt must contain {{query_str}}, got {template!r}")
-        completion_to_prompt = partial(_wrap_query, template)
-    return model_path, settings or None, completion_to_prompt
-
-
-def _wrap_query(template: str, query: str) -> str:
-    return template.replace("{query_str}", query)
-
-
-class _Formatter:
-    """A prompt-formatting callable whose repr does not recurse into the LLM that owns it."""
-
-    def __init__(self, fn: Callable[..., str], description: str) -> None:
-        self._fn = fn
-        self._description = description
-
-    def __call__(self, *args: Any) -> str:
-        return self._fn(*args)
-
-    def __repr__(self) -> str:
-        return f"<KVBoostLLM {self._description}>"
+    return window
 
 
 def _as_chat(response: CompletionResponse, output_format: CallFormat = CallFormat()) -> ChatResponse:
@@ -774,37 +534,12 @@ def _as_chat(response: CompletionResponse, output_format: CallFormat = CallForma
 
 
 def _as_chat_stream(responses: CompletionResponseGen, output_format: CallFormat = CallFormat()) -> ChatResponseGen:
-    """Chat responses of a stream. With tools, an output starting with ``<`` (a call: plain
-    text under a tool constraint never starts so) is not shown as content while it streams;
-    the last response carries the parsed calls."""
-    holding = False
+    """Chat responses of a stream. A tool call is held back while it streams (see
+    ``kvboost_rag.integration.tool_stream``); the last response carries the parsed calls."""
+    hold = ToolCallHoldBack(output_format)
     for response in responses:
-        if output_format.parses_tool_calls and (holding or response.text.startswith("<")):
-            holding = True
-            if response.raw is None:
-                continue
-        yield _as_chat(response, output_format)
-
-
-def _partial_object(flexible: type[FlexibleModel], response: ChatResponse) -> FlexibleModel | None:
-    """The fields decoded so far (``None`` before the first or for a final, empty delta)."""
-    if not response.delta:
-        return None
-    try:
-        return flexible.model_validate(parse_partial_json(response.message.content or ""))
-    except ValueError:  # not yet an object (json.JSONDecodeError and pydantic errors are ValueErrors)
-        return None
-
-
-def _parse_structured(output_cls: type[M], response: ChatResponse) -> M:
-    text = response.message.content or ""
-    if (response.raw or {}).get("finish_reason") == "length":
-        raise ValueError(
-            f"the {output_cls.__name__} JSON was cut by max_new_tokens before it ended: raise max_new_tokens "
-            f"(got {text!r})"
-        )
-    return output_cls.model_validate_json(text)
-
-
-
-
+        if response.raw is not None:  # the last response: the whole reply, calls parsed
+            yield _as_chat(response, output_format)
+        elif hold.feed(response.delta or "") is not None:
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=hold.shown_text)
+            yield ChatResponse(message=message, delta=response.delta)

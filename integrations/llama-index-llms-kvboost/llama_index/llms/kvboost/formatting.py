@@ -1,7 +1,8 @@
 """Prompt rendering: chat messages to template dicts, and nodes to the text prompts hold.
 
 This module imports no other module of the package: prewarm and retrieval (which need
-``node_prompt_text``) and base (which needs ``message_dicts``) import it.
+``node_prompt_text``), base (which reads ``documents=`` through ``NODE_DOCUMENTS``) and
+rendering (which needs ``message_dicts``) import it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
-from llama_index.core.schema import BaseNode, MetadataMode
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
+
+from kvboost_rag.integration.params import DocumentConverter
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +80,16 @@ def node_prompt_text(node: BaseNode) -> str:
         The stripped LLM-mode content (empty for nodes without text).
     """
     return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+def _document_text(item: Any) -> str | None:
+    if isinstance(item, NodeWithScore):
+        return node_prompt_text(item.node)
+    if isinstance(item, BaseNode):
+        return node_prompt_text(item)
+    return None
+
+
+#: Nodes (``Document``, ``TextNode``, ``NodeWithScore``) in ``documents=`` stand for the text
+#: response synthesizers put in prompts.
+NODE_DOCUMENTS = DocumentConverter(_document_text, "str, a node or a NodeWithScore")

@@ -20,6 +20,7 @@ from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.llms.kvboost.formatting import node_prompt_text
 
 from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.integration.prewarm import texts_to_warm
 
 if TYPE_CHECKING:
     from llama_index.core.instrumentation.dispatcher import Dispatcher
@@ -132,19 +133,8 @@ class KVBoostRetrievalWarmer(BaseEventHandler):
         if not isinstance(event, RetrievalEndEvent):
             return
         try:  # the dispatcher swallows handler errors silently; log them here instead
-            engine = self._llm.engine
-            texts: list[str] = []
-            for scored in event.nodes:
-                text = node_prompt_text(scored.node)
-                if not text or engine.is_document_warm(text):
-                    continue
-                if engine.count_tokens(text) > self.max_document_tokens:
-                    logger.debug(
-                        "retrieved node %s is longer than max_document_tokens; not warmed", scored.node.node_id
-                    )
-                    continue
-                texts.append(text)
-            added = self._warmer.submit(texts)
+            texts = [node_prompt_text(scored.node) for scored in event.nodes]
+            added = self._warmer.submit(texts_to_warm(self._llm.engine, texts, self.max_document_tokens))
             self._queued += added
             if added:
                 logger.debug("queued %d retrieved node(s) for warming", added)

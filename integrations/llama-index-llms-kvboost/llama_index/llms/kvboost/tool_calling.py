@@ -1,18 +1,20 @@
-"""Function calling for ``KVBoostLLM``: LlamaIndex tool arguments to a decoding constraint,
-and generated text back to tool calls (``additional_kwargs["tool_calls"]``).
+"""Function calling for ``KVBoostLLM``: LlamaIndex tools to OpenAI-style definitions, and
+generated text back to tool calls (``additional_kwargs["tool_calls"]``).
 
-The prompt side and the grammar of each tool choice live in :mod:`kvboost_rag.tool_calls`.
+The per-call tool keywords are read by :mod:`kvboost_rag.integration.tool_arguments`; the
+prompt side and the grammar of each tool choice live in :mod:`kvboost_rag.tool_calls`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.tool_calls import REQUIRED, CallFormat, call_format, parse_tool_calls
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.tool_calls import REQUIRED, CallFormat, parse_tool_calls
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -39,26 +41,27 @@ def chat_with_tools_arguments(
         choice = REQUIRED
     return {
         "messages": messages,
-        "tools": [tool.metadata.to_openai_tool() for tool in tools],
+        "tools": [openai_tool(tool) for tool in tools],
         "tool_choice": choice,
         "allow_parallel_tool_calls": allow_parallel_tool_calls,
         **kwargs,
     }
 
 
-def pop_call_format(kwargs: dict[str, Any]) -> CallFormat:
-    """Take ``tools``, ``tool_choice``, ``tool_required``, ``allow_parallel_tool_calls``
-    (one or more calls per reply) and ``response_format`` out of a call's ``kwargs``.
+def openai_tool(tool: Any) -> Mapping[str, Any]:
+    """The OpenAI-style definition of a tool given as a LlamaIndex ``BaseTool`` or as a definition.
 
     Raises:
-        InvalidInputError: Malformed tools, a choice naming no tool.
+        InvalidInputError: Neither.
     """
-    tools = kwargs.pop("tools", None)
-    choice = kwargs.pop("tool_choice", None)
-    if kwargs.pop("tool_required", False) and choice is None:
-        choice = REQUIRED
-    parallel = bool(kwargs.pop("allow_parallel_tool_calls", False))
-    return call_format(tools, choice, kwargs.pop("response_format", None), parallel)
+    if isinstance(tool, Mapping):
+        return tool
+    metadata = getattr(tool, "metadata", None)
+    if metadata is None or not callable(getattr(metadata, "to_openai_tool", None)):
+        raise InvalidInputError(
+            f"a tool must be a LlamaIndex BaseTool or an OpenAI-style definition, got {type(tool).__name__}"
+        )
+    return metadata.to_openai_tool()
 
 
 def assistant_message(text: str, finish_reason: str, output_format: CallFormat) -> ChatMessage:
