@@ -6,8 +6,7 @@
 - :class:`KVBoostRetrievalWarmer`: warm retrieved documents after each answer.
 
 The names are the ones the LlamaIndex integration uses for the same parts
-(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``); the old name
-``KVBoostRetrieverWarmer`` still works and warns once (``DeprecationWarning``).
+(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``).
 
 Importing this package is light; torch and transformers load with the first engine.
 """
@@ -19,8 +18,6 @@ from langchain_kvboost.callbacks import KVBoostRetrievalWarmer
 from langchain_kvboost.chat_models import ChatKVBoost
 from langchain_kvboost.llms import KVBoostLLM
 from langchain_kvboost.prewarm import KVBoostPrewarmer, PrewarmingVectorStore
-
-from kvboost_rag.deprecation import renamed_attributes
 
 try:
     __version__ = metadata.version("langchain-kvboost")
@@ -36,6 +33,3 @@ __all__ = [
     "PrewarmingVectorStore",
     "__version__",
 ]
-
-#: Old public names of this module (they warn once) and the names that replaced them.
-__getattr__ = renamed_attributes(__name__, {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"})

@@ -10,14 +10,10 @@ from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.engine_registry import ArgumentNames, resolve_engine
 from kvboost_rag.integration.params import DocumentConverter, call_params, resolve_aliases
 
 logger = logging.getLogger(__name__)
-
-#: Packages between user code and the validator that warns about a deprecated argument.
-_FRAMEWORK_PACKAGES = ("langchain_kvboost", "langchain_core", "pydantic")
 
 #: How these classes name the engine sources, so the resolver's errors name the fix.
 _ENGINE_ARGUMENTS = ArgumentNames(model_path="model")
@@ -53,8 +49,7 @@ class KVBoostParams(BaseModel):
 
     engine_settings: dict[str, Any] | None = None
     """``kvboost_rag.KVBoostSettings`` fields for an engine built here, e.g.
-    ``{"recompute_ratio": 0.1, "disk_cache_dir": "kv"}``. ``engine_kwargs`` is the deprecated
-    old name of this parameter."""
+    ``{"recompute_ratio": 0.1, "disk_cache_dir": "kv"}``."""
 
     max_new_tokens: int = Field(default=256, ge=1)
     """Most tokens to generate. ``max_tokens`` is accepted as another name for it."""
@@ -94,20 +89,6 @@ class KVBoostParams(BaseModel):
             values.pop(name)
         if dropped:
             logger.debug("%s runs locally; ignoring %s", cls.__name__, ", ".join(dropped))
-        if "engine_kwargs" in values:
-            warn_deprecated(
-                f"{cls.__name__}(engine_kwargs=...)",
-                f"{cls.__name__}(engine_settings=...)",
-                skip_packages=_FRAMEWORK_PACKAGES,
-            )
-            old = values.pop("engine_kwargs")
-            if values.get("engine_settings") is not None and old is not None and old != values["engine_settings"]:
-                raise ValueError(
-                    "engine_kwargs and engine_settings conflict: engine_kwargs is the old name of "
-                    "engine_settings; set only engine_settings."
-                )
-            if values.get("engine_settings") is None:
-                values["engine_settings"] = old
         return resolve_aliases(values)
 
     @model_validator(mode="after")
@@ -116,12 +97,6 @@ class KVBoostParams(BaseModel):
             self.engine, model_path=self.model, settings=self.engine_settings, names=_ENGINE_ARGUMENTS
         )
         return self
-
-    @property
-    def engine_kwargs(self) -> dict[str, Any] | None:
-        """Deprecated name of ``engine_settings``."""
-        warn_deprecated(f"{type(self).__name__}.engine_kwargs", f"{type(self).__name__}.engine_settings")
-        return self.engine_settings
 
     @property
     def max_tokens(self) -> int:

@@ -20,15 +20,10 @@ from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
 from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.deprecation import renamed_attributes, warn_deprecated
 from kvboost_rag.integration.prewarm import texts_to_warm
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)
-
-#: Old public names of this module (they warn once) and the names that replaced them.
-__getattr__ = renamed_attributes(__name__, {"KVBoostRetrieverWarmer": "KVBoostRetrievalWarmer"})
-
 
 class KVBoostRetrievalWarmer(BaseCallbackHandler):
     """Callback handler that warms retrieved documents which are not warm yet.
@@ -225,11 +220,6 @@ class KVBoostRetrievalWarmer(BaseCallbackHandler):
             Whether the queue drained in time.
         """
         return self._warmer.wait_idle(timeout)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Deprecated name of :meth:`wait_idle` (the name both integrations use)."""
-        warn_deprecated("KVBoostRetrievalWarmer.wait()", "KVBoostRetrievalWarmer.wait_idle()")
-        return self.wait_idle(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the queued work and stop the background thread; later retrievals are ignored.

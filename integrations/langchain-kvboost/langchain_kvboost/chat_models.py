@@ -21,7 +21,6 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
 from kvboost_rag.engine_registry import resolve_engine
 from kvboost_rag.integration.tool_arguments import pop_call_format
@@ -157,22 +156,6 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
 
     # The LangChain base classes ignore unknown fields; a misspelt parameter should fail.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_warm_system_prompt(cls, values: Any) -> Any:
-        # The engine stores the exact leading part of every prompt itself (evictable); warming
-        # and pinning each system rendering per call made memory grow with every query.
-        if isinstance(values, dict) and "warm_system_prompt" in values:
-            values = dict(values)
-            values.pop("warm_system_prompt")
-            warn_deprecated(
-                "ChatKVBoost(warm_system_prompt=...)",
-                "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
-                "system prompt with chat.engine.warm(text))",
-                skip_packages=("langchain_kvboost", "langchain_core", "pydantic"),
-            )
-        return values
 
     @model_validator(mode="before")
     @classmethod

@@ -70,15 +70,6 @@ def test_calls_warm_and_pin_nothing(chat: ChatKVBoost, engine: Any) -> None:
     assert calls == []
 
 
-def test_warm_system_prompt_is_deprecated_and_ignored(engine: Any) -> None:
-    from kvboost_rag import deprecation
-
-    deprecation._warned.discard("ChatKVBoost(warm_system_prompt=...)")
-    with pytest.warns(DeprecationWarning, match="warm_system_prompt"):
-        chat = ChatKVBoost(engine=engine, warm_system_prompt=True, max_new_tokens=4)
-    assert "system_warm_ms" not in chat.invoke(_conversation("what is a list?")).response_metadata
-
-
 def test_usage_metadata_and_response_metadata(chat: ChatKVBoost, engine: Any) -> None:
     messages = _conversation("what is a set?")
     reply = chat.invoke(messages)

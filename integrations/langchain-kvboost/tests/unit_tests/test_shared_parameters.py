@@ -10,6 +10,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.tools import tool
 from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostRetrievalWarmer
+from pydantic import ValidationError
 
 from kvboost_rag import InvalidInputError
 from kvboost_rag.corpus import python_reference_documents
@@ -69,3 +70,15 @@ def test_retrieval_warmer_queues_only_documents_worth_warming(engine: Any) -> No
     assert warmer.wait_idle(timeout=30)
     assert engine.is_document_warm(TEXTS[1]) and not engine.is_document_warm(long_text)
     warmer.close()
+
+
+def test_names_from_before_the_shared_vocabulary_are_gone(engine: Any) -> None:
+    with pytest.raises(ImportError):
+        from langchain_kvboost import KVBoostRetrieverWarmer  # noqa: F401
+    assert not hasattr(KVBoostRetrievalWarmer, "wait")
+    for cls in (KVBoostLLM, ChatKVBoost):
+        with pytest.raises(ValidationError, match=r"engine_kwargs\n.*Extra inputs are not permitted"):
+            cls(engine=engine, engine_kwargs={})
+        assert not hasattr(cls, "engine_kwargs")
+    with pytest.raises(ValidationError, match=r"warm_system_prompt\n.*Extra inputs are not permitted"):
+        ChatKVBoost(engine=engine, warm_system_prompt=True)
