@@ -257,10 +257,11 @@ def test_calls_warm_and_pin_nothing(tiny_engine: KVBoost) -> None:
     assert again["prefix_hit_tokens"] > 0  # the engine's own write-back stored the system turn
 
 
-def test_warm_shared_beginning_is_deprecated_and_ignored(tiny_engine: KVBoost) -> None:
-    from kvboost_rag import deprecation
+def test_names_from_before_the_shared_vocabulary_are_gone(tiny_engine: KVBoost) -> None:
+    import llama_index.llms.kvboost.prewarm
 
-    deprecation._warned.discard("KVBoostLLM(warm_shared_beginning=...)")
-    with pytest.warns(DeprecationWarning, match="warm_shared_beginning"):
-        llm = KVBoostLLM(engine=tiny_engine, max_new_tokens=4, warm_shared_beginning=True)
-    assert "shared_beginning_warm_ms" not in llm.chat(_messages("What is a list?")).raw
+    with pytest.raises(ImportError):
+        from llama_index.llms.kvboost import KVBoostPrewarm  # noqa: F401
+    assert not hasattr(llama_index.llms.kvboost.prewarm, "KVBoostPrewarm")
+    with pytest.raises(ValueError, match=r"warm_shared_beginning\n.*Extra inputs are not permitted"):
+        KVBoostLLM(engine=tiny_engine, warm_shared_beginning=True)

@@ -5,8 +5,7 @@
 - :class:`KVBoostRetrievalWarmer`: warms retrieved nodes that were never prewarmed.
 
 The names are the ones the LangChain integration uses for the same parts
-(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``); the old name
-``KVBoostPrewarm`` still works and warns once (``DeprecationWarning``).
+(``KVBoostPrewarmer``, ``KVBoostRetrievalWarmer``, ``engine_settings``).
 """
 
 from llama_index.llms.kvboost.base import KVBoostLLM
@@ -15,7 +14,6 @@ from llama_index.llms.kvboost.prewarm import KVBoostPrewarmer, PrewarmStats
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
 from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.deprecation import renamed_attributes
 
 __all__ = [
     "BackgroundWarmer",
@@ -25,6 +23,3 @@ __all__ = [
     "PrewarmStats",
     "node_prompt_text",
 ]
-
-#: Old public names of this module (they warn once) and the names that replaced them.
-__getattr__ = renamed_attributes(__name__, {"KVBoostPrewarm": "KVBoostPrewarmer"})

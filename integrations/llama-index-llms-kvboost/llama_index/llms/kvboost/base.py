@@ -31,7 +31,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -50,7 +50,6 @@ from llama_index.llms.kvboost.tool_calling import (
 
 from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.deprecation import warn_deprecated
 from kvboost_rag.engine_registry import resolve_engine
 from kvboost_rag.integration.params import call_params, resolve_aliases
 from kvboost_rag.integration.tool_arguments import pop_call_format
@@ -98,6 +97,9 @@ class KVBoostLLM(PromptRenderingMixin, StructuredOutputMixin, CustomLLM, Functio
         print(llm.complete("What does the 'with' statement do?").raw["ttft_ms"])
         ```
     """
+
+    # LlamaIndex's base classes ignore unknown fields; a misspelt parameter should fail.
+    model_config = ConfigDict(extra="forbid")
 
     model_name: str = Field(description="Name of the model the engine runs.")
     model_path: str | None = Field(
@@ -198,13 +200,13 @@ class KVBoostLLM(PromptRenderingMixin, StructuredOutputMixin, CustomLLM, Functio
                 ``llama_index.llms.kvboost.huggingface``).
 
         Raises:
-            ValueError: Conflicting sources, ``context_window`` above the model's maximum, or
-                ``max_new_tokens`` leaving no room for a prompt.
+            ValueError: Conflicting sources, ``context_window`` above the model's maximum,
+                ``max_new_tokens`` leaving no room for a prompt, or an unknown keyword (a
+                pydantic ``ValidationError`` naming it).
             kvboost_rag.ModelNotFoundError: ``model_path`` holds no model.
         """
         kwargs = resolve_aliases(kwargs)
         sources = huggingface_llm_arguments(kwargs, model_path, engine_settings, completion_to_prompt)
-        _drop_deprecated_arguments(kwargs)
         resolved = resolve_engine(
             engine, model_path=sources.model_path, model=model, tokenizer=tokenizer, settings=sources.engine_settings
         )
@@ -493,19 +495,6 @@ class KVBoostLLM(PromptRenderingMixin, StructuredOutputMixin, CustomLLM, Functio
             ValueError: No tool call and ``error_on_no_tool_call``.
         """
         return tool_selections(response.message, error_on_no_tool_call)
-
-
-def _drop_deprecated_arguments(kwargs: dict[str, Any]) -> None:
-    """Remove (with a warning) arguments that no longer do anything."""
-    if kwargs.pop("warm_shared_beginning", None) is not None:
-        # Warming and pinning each system turn per call made memory grow with every query
-        # (the context is in the system turn of several chat modes); the engine stores the
-        # leading part of each prompt itself, evictable.
-        warn_deprecated(
-            "KVBoostLLM(warm_shared_beginning=...)",
-            "nothing (the engine stores the leading part of each prompt itself; pin a fixed "
-            "instruction block with llm.warm_prefix(text))",
-        )
 
 
 def _context_window(engine: KVBoost, requested: int | None) -> int:

@@ -17,16 +17,11 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, TransformComponent
 from llama_index.llms.kvboost.formatting import node_prompt_text
 
-from kvboost_rag.deprecation import renamed_attributes
 from kvboost_rag.engine_registry import engine_of
 from kvboost_rag.integration import prewarm as core
 
 if TYPE_CHECKING:
     from kvboost_rag import KVBoost
-
-#: Old public names of this module (they warn once) and the names that replaced them.
-__getattr__ = renamed_attributes(__name__, {"KVBoostPrewarm": "KVBoostPrewarmer"})
-
 
 #: Node counts from which progress is shown when ``show_progress`` is left unset.
 AUTO_PROGRESS_MIN_NODES = core.DEFAULT_PROGRESS_MIN_DOCUMENTS
