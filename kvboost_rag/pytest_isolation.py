@@ -1,10 +1,8 @@
 """pytest plugin of the project's test suites: tests that leave nothing behind for the next one.
 
-- Engines built with default settings spill what memory evicts to an automatic disk tier. The
-  suites keep it out of the user's cache folder: a folder for the session's shared engines
-  (removed at exit) and a fresh one per test (autouse), so no run sees what an earlier one left.
-- ``fresh_deprecation_warnings``: a fixture after which each deprecated name warns again (the
-  registry of :mod:`kvboost_rag.deprecation` warns once per process otherwise).
+Engines built with default settings spill what memory evicts to an automatic disk tier. The
+suites keep it out of the user's cache folder: a folder for the session's shared engines
+(removed at exit) and a fresh one per test (autouse), so no run sees what an earlier one left.
 
 Each suite loads it with ``-p kvboost_rag.pytest_isolation`` (``addopts`` in its
 ``pyproject.toml``).
@@ -32,11 +30,3 @@ atexit.register(shutil.rmtree, _SESSION_KV_CACHE, ignore_errors=True)
 def _isolated_kv_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's engines spill to a folder of their own."""
     monkeypatch.setenv(KV_CACHE_VARIABLE, str(tmp_path_factory.mktemp("kv-cache")))
-
-
-@pytest.fixture
-def fresh_deprecation_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deprecated names warn again in this test, whatever earlier tests used."""
-    from kvboost_rag import deprecation
-
-    monkeypatch.setattr(deprecation, "_warned", set())

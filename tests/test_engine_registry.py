@@ -45,11 +45,11 @@ def test_errors_name_the_callers_arguments(make_engine, tokenizer) -> None:
     engine = make_engine()
     with pytest.raises(ValueError, match="only one of engine=, model_path=, not both"):
         resolve_engine(engine, model_path="/somewhere")
-    langchain = ArgumentNames(model_path="model", settings="engine_kwargs")
+    custom = ArgumentNames(model_path="model", settings="kvboost_settings")
     with pytest.raises(ValueError, match="only one of engine=, model=, not both"):
-        resolve_engine(engine, model_path="/somewhere", names=langchain)
-    with pytest.raises(ValueError, match="engine= or engine_kwargs="):
-        resolve_engine(engine, settings={"recompute_ratio": 0.2}, names=langchain)
+        resolve_engine(engine, model_path="/somewhere", names=custom)
+    with pytest.raises(ValueError, match="engine= or kvboost_settings="):
+        resolve_engine(engine, settings={"recompute_ratio": 0.2}, names=custom)
     with pytest.raises(ValueError, match="go together"):
         resolve_engine(model=object())
     with pytest.raises(ValueError, match="must be a kvboost_rag.KVBoost"):
