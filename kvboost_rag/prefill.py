@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvboost_rag.attention import last_query_attention
 from kvboost_rag.blend import (
     adaptive_budget,
     budget_for_left,
@@ -46,6 +45,8 @@ from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.model_adapter import BufferedCache, ModelAdapter
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
+from kvboost_rag.probe import attention_scores, run_probe
+from kvboost_rag.stage_times import stage
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -89,21 +90,23 @@ class Prefiller:
         if not reuse:
             keys, values = self.adapter.buffers(n + plan.reserve)
             return self._exact(plan, keys, values, 0, ())
-        pieces = self.cache.match_prefix(plan)
-        h = sum(p.length for p in pieces)
-        prefix_keys = tuple(p.key for p in pieces)
-        documents = plan.documents_after(h)
-        if h >= n:
-            return PrefillOutcome(
-                logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
-                exact_until=n, strategy="exact",
-            )
-        hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
-        keys, values = self.adapter.buffers(n + plan.reserve)
-        for piece in pieces:
-            end = piece.start + piece.length
-            keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
-            values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
+        with stage("lookup", self.adapter.device):
+            pieces = self.cache.match_prefix(plan)
+            h = sum(p.length for p in pieces)
+            prefix_keys = tuple(p.key for p in pieces)
+            documents = plan.documents_after(h)
+            if h >= n:
+                return PrefillOutcome(
+                    logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
+                    exact_until=n, strategy="exact",
+                )
+            hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
+        with stage("stitch", self.adapter.device):
+            keys, values = self.adapter.buffers(n + plan.reserve)
+            for piece in pieces:
+                end = piece.start + piece.length
+                keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+                values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys)
         else:
@@ -186,14 +189,15 @@ class Prefiller:
         ids = plan.tokens.ids
         n = len(ids)
         cached = torch.zeros(n, dtype=torch.bool)
-        for hit in hits.values():
-            for row, position, length in _spans(hit.rows, hit.positions):
-                delta = position - (hit.block.start_position + row)
-                source = slice(row, row + length)
-                target = slice(position, position + length)
-                adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
-                values[:, :, target] = hit.block.values[:, :, source]
-                cached[target] = True
+        with stage("stitch", adapter.device):
+            for hit in hits.values():
+                for row, position, length in _spans(hit.rows, hit.positions):
+                    delta = position - (hit.block.start_position + row)
+                    source = slice(row, row + length)
+                    target = slice(position, position + length)
+                    adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
+                    values[:, :, target] = hit.block.values[:, :, source]
+                    cached[target] = True
         content_positions = cached.nonzero().view(-1)
         loaded = int(content_positions.numel())
         ratio = self.settings.recompute_ratio
@@ -203,17 +207,8 @@ class Prefiller:
         live[n - 1] = True
         strategy = self.settings.recompute_strategy
         stage_sizes: list[int] = []
-        if strategy == "cacheblend":
-            recompute, stage_sizes = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
-        elif strategy == "attention":
-            chosen = self._select_by_attention(ids, live, keys, values, content_positions, budget)
-            if chosen is None:
-                chosen = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
-            recompute, stage_sizes = chosen
-        elif strategy == "selective":
-            recompute = select_document_starts(_runs(content_positions), budget)
-        else:
-            recompute = content_positions[:0]
+        with stage("select", adapter.device):  # the probe inside it is timed apart (bench subtracts it)
+            recompute, stage_sizes = self._choose(strategy, ids, h, live, keys, values, content_positions, budget)
         keep = leading_tokens(_runs(content_positions), self.settings.keep_document_start)
         compute = live.clone()
         compute[recompute] = True
@@ -223,11 +218,12 @@ class Prefiller:
         stitched = adapter.cache_over(keys, values, n)
         input_ids = torch.tensor(ids)
         recomputed = float((cached & compute).sum())
-        if len(stage_sizes) > 1:
-            logits, recomputed = self._filtered_blend(input_ids, positions, recompute, keep, stage_sizes, stitched)
-        else:
-            stitched.arm(positions.to(adapter.device))
-            logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
+        with stage("blend", adapter.device):
+            if len(stage_sizes) > 1:
+                logits, recomputed = self._filtered_blend(input_ids, positions, recompute, keep, stage_sizes, stitched)
+            else:
+                stitched.arm(positions.to(adapter.device))
+                logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
         first_content = int(content_positions[0]) if loaded else n
         recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
         return PrefillOutcome(
@@ -245,6 +241,29 @@ class Prefiller:
             strategy=strategy,
             recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
         )
+
+    def _choose(
+        self,
+        strategy: str,
+        ids: list[int],
+        h: int,
+        live: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        content_positions: torch.Tensor,
+        budget: int | None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The cached positions ``strategy`` recomputes (sorted) and the blend's stage sizes."""
+        if strategy == "cacheblend":
+            return self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+        if strategy == "attention":
+            chosen = self._select_by_attention(ids, live, keys, values, content_positions, budget)
+            if chosen is None:
+                chosen = self._select_cacheblend(ids, h, keys, values, content_positions, budget)
+            return chosen
+        if strategy == "selective":
+            return select_document_starts(_runs(content_positions), budget), []
+        return content_positions[:0], []
 
     def _select_cacheblend(
         self,
@@ -280,7 +299,8 @@ class Prefiller:
         fresh_keys[:, :, :h] = keys[: check + 1, :, :h]
         fresh_values[:, :, :h] = values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
-        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+        with stage("probe", adapter.device):
+            adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
         fresh_k = fresh_keys[check][:, content_positions]
         fresh_v = fresh_values[check][:, content_positions]
         deviation = kv_deviation(fresh_k, fresh_v, keys[check][:, content_positions], values[check][:, content_positions])
@@ -334,11 +354,13 @@ class Prefiller:
         if budget is not None and budget >= count:  # every cached token: nothing to choose
             return content_positions, self._stage_sizes(budget, count)
         adapter = self.adapter
+        settings = self.settings
         positions = live.nonzero().view(-1)
-        probe = adapter.cache_over(keys, values, len(ids))
-        probe.arm(positions.to(adapter.device))
-        with last_query_attention() as recorded:
-            adapter.forward(torch.tensor(ids)[positions], positions, probe, sparse_queries=True)
+        with stage("probe", adapter.device):
+            recorded = run_probe(
+                adapter, torch.tensor(ids)[positions], positions, keys, values, len(ids),
+                layers=settings.probe_layers, queries=settings.probe_queries,
+            )
         if not recorded:  # the model's attention does not go through the registered function
             _warnings.warning(
                 "attention_not_recorded",
@@ -347,7 +369,8 @@ class Prefiller:
                 type(adapter.model).__name__,
             )
             return None
-        attention = torch.stack(recorded).sum(dim=0)[content_positions.to(adapter.device)].cpu()
+        attention = attention_scores(recorded, content_positions, values if settings.probe_value_weighted else None)
+        attention = attention / min(settings.probe_queries, len(positions))
         if budget is None:  # attention (averaged over layers) left on stale tokens <= max_stale_attention
             budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self._auto_bounds(count))
         sizes = self._stage_sizes(budget, count)

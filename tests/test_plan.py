@@ -228,13 +228,13 @@ def test_attention_strategy_falls_back_to_deviation_when_attention_is_not_record
     repair still happens, chosen by CacheBlend's deviation, with a warning."""
     import contextlib
 
-    from kvboost_rag import prefill
+    from kvboost_rag import probe
 
     @contextlib.contextmanager
-    def records_nothing():
+    def records_nothing(queries=1):
         yield []
 
-    monkeypatch.setattr(prefill, "last_query_attention", records_nothing)
+    monkeypatch.setattr(probe, "last_query_attention", records_nothing)
     engine = make_engine("llama", recompute_strategy="attention", recompute_ratio=0.2)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:3])
