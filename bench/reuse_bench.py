@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         "--stages", type=int, default=1, help="blend_stages of the rows --ratios adds (default 1)"
     )
     parser.add_argument(
+        "--rows",
+        default=None,
+        help='extra rows as JSON, [["name", {setting: value, ...}], ...] (any KVBoostSettings field)',
+    )
+    parser.add_argument(
         "--corpus",
         default="reference",
         choices=["reference", *CORPORA],
@@ -215,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         named = {name for name, _ in methods}
         added = [row for strategy in args.ratio_strategies.split(",") for row in frontier_rows(args.ratios, args.stages, strategy.strip())]
         methods = [*methods, *(row for row in added if row[0] not in named)]
+
+    if args.rows:
+        named = {name for name, _ in methods}
+        methods = [*methods, *((name, dict(values)) for name, values in json.loads(args.rows) if name not in named)]
 
     settings = {"show_progress": False}
     if args.check_layer is not None:
