@@ -369,7 +369,10 @@ class Prefiller:
                 type(adapter.model).__name__,
             )
             return None
-        attention = attention_scores(recorded, content_positions, values if settings.probe_value_weighted else None)
+        weighting = settings.probe_weighting
+        attention = attention_scores(
+            recorded, content_positions, values if "value" in weighting else None, depth_weighted="depth" in weighting
+        )
         attention = attention / min(settings.probe_queries, len(positions))
         if budget is None:  # attention (averaged over layers) left on stale tokens <= max_stale_attention
             budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self._auto_bounds(count))

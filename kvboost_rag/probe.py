@@ -59,6 +59,7 @@ def attention_scores(
     recorded: list[torch.Tensor],
     content_positions: torch.Tensor,
     values: torch.Tensor | None = None,
+    depth_weighted: bool = False,
 ) -> torch.Tensor:
     """One score per cached token: the recorded attention summed over layers.
 
@@ -69,6 +70,9 @@ def attention_scores(
             layer's attention is weighted by the norm of the token's cached value there
             (relative to the mean over the cached tokens), since what a token adds to the
             output is its weight times its value.
+        depth_weighted: Weight layer ``l`` by ``2 l / (layers - 1)`` (mean 1): a cached
+            token's K/V is exact in the first layer (it depends on the token and its position
+            only) and drifts from full prefill's more in each layer above.
 
     Returns:
         ``[tokens]`` float32 scores on the CPU; their mean over layers is the last tokens'
@@ -79,4 +83,7 @@ def attention_scores(
     if values is not None:
         norms = values[: len(recorded)][:, :, index].float().norm(dim=-1).mean(dim=1)  # [layers, tokens]
         attention = attention * norms / norms.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    if depth_weighted and len(recorded) > 1:
+        depth = torch.arange(len(recorded), device=attention.device, dtype=attention.dtype)
+        attention = attention * (2 * depth / (len(recorded) - 1)).view(-1, 1)
     return attention.sum(dim=0).float().cpu()
