@@ -50,7 +50,7 @@ def table(runs: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
             "identical 32-token answers | first difference (median) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for row in sorted(summary, key=lambda r: -r["speedup"]):
+        for row in sorted(summary, key=lambda r: -r["cpu_speedup"]):
             lines.append(
                 f"| {row['name']} | {row['recomputed']:.2f} | {row['speedup']:.2f}x | {row['cpu_speedup']:.2f}x | "
                 f"{row['median_kl']:.4f} | "
