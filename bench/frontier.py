@@ -60,6 +60,13 @@ def table(runs: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
     return lines
 
 
+def short_label(header: str) -> str:
+    """``corpus, template`` from a run's header line."""
+    fields = dict(part.split("=", 1) for part in header.split() if "=" in part)
+    template = "chat" if fields.get("chat") == "True" else "plain"
+    return f"{fields.get('corpus', '?')}, {template}, {fields.get('prompt_tokens(median)', '?')} tokens"
+
+
 def plot(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> None:
     """Median KL (log) and identical answers against the CPU-time speedup, one column per run."""
     import matplotlib
@@ -83,7 +90,8 @@ def plot(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> None:
         top.axvline(4.0, color="grey", linestyle=":")
         bottom.axhline(0.5, color="grey", linestyle=":")
         bottom.axvline(4.0, color="grey", linestyle=":")
-        top.set_title(label, fontsize=8)
+        top.set_title(short_label(label), fontsize=9)
+        bottom.set_ylim(-0.05, 1.05)
         top.set_ylabel("median first-token KL")
         bottom.set_ylabel("identical 32-token answers")
         bottom.set_xlabel("TTFT speedup vs full prefill (CPU time)")
