@@ -45,6 +45,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plots  # noqa: E402
+from llamacpp_system import LlamaCppSystem  # noqa: E402
 from rag_systems import (  # noqa: E402
     Completion,
     EngineWarmer,
@@ -94,6 +95,9 @@ class BenchConfig:
             PyPI kvboost row (its CacheBlend mode).
         seed: Seed of document sampling and shuffling.
         out: Output folder.
+        llamacpp: Add llama.cpp rows (llama-cpp-python on the embedded GGUF, flash attention
+            off and on); a missing llama-cpp-python is then an error naming the install.
+        threads: CPU threads of every row (torch's, and llama.cpp's).
     """
 
     questions: int = 18
@@ -110,6 +114,8 @@ class BenchConfig:
     adapter_ratio: float = 0.15
     seed: int = 0
     out: Path = BENCH_DIR / "results"
+    llamacpp: bool = False
+    threads: int = 1
 
 
 QUICK = {
@@ -380,6 +386,8 @@ def build_systems(
         systems.append(PyPIKVBoost(model, tokenizer, "cacheblend", config.adapter_ratio))
     except Exception as exc:  # optional: any import or setup failure only drops the row
         notes.append(f"PyPI kvboost row unavailable: {type(exc).__name__}: {exc}")
+    if config.llamacpp:
+        systems.extend(llamacpp_systems(config.threads))
     systems.append(KVBoostRagSystem(engine, warmer, "none", 0.0))
     for strategy in ("selective", "cacheblend", "attention"):
         systems.extend(KVBoostRagSystem(engine, warmer, strategy, r) for r in config.ratios)
@@ -391,6 +399,18 @@ def build_systems(
     for note in notes:
         logger.warning(note)
     return systems
+
+
+def llamacpp_systems(threads: int, llama_cpp: Any = None) -> list[System]:
+    """llama.cpp rows on the embedded GGUF, flash attention off and on.
+
+    Raises:
+        LlamaCppUnavailableError: llama-cpp-python or the GGUF is missing (the message names
+            the install command).
+    """
+    return [
+        LlamaCppSystem(threads=threads, flash_attention=flash, llama_cpp=llama_cpp) for flash in (False, True)
+    ]
 
 
 def warm_key(system: System) -> str:
@@ -832,6 +852,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, B
     parser.add_argument("--new-tokens", type=int, help=f"tokens per answer (default {base.new_tokens})")
     parser.add_argument("--ratios", help=f"recompute ratios (default {','.join(map(str, base.ratios))})")
     parser.add_argument("--seed", type=int, default=base.seed)
+    parser.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="add llama.cpp rows (needs llama-cpp-python: pip install 'kvboost-rag[llamacpp]')",
+    )
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
         "--from-json",
@@ -848,7 +873,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, B
         values["k_values"] = tuple(int(k) for k in args.k_values.split(","))
     if args.ratios:
         values["ratios"] = tuple(float(r) for r in args.ratios.split(","))
-    return args, BenchConfig(**values, seed=args.seed, out=args.out)
+    return args, BenchConfig(**values, seed=args.seed, out=args.out, llamacpp=args.llamacpp, threads=args.threads)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

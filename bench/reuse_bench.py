@@ -10,6 +10,14 @@ top-1 agreement, greedy 32-token agreement (share of the output before the first
 and the share of outputs identical), QA exact match, and how many prompts came out worse
 than no repair at all.
 
+Each TTFT is also measured as the CPU time of the calling thread (prefill and the first token
+run there; decoding runs on the worker thread): with ``--threads 1`` it is the work done, not
+the wall time other processes on a shared machine add, and ``CPU-time speedup`` is the ratio
+of those. Per-stage times (lookup, stitch, probe, select, blend) are printed in a second
+table. ``--corpus stdlib|packages`` uses other real text than Python's reference topics
+(``bench/corpora.py``); ``--out PATH`` writes the tables and every measurement
+(``bench/frontier.py`` plots them).
+
 Run: ``python bench/reuse_bench.py --threads 2`` (``--quick`` for fewer prompts; ``--chat``;
 ``--docs 16 --doc-chars 3000`` for long prompts; ``--ratios`` for more CacheBlend rows;
 ``--context-documents 0`` for documents warmed behind the system prompt alone).
@@ -18,7 +26,9 @@ Run: ``python bench/reuse_bench.py --threads 2`` (``--quick`` for fewer prompts;
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -29,16 +39,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rag_bench import cut_documents, exact_match, load_qa, usable_items
+from corpora import CORPORA, extractive_questions, load_corpus
+from rag_bench import QAItem, cut_documents, exact_match, load_qa, usable_items
 
 from kvboost_rag import KVBoost
 from kvboost_rag.correctness import first_token_kl
+from kvboost_rag.stage_times import record_stages
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below. Quote the relevant rule, keep the answer short, and say so "
     "when the documents do not contain the answer."
 )
+#: Prefill stages timed apart (kvboost_rag.stage_times), in order; ``other`` is the rest of
+#: the TTFT (tokenizing, planning, the first token's choice).
+STAGES = ("lookup", "stitch", "probe", "select", "blend")
 #: (row name, settings): every repair measured, with no repair and EPIC's LegoLink (recompute
 #: the first 16 tokens of each reused document) as named baselines.
 METHODS: list[tuple[str, dict]] = [
@@ -59,20 +74,40 @@ METHODS: list[tuple[str, dict]] = [
 ]
 
 
+def corpus_items(corpus: str, doc_chars: int, count: int, seed: int) -> tuple[dict[str, str], list[QAItem]]:
+    """Documents (name -> text cut to ``doc_chars``) and QA items of ``corpus``.
+
+    ``reference``: Python's reference topics with the questions of ``qa.json``; any corpus of
+    :data:`corpora.CORPORA`: its documents with extractive questions (the words after a quoted
+    phrase of one document).
+    """
+    if corpus == "reference":
+        docs = cut_documents(doc_chars)
+        return docs, usable_items(load_qa(), docs)
+    docs = load_corpus(corpus, doc_chars)
+    questions = extractive_questions(docs, count, random.Random(seed))
+    return docs, [QAItem(name, question, (answer,)) for name, question, answer in questions]
+
+
 def build_prompts(
-    count: int, per_prompt: int, doc_chars: int, seed: int, render_chat=None
+    count: int,
+    per_prompt: int,
+    doc_chars: int,
+    seed: int,
+    render_chat=None,
+    corpus: str = "reference",
 ) -> tuple[list[tuple[str, list[str], tuple[str, ...]]], list[str]]:
     """QA prompts: the answering document plus ``per_prompt - 1`` distractors, shuffled.
 
     Args:
         render_chat: ``messages -> prompt`` for chat-template prompts; ``None`` for plain ones.
+        corpus: ``reference`` (the default) or a corpus of :data:`corpora.CORPORA`.
 
     Returns:
         ``(prompt, documents, answers)`` triples and the document pool to prewarm.
     """
     rng = random.Random(seed)
-    docs = cut_documents(doc_chars)
-    items = usable_items(load_qa(), docs)
+    docs, items = corpus_items(corpus, doc_chars, count, seed)
     # Distractors that fill the cut, so the prompt length follows --docs x --doc-chars.
     long_docs = sorted(d for d in set(docs.values()) if len(d) >= 0.8 * doc_chars)
     pool = long_docs if len(long_docs) >= per_prompt else sorted(set(docs.values()))
@@ -162,6 +197,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--stages", type=int, default=1, help="blend_stages of the rows --ratios adds (default 1)"
     )
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help='extra rows as JSON, [["name", {setting: value, ...}], ...] (any KVBoostSettings field)',
+    )
+    parser.add_argument(
+        "--corpus",
+        default="reference",
+        choices=["reference", *CORPORA],
+        help="documents: Python's reference topics (default), stdlib docstrings or installed packages' descriptions",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables (.md) and rows (.json) here")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -182,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
         added = [row for strategy in args.ratio_strategies.split(",") for row in frontier_rows(args.ratios, args.stages, strategy.strip())]
         methods = [*methods, *(row for row in added if row[0] not in named)]
 
+    if args.rows:
+        named = {name for name, _ in methods}
+        methods = [*methods, *((name, dict(values)) for name, values in json.loads(args.rows) if name not in named)]
+
     settings = {"show_progress": False}
     if args.check_layer is not None:
         settings["check_layer"] = args.check_layer
@@ -193,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         beginning = SYSTEM_PROMPT + "\n\n"
     render = engine.apply_chat_template if args.chat else None
-    prompts, pool = build_prompts(args.prompts, args.docs, args.doc_chars, args.seed, render)
+    prompts, pool = build_prompts(args.prompts, args.docs, args.doc_chars, args.seed, render, args.corpus)
 
     start = time.perf_counter()
     engine.warm(beginning)  # documents are warmed behind the latest warmed beginning
@@ -211,17 +262,25 @@ def main(argv: list[str] | None = None) -> None:
             rows.setdefault(name, {}).setdefault(key, []).append(value)
 
     prompt_tokens = []
+    loads = [os.getloadavg()[0]]
     for prompt, _, answers in prompts:
-        full = engine.generate(prompt, max_new_tokens=args.new_tokens, reuse=False, return_logits=True)
+        cpu_start = time.thread_time()
+        with record_stages() as stages:
+            full = engine.generate(prompt, max_new_tokens=args.new_tokens, reuse=False, return_logits=True)
+        full_cpu = (time.thread_time() - cpu_start) * 1000
         prompt_tokens.append(full.prompt_tokens)
         record(
-            "full prefill", ttft=full.ttft_ms, reuse=0.0, kl=0.0, top1=1.0, greedy=1.0, identical=1.0,
-            exact=float(exact_match(full.output_text, answers)), ratio=0.0,
+            "full prefill", ttft=full.ttft_ms, speedup=1.0, cpu=full_cpu, cpu_speedup=1.0, reuse=0.0, kl=0.0, top1=1.0, greedy=1.0, identical=1.0,
+            first_diff=float(len(full.token_ids)), exact=float(exact_match(full.output_text, answers)), ratio=0.0,
+            **stage_values(stages, full.ttft_ms),
         )
         none_kl = None
         for name, method in methods:
             apply_settings(engine.settings, {**defaults, **method})
-            res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
+            cpu_start = time.thread_time()
+            with record_stages() as stages:
+                res = engine.generate(prompt, max_new_tokens=args.new_tokens, return_logits=True)
+            cpu = (time.thread_time() - cpu_start) * 1000
             kl = first_token_kl(full.first_token_logits, res.first_token_logits)
             if name == "none":
                 none_kl = kl
@@ -230,40 +289,89 @@ def main(argv: list[str] | None = None) -> None:
             record(
                 name,
                 ttft=res.ttft_ms,
+                speedup=full.ttft_ms / res.ttft_ms,
+                cpu=cpu,
+                cpu_speedup=full_cpu / cpu,
                 reuse=(res.prefix_hit_tokens + res.content_hit_tokens) / res.prompt_tokens,
                 kl=kl,
                 top1=float(full.first_token_logits.argmax() == res.first_token_logits.argmax()),
                 greedy=agreement(full.token_ids, res.token_ids),
                 identical=float(full.token_ids == res.token_ids),
+                first_diff=float(first_difference(full.token_ids, res.token_ids)),
                 exact=float(exact_match(res.output_text, answers)),
                 ratio=res.recomputed_tokens / max(res.content_hit_tokens, 1),
+                **stage_values(stages, res.ttft_ms),
             )
+        loads.append(os.getloadavg()[0])
 
-    base = statistics.median(rows["full prefill"]["ttft"])
-    print(
-        f"\nmodel={engine.model_name} device={engine.model.device} threads={torch.get_num_threads()} "
-        f"prompts={args.prompts} prompt_tokens(median)={int(statistics.median(prompt_tokens))} "
+    header = (
+        f"model={engine.model_name} device={engine.model.device} threads={torch.get_num_threads()} "
+        f"corpus={args.corpus} prompts={args.prompts} prompt_tokens(median)={int(statistics.median(prompt_tokens))} "
         f"(min {min(prompt_tokens)}, max {max(prompt_tokens)}) docs/prompt={args.docs} "
         f"doc_chars<={args.doc_chars} chat={args.chat} check_layer={engine.settings.check_layer} "
         f"context_documents={engine.settings.warm_context_documents} "
-        f"warm={warm_s:.1f}s ({len(pool)} docs)\n"
+        f"warm={warm_s:.1f}s ({len(pool)} docs) load average (1 min) during the run: "
+        f"{min(loads):.2f}-{max(loads):.2f}"
     )
-    print(
-        "| method | median TTFT ms | speedup | loaded | recomputed | mean KL | median KL | top-1 | "
-        "greedy agree | identical | exact match | KL > none |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [header, "", *quality_table(rows, worse_than_none), "", *stage_table(rows)]
+    print("\n" + "\n".join(lines))
+    if args.out is not None:
+        command = "python bench/reuse_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.with_suffix(".md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+        payload = {"command": command, "header": header, "loads": loads, "rows": rows}
+        args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first greedy token where two outputs differ (their length when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b)) if len(a) != len(b) else len(a)
+
+
+def stage_values(stages: dict[str, float], ttft_ms: float) -> dict[str, float]:
+    """Milliseconds per prefill stage of one call, ``other`` the rest of its TTFT."""
+    values = {stage: stages.get(stage, 0.0) for stage in STAGES}
+    values["other"] = ttft_ms - sum(values.values())
+    return values
+
+
+def quality_table(rows: dict[str, dict[str, list[float]]], worse_than_none: dict[str, int]) -> list[str]:
+    """Markdown: TTFT, speedup and quality of each row."""
+    base = statistics.median(rows["full prefill"]["ttft"])
+    lines = [
+        "| method | median TTFT ms | speedup (medians) | speedup (median per prompt) | CPU-time speedup | loaded | "
+        "recomputed | mean KL | median KL | top-1 | greedy agree | identical | first difference (median) | "
+        "exact match | KL > none |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, vals in rows.items():
         ttft = statistics.median(vals["ttft"])
-        print(
-            f"| {name} | {ttft:.0f} | {base / ttft:.2f}x | {statistics.mean(vals['reuse']):.2f} | "
-            f"{statistics.mean(vals['ratio']):.2f} | "
+        lines.append(
+            f"| {name} | {ttft:.0f} | {base / ttft:.2f}x | {statistics.median(vals['speedup']):.2f}x | "
+            f"{statistics.median(vals['cpu_speedup']):.2f}x | "
+            f"{statistics.mean(vals['reuse']):.2f} | {statistics.mean(vals['ratio']):.2f} | "
             f"{statistics.mean(vals['kl']):.4f} | {statistics.median(vals['kl']):.4f} | "
             f"{statistics.mean(vals['top1']):.2f} | {statistics.mean(vals['greedy']):.2f} | "
-            f"{statistics.mean(vals['identical']):.2f} | {statistics.mean(vals['exact']):.2f} | "
+            f"{statistics.mean(vals['identical']):.2f} ({sum(vals['identical']):.0f}/{len(vals['identical'])}) | "
+            f"{statistics.median(vals['first_diff']):.0f} | {statistics.mean(vals['exact']):.2f} | "
             f"{worse_than_none.get(name, 0) if name != 'full prefill' else '-'} |"
         )
+    return lines
 
+
+def stage_table(rows: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Markdown: median milliseconds of each prefill stage per row."""
+    names = (*STAGES, "other")
+    lines = [
+        "| method | " + " | ".join(f"{n} ms" for n in names) + " | TTFT ms |",
+        "|---|" + "---:|" * (len(names) + 1),
+    ]
+    for name, vals in rows.items():
+        cells = " | ".join(f"{statistics.median(vals[n]):.0f}" for n in names)
+        lines.append(f"| {name} | {cells} | {statistics.median(vals['ttft']):.0f} |")
+    return lines
 
 if __name__ == "__main__":
     main()

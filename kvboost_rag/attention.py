@@ -73,20 +73,26 @@ def query_positions(positions: torch.Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def last_query_attention() -> Iterator[list[torch.Tensor]]:
-    """Within the block, sparse attention also records what its last query attends to.
+def last_query_attention(queries: int = 1) -> Iterator[list[torch.Tensor]]:
+    """Within the block, sparse attention also records what its last queries attend to.
 
     Each layer's call appends a ``[keys]`` float32 tensor to the yielded list: the attention
     weights of the last query (the prompt's last token in a prefill) over every key, averaged
-    over heads (zero beyond its position and outside its sliding window). Used to choose which
-    reused tokens to recompute; the attention output itself is unchanged.
+    over heads (zero beyond its position and outside its sliding window); with ``queries > 1``
+    the sum of those of the last ``queries`` queries. Used to choose which reused tokens to
+    recompute; the attention output itself is unchanged.
+
+    Args:
+        queries: How many of the last queries to record (at least 1).
     """
     recorded: list[torch.Tensor] = []
     _state.recorded = recorded
+    _state.recorded_queries = max(1, queries)
     try:
         yield recorded
     finally:
         _state.recorded = None
+        _state.recorded_queries = 1
 
 
 @contextlib.contextmanager
@@ -147,7 +153,8 @@ def sparse_causal_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     recorded: list[torch.Tensor] | None = getattr(_state, "recorded", None)
     if recorded is not None:
-        recorded.append(_last_query_weights(query, key, int(positions[-1]), scale, window, softcap))
+        count = min(getattr(_state, "recorded_queries", 1), query.shape[2])
+        recorded.append(_last_queries_weights(query[:, :, -count:], key, positions[-count:], scale, window, softcap))
     backend = getattr(_state, "backend", None) or default_backend(query.device)
     if backend == "blocks":
         out = attend_blocks(query, key, value, positions.tolist(), scale, window, softcap)
@@ -160,20 +167,35 @@ def sparse_causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _last_query_weights(
-    query: torch.Tensor, key: torch.Tensor, position: int, scale: float, window: int | None, softcap: float | None
+def _last_queries_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """``[N]`` attention weights of the last query (at ``position``) over ``key``, mean over
-    heads and batch rows."""
-    first = max(0, position - window + 1) if window else 0
-    k = key[:, :, first : position + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
+    """``[N]`` attention weights of ``query``'s queries (at sorted ``positions``) over ``key``,
+    mean over heads and batch rows, summed over the queries."""
+    last = int(positions[-1])
+    first = max(0, int(positions[0]) - window + 1) if window else 0
+    k = key[:, :, first : last + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
     batch, kv_heads = k.shape[:2]
-    q = query[:, :, -1].to(k.dtype).view(batch, kv_heads, -1, query.shape[-1])  # [batch, kv_heads, groups, dim]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [batch, kv_heads, groups, keys]
+    count = query.shape[2]
+    # [batch, kv_heads, groups, queries, dim]
+    q = query.to(k.dtype).view(batch, kv_heads, -1, count, query.shape[-1])
+    scores = torch.matmul(q, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [..., queries, keys]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if count > 1 or window:
+        keys = torch.arange(first, last + 1, device=k.device).view(1, -1)
+        pos = positions.to(k.device).view(-1, 1)
+        visible = keys <= pos
+        if window:
+            visible &= keys > pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.zeros(key.shape[2], dtype=torch.float32, device=key.device)
-    weights[first : position + 1] = scores.softmax(dim=-1).mean(dim=(0, 1, 2))
+    weights[first : last + 1] = scores.softmax(dim=-1).mean(dim=(0, 1, 2)).sum(dim=0)
     return weights
 
 

@@ -3,7 +3,7 @@
 A :class:`DecodeSequence` is one prompt after its prefill: its cache, the position of its
 next token, its options, sampler, text assembler and budget. :func:`decode_step` feeds the
 pending token of every sequence through the model in one forward pass
-(:meth:`~kvboost_rag.model_adapter.ModelAdapter.forward_ragged`: each sequence at its own
+(:meth:`~kvboost_rag.hf.adapter.ModelAdapter.forward_ragged`: each sequence at its own
 position over its own cache) and hands each sequence its logits. Token choice, EOS, stop
 strings and the token budget are per sequence, exactly as when a sequence decodes alone; a
 sequence that finished simply is not passed to the next step.

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 RecomputeStrategy = Literal["attention", "cacheblend", "selective", "none"]
+ProbeWeighting = Literal["attention", "value", "depth", "value_depth"]
 #: Shortest accepted ``cache_secret_key`` (a short secret can be guessed offline from one entry).
 MIN_SECRET_KEY_CHARS = 16
 
@@ -46,6 +47,18 @@ class KVBoostSettings(BaseModel):
             document tokens of the bench's 2.1k-token plain prompts, 11% of its 3.7k-token chat
             prompts and 10% (the floor) of 5.5k-token chat prompts, at median first-token KL
             0.0035-0.0043.
+        probe_layers: Decoder layers the attention strategy's probe runs (from the first);
+            ``None``: every layer. Fewer layers make the probe cheaper and choose by the
+            attention of the shallow layers only.
+        probe_queries: How many of the last live tokens (the end of the question) the attention
+            strategy reads the attention of, summed; ``1``: the prompt's last token only.
+            Tokens the first decoded tokens will read are also read by the question's last
+            tokens, not always by its very last one.
+        probe_weighting: How the attention strategy scores cached tokens from the probe's
+            attention, summed over layers: ``"attention"`` as recorded; ``"value"`` weighted by
+            the norm of the token's cached value in that layer (what a token adds to the output
+            is its weight times its value); ``"depth"`` weighted by the layer's depth (a cached
+            token's first-layer K/V is exact, deeper ones drift more); ``"value_depth"`` both.
         min_recompute_ratio: Least share ``"auto"`` recomputes (CacheBlend 5% measured worse
             than no repair on 3 of 6 chat prompts, 10% on none).
         max_recompute_ratio: Largest share ``"auto"`` recomputes.
@@ -135,6 +148,9 @@ class KVBoostSettings(BaseModel):
     recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
     max_deviation: float = Field(1e-4, gt=0.0, le=1.0)
     max_stale_attention: float = Field(0.08, gt=0.0, le=1.0)
+    probe_layers: int | None = Field(None, ge=1)
+    probe_queries: int = Field(1, ge=1, le=256)
+    probe_weighting: ProbeWeighting = "attention"
     min_recompute_ratio: float = Field(0.10, ge=0.0, le=1.0)
     max_recompute_ratio: float = Field(0.5, ge=0.0, le=1.0)
     chunk_size: int = Field(128, ge=8, le=8192)

@@ -36,6 +36,7 @@ from kvboost_rag.plan import PlacedDocument, PromptPlan
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
 from kvboost_rag.repair.blend_pass import filtered_blend
 from kvboost_rag.repair.runs import contiguous_runs
+from kvboost_rag.stage_times import stage
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +91,23 @@ class Prefiller:
         if not reuse:
             keys, values = self.adapter.buffers(n + plan.reserve)
             return self._exact(plan, keys, values, 0, ())
-        pieces = self.cache.match_prefix(plan)
-        h = sum(p.length for p in pieces)
-        prefix_keys = tuple(p.key for p in pieces)
-        documents = plan.documents_after(h)
-        if h >= n:
-            return PrefillOutcome(
-                logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
-                strategy="exact",
-            )
-        hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
-        keys, values = self.adapter.buffers(n + plan.reserve)
-        for piece in pieces:
-            end = piece.start + piece.length
-            keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
-            values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
+        with stage("lookup", self.adapter.device):
+            pieces = self.cache.match_prefix(plan)
+            h = sum(p.length for p in pieces)
+            prefix_keys = tuple(p.key for p in pieces)
+            documents = plan.documents_after(h)
+            if h >= n:
+                return PrefillOutcome(
+                    logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
+                    strategy="exact",
+                )
+            hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
+        with stage("stitch", self.adapter.device):
+            keys, values = self.adapter.buffers(n + plan.reserve)
+            for piece in pieces:
+                end = piece.start + piece.length
+                keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+                values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys)
         else:
@@ -189,14 +192,15 @@ class Prefiller:
         ids = plan.tokens.ids
         n = len(ids)
         cached = torch.zeros(n, dtype=torch.bool)
-        for hit in hits.values():
-            for row, position, length in _spans(hit.rows, hit.positions):
-                delta = position - (hit.block.start_position + row)
-                source = slice(row, row + length)
-                target = slice(position, position + length)
-                adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
-                values[:, :, target] = hit.block.values[:, :, source]
-                cached[target] = True
+        with stage("stitch", adapter.device):
+            for hit in hits.values():
+                for row, position, length in _spans(hit.rows, hit.positions):
+                    delta = position - (hit.block.start_position + row)
+                    source = slice(row, row + length)
+                    target = slice(position, position + length)
+                    adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
+                    values[:, :, target] = hit.block.values[:, :, source]
+                    cached[target] = True
         content_positions = cached.nonzero().view(-1)
         loaded = int(content_positions.numel())
         ratio = self.settings.recompute_ratio
@@ -205,7 +209,8 @@ class Prefiller:
         live[:h] = False
         live[n - 1] = True
         repair = self.repair
-        selection = repair.choose(RepairInputs(ids, h, live, keys, values, content_positions, budget))
+        with stage("select", adapter.device):  # the probe inside it is timed apart
+            selection = repair.choose(RepairInputs(ids, h, live, keys, values, content_positions, budget))
         recompute, stage_sizes = selection.positions, selection.stage_sizes
         keep = leading_tokens(contiguous_runs(content_positions), self.settings.keep_document_start)
         compute = live.clone()
@@ -216,13 +221,14 @@ class Prefiller:
         stitched = adapter.cache_over(keys, values, n)
         input_ids = torch.tensor(ids)
         recomputed = float((cached & compute).sum())
-        if len(stage_sizes) > 1:
-            logits, recomputed = filtered_blend(
-                adapter, self.settings.blend_stages, input_ids, positions, recompute, keep, stage_sizes, stitched
-            )
-        else:
-            stitched.arm(positions.to(adapter.device))
-            logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
+        with stage("blend", adapter.device):
+            if len(stage_sizes) > 1:
+                logits, recomputed = filtered_blend(
+                    adapter, self.settings.blend_stages, input_ids, positions, recompute, keep, stage_sizes, stitched
+                )
+            else:
+                stitched.arm(positions.to(adapter.device))
+                logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
         recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
         return PrefillOutcome(
             logits=logits,

@@ -167,3 +167,20 @@ def test_model_whose_attention_cannot_be_recorded_is_repaired_by_cacheblend_and_
     assert "repairing documents with CacheBlend" in caplog.text
     assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
     assert result.strategy == "cacheblend"
+
+
+@pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (40, 1)])
+def test_last_query_attention_sums_the_weights_of_the_last_queries(window, kv_heads):
+    torch.manual_seed(3)
+    n, queries, recorded_queries = 200, 30, 5
+    positions = torch.randperm(n - 10)[:queries].sort().values
+    q = torch.randn(1, 4, queries, 16)
+    k, v = torch.randn(1, kv_heads, n, 16), torch.randn(1, kv_heads, n, 16)
+    with query_positions(positions), last_query_attention(queries=recorded_queries) as recorded:
+        sparse_causal_attention(None, q, k, v, None, sliding_window=window)
+    expected = sum(
+        dense_last_query_weights(q[:, :, : queries - i], k, int(positions[queries - 1 - i]), window)
+        for i in range(recorded_queries)
+    )
+    assert torch.allclose(recorded[0], expected, atol=1e-5)
+    assert recorded[0].sum().item() == pytest.approx(recorded_queries, abs=1e-4)

@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 
+from kvboost_rag import KVBoostSettings
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.correctness import first_token_kl
 from decoding_checks import check_against_full_prefill
@@ -58,3 +59,32 @@ def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
     assert check.steps_compared > 0
     for hit in (check.forced, check.free):
         assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
+
+
+@pytest.mark.parametrize("weighting", ["attention", "value"])
+def test_attention_repair_beats_no_repair_and_improves_with_budget(embedded_engine, corpus, weighting):
+    """Every prompt: each budget below no repair; the mean KL falls as the budget grows."""
+    engine = embedded_engine
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(corpus)
+    rng = random.Random(11)
+    budgets = (0.0, 0.05, 0.10, 0.20)
+    kl: dict[float, list[float]] = {b: [] for b in budgets}
+    try:
+        for i in range(3):
+            prompt = rag_prompt(rng.sample(corpus, 4), question=f"Which rule applies to case {i}?")
+            full = engine.generate(prompt, max_new_tokens=1, reuse=False, return_logits=True)
+            for budget in budgets:
+                engine.settings.recompute_strategy = "attention" if budget else "none"
+                engine.settings.recompute_ratio = budget
+                engine.settings.probe_weighting = weighting
+                res = engine.generate(prompt, max_new_tokens=1, return_logits=True)
+                kl[budget].append(first_token_kl(full.first_token_logits, res.first_token_logits))
+    finally:
+        engine.settings.recompute_strategy = "attention"
+        engine.settings.probe_weighting = KVBoostSettings().probe_weighting
+        engine.settings.recompute_ratio = KVBoostSettings().recompute_ratio
+    for budget in budgets[1:]:
+        assert all(k < none for k, none in zip(kl[budget], kl[0.0])), (budget, kl)
+    means = [statistics.mean(kl[b]) for b in budgets]
+    assert means == sorted(means, reverse=True), means

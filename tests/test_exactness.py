@@ -49,12 +49,23 @@ def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, st
         assert_close_logits(full.first_token_logits, blended.first_token_logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
-def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family):
+@pytest.mark.parametrize(
+    ("family", "probe"),
+    [
+        ("llama", {}),
+        ("gemma2", {}),
+        ("qwen3", {}),
+        ("llama", {"probe_layers": 1, "probe_queries": 4}),
+        ("qwen3", {"probe_layers": 2, "probe_weighting": "value_depth"}),
+    ],
+)
+def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family, probe):
     """The pass that reads the last token's attention writes the live tokens' K/V over a stale
-    cache; with every cached token recomputed anyway (``keep_document_start`` covers them all)
-    the result must still equal full prefill."""
-    engine = make_engine(family, recompute_strategy="attention", recompute_ratio=0.3, keep_document_start=10_000)
+    cache (in the layers it runs); with every cached token recomputed anyway
+    (``keep_document_start`` covers them all) the result must still equal full prefill."""
+    engine = make_engine(
+        family, recompute_strategy="attention", recompute_ratio=0.3, keep_document_start=10_000, **probe
+    )
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[1], docs[3], docs[0], docs[2]])

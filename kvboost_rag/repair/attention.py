@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_rag.attention import last_query_attention
 from kvboost_rag.blend import budget_for_left, select_highest
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
+from kvboost_rag.repair.probe import attention_scores, run_probe
+from kvboost_rag.stage_times import stage
 
 
 class AttentionRepair(SelectingRepair):
     """Recomputes the cached tokens whose staleness moves the answer most.
 
     The live tokens (computed whatever the repair: the question, separators, the last token)
-    run once through every layer over the stitched cache as loaded, recording the last
-    token's attention; the cached tokens with the most attention summed over layers are
-    chosen. The K/V this probe writes for the live tokens is overwritten by the blend pass,
+    run once over the stitched cache as loaded (:mod:`~kvboost_rag.repair.probe`: every layer,
+    or the first ``probe_layers``), recording the attention of the last ``probe_queries``
+    tokens; the cached tokens with the most attention summed over layers (weighted as
+    ``probe_weighting`` says) are chosen. The K/V this probe writes for the live tokens is overwritten by the blend pass,
     which computes them again over the repaired cache. Used only for models whose attention
     the engine can record (probed at construction; else the engine uses
     :class:`~kvboost_rag.repair.cacheblend.CacheBlendRepair`).
@@ -36,13 +38,18 @@ class AttentionRepair(SelectingRepair):
             return Selection(content[:0])
         if budget is not None and budget >= count:  # every cached token: nothing to choose
             return Selection(content, self.stages.sizes(budget, count))
-        adapter = self.adapter
+        adapter, settings = self.adapter, self.settings
         positions = inputs.live.nonzero().view(-1)
-        probe = adapter.cache_over(inputs.keys, inputs.values, len(inputs.ids))
-        probe.arm(positions.to(adapter.device))
-        with last_query_attention() as recorded:
-            adapter.forward(torch.tensor(inputs.ids)[positions], positions, probe, sparse_queries=True)
-        attention = torch.stack(recorded).sum(dim=0)[content.to(adapter.device)].cpu()
+        with stage("probe", adapter.device):
+            recorded = run_probe(
+                adapter, torch.tensor(inputs.ids)[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
+                layers=settings.probe_layers, queries=settings.probe_queries,
+            )
+        weighting = settings.probe_weighting
+        attention = attention_scores(
+            recorded, content, inputs.values if "value" in weighting else None, depth_weighted="depth" in weighting
+        )
+        attention = attention / min(settings.probe_queries, len(positions))
         if budget is None:  # attention (averaged over layers) left on stale tokens <= max_stale_attention
             budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self.stages.auto_bounds(count))
         sizes = self.stages.sizes(budget, count)

@@ -6,6 +6,7 @@ import torch
 
 from kvboost_rag.blend import adaptive_budget, kv_deviation, kv_energy, select_highest
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
+from kvboost_rag.stage_times import stage
 
 
 class CacheBlendRepair(SelectingRepair):
@@ -35,7 +36,8 @@ class CacheBlendRepair(SelectingRepair):
         fresh_keys[:, :, :h] = inputs.keys[: check + 1, :, :h]
         fresh_values[:, :, :h] = inputs.values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
-        adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+        with stage("probe", adapter.device):
+            adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
         rows = content.to(adapter.device)
         fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
         deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])

@@ -1,0 +1,89 @@
+"""The attention repair's probe: which cached tokens the prompt's last tokens read.
+
+The probe runs the live tokens (those computed whatever the repair: question, separators,
+the last token) over the stitched cache as loaded, with no repair, and records the attention
+of the last ``queries`` of them (:func:`~kvboost_rag.attention.last_query_attention`). Its
+cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
+live tokens' K/V it writes is overwritten by the blend pass either way).
+
+:func:`attention_scores` turns the recorded attention into one score per cached token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_rag.attention import last_query_attention
+from kvboost_rag.hf import ModelAdapter
+
+
+def run_probe(
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: int,
+    *,
+    layers: int | None = None,
+    queries: int = 1,
+) -> list[torch.Tensor]:
+    """Run the live tokens over the stitched cache and record what their last ones attend to.
+
+    Args:
+        adapter: The model adapter.
+        input_ids: ``[live]`` the live tokens.
+        positions: ``[live]`` their sorted positions.
+        keys: ``[layers, heads, capacity, dim]`` stitched K buffer (the live rows are written).
+        values: Same for V.
+        length: Prompt tokens.
+        layers: Decoder layers to run, from the first; ``None`` (or the model's depth): all.
+        queries: How many of the last live tokens' attention to record (sum over them).
+
+    Returns:
+        One ``[length]`` tensor per layer run (empty when the model's attention does not go
+        through the registered attention function).
+    """
+    probe = adapter.cache_over(keys, values, length)
+    probe.arm(positions.to(adapter.device))
+    depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
+    with last_query_attention(queries) as recorded:
+        if depth >= adapter.num_layers:
+            adapter.forward(input_ids, positions, probe, sparse_queries=True)
+        else:
+            adapter.hidden_through_layers(input_ids, positions, probe, 0, depth - 1, None)
+    return recorded
+
+
+def attention_scores(
+    recorded: list[torch.Tensor],
+    content_positions: torch.Tensor,
+    values: torch.Tensor | None = None,
+    depth_weighted: bool = False,
+) -> torch.Tensor:
+    """One score per cached token: the recorded attention summed over layers.
+
+    Args:
+        recorded: ``[length]`` attention per layer (from :func:`run_probe`).
+        content_positions: ``[tokens]`` positions of the cached tokens.
+        values: ``[layers, heads, capacity, dim]`` the stitched V buffer: when given, each
+            layer's attention is weighted by the norm of the token's cached value there
+            (relative to the mean over the cached tokens), since what a token adds to the
+            output is its weight times its value.
+        depth_weighted: Weight layer ``l`` by ``2 l / (layers - 1)`` (mean 1): a cached
+            token's K/V is exact in the first layer (it depends on the token and its position
+            only) and drifts from full prefill's more in each layer above.
+
+    Returns:
+        ``[tokens]`` float32 scores on the CPU; their mean over layers is the last tokens'
+        attention left on each token (what ``max_stale_attention`` bounds).
+    """
+    index = content_positions.to(recorded[0].device)
+    attention = torch.stack(recorded)[:, index]  # [layers, tokens]
+    if values is not None:
+        norms = values[: len(recorded)][:, :, index].float().norm(dim=-1).mean(dim=1)  # [layers, tokens]
+        attention = attention * norms / norms.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    if depth_weighted and len(recorded) > 1:
+        depth = torch.arange(len(recorded), device=attention.device, dtype=attention.dtype)
+        attention = attention * (2 * depth / (len(recorded) - 1)).view(-1, 1)
+    return attention.sum(dim=0).float().cpu()

@@ -1,0 +1,64 @@
+"""Wall time of each prefill stage, for benchmarks and diagnosis.
+
+Prefill marks its stages (lookup, stitch, probe, select, blend, ...) with :func:`stage`; a
+caller that wants the times wraps a call in :func:`record_stages` and reads the yielded
+dict. Outside :func:`record_stages` a stage costs one thread-local read and nothing is
+recorded. A stage's time excludes the stages nested in it. On CUDA the device is synchronized at each stage boundary while recording, so the
+times are the work's and not the launch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def record_stages() -> Iterator[dict[str, float]]:
+    """Within the block (this thread), prefill stages add their wall time to the yielded dict.
+
+    Yields:
+        Stage name -> milliseconds, summed over the stage's occurrences.
+    """
+    previous = getattr(_state, "times", None), getattr(_state, "nested", None)
+    times: dict[str, float] = {}
+    _state.times, _state.nested = times, [0.0]
+    try:
+        yield times
+    finally:
+        _state.times, _state.nested = previous
+
+
+@contextlib.contextmanager
+def stage(name: str, device: torch.device | None = None) -> Iterator[None]:
+    """Time the block as stage ``name`` when :func:`record_stages` is active.
+
+    Args:
+        name: The stage.
+        device: The model's device; a CUDA device is synchronized before and after.
+    """
+    times: dict[str, float] | None = getattr(_state, "times", None)
+    if times is None:
+        yield
+        return
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    nested: list[float] = _state.nested  # milliseconds spent in the stages inside each open stage
+    nested.append(0.0)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - start) * 1000
+        inner = nested.pop()
+        nested[-1] += elapsed
+        times[name] = times.get(name, 0.0) + elapsed - inner
