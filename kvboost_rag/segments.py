@@ -305,6 +305,10 @@ def align_tokens(
         if y > occurrence.matched_chars:
             break
         j = token_at_char.get(base + x)
+        if aligned and aligned[-1][1] == k - 1 and (j is None or j <= aligned[-1][0]):
+            # Several tokens of one character (the bytes of an emoji or a rare letter) share
+            # its span: the next token of the document is the next token of the prompt.
+            j = aligned[-1][0] + 1 if aligned[-1][0] + 1 < len(prompt_ids) else None
         if j is not None and prompt_offsets[j][1] == base + y and prompt_ids[j] == record.token_ids[k]:
             aligned.append((j, k))
         else:

@@ -101,3 +101,22 @@ def test_alignment_counts_tokens_merged_across_the_boundary(tokenizer):
     assert len(occ.aligned) + occ.merged_tokens == len(rec.token_ids)
     for j, k in occ.aligned:
         assert ids[j] == rec.token_ids[k]
+
+
+def test_documents_with_multi_token_characters_are_stored_and_served_whole(make_engine, docs, tokenizer):
+    """A character the tokenizer splits into several tokens (an emoji, a rare letter) gives
+    them all one span; every one of them still aligns, so no chunk of the document is lost."""
+    from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+    special = "🦜️🔗 naïve café — 日本語"
+    spans = [tuple(o) for o in tokenizer(special, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    assert len(spans) > len(set(spans)), "the text must hold characters split into several tokens"
+    texts = [d[:150] + " " + special + " " + d[150:] + " " + special for d in docs[:4]]
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    results = engine.warm_documents(texts)
+    assert all(r.kept_in == ["memory"] and r.new_tokens == r.num_tokens for r in results)
+    assert all(engine.is_document_warm(text) for text in texts)
+    result = engine.generate(rag_prompt(texts[::-1]), max_new_tokens=1)
+    assert result.documents_found == 4
+    assert result.boundary_merged_tokens <= 4 * 2  # at most the seams' tokens, never the characters'
