@@ -99,7 +99,7 @@ def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family):
 
     def layer0_keys(offset: int) -> torch.Tensor:
         cache = adapter.new_cache(n)
-        adapter.forward_until_layer(ids, torch.arange(offset, offset + n), cache, 0)
+        adapter.hidden_through_layers(ids, torch.arange(offset, offset + n), cache, 0, 0, None, sparse_queries=False)
         return cache.layers[0].keys[0]
 
     at_3, at_517 = layer0_keys(3), layer0_keys(517)
@@ -210,7 +210,9 @@ def test_rerotation_uses_each_layer_types_frequencies(tokenizer, family):
 
     def keys_at(offset: int) -> torch.Tensor:
         cache = adapter.new_cache(n)
-        adapter.forward_until_layer(ids, torch.arange(offset, offset + n), cache, adapter.num_layers - 1)
+        adapter.hidden_through_layers(
+            ids, torch.arange(offset, offset + n), cache, 0, adapter.num_layers - 1, None, sparse_queries=False
+        )
         return torch.stack([layer.keys[0] for layer in cache.layers])
 
     before, after = keys_at(3), keys_at(700)

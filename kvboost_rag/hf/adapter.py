@@ -20,7 +20,7 @@ from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.hf.attention_switch import AttentionSwitch
-from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, batch_cache, cache_keyword, cache_tensors
+from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, cache_keyword, cache_tensors
 from kvboost_rag.hf.layers import DecoderLayers, StopForward
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.rope import find_rope
@@ -180,7 +180,7 @@ class ModelAdapter:
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BufferedCache) -> None:
-        """Run ``[rows, tokens]`` on top of a :func:`~kvboost_rag.hf.caches.batch_cache`, filling it
+        """Run ``[rows, tokens]`` on top of a :meth:`batch_cache`, filling it
         (batched warming; the logits are not needed)."""
         self.model(
             input_ids=input_ids.to(self.device),
@@ -189,28 +189,6 @@ class ModelAdapter:
             use_cache=True,
             logits_to_keep=1,
         )
-
-    @torch.inference_mode()
-    def forward_until_layer(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: ModelCache, last_layer: int
-    ) -> torch.Tensor:
-        """Run the first ``last_layer + 1`` decoder layers only, filling ``cache`` for them.
-
-        Returns:
-            ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
-        """
-        base = getattr(self.model, self.model.base_model_prefix, self.model)
-        with self._layers.stop_after(last_layer) as captured:
-            try:
-                base(
-                    input_ids=input_ids.view(1, -1).to(self.device),
-                    position_ids=position_ids.view(1, -1).to(self.device),
-                    **{self._cache_keyword: cache},
-                    use_cache=True,
-                )
-            except StopForward:
-                pass
-        return captured[0]
 
     @torch.inference_mode()
     def forward_from_layer(
@@ -237,23 +215,28 @@ class ModelAdapter:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: BufferedCache,
+        cache: ModelCache,
         first_layer: int,
         last_layer: int,
         hidden: torch.Tensor | None,
+        sparse_queries: bool = True,
     ) -> torch.Tensor:
         """Run decoder layers ``first_layer..last_layer`` only, from ``hidden`` (the output of
-        the layer before; ``None`` with ``first_layer=0``), with sparse queries over an armed
-        cache.
+        the layer before; ``None`` with ``first_layer=0``), filling ``cache`` for them; the
+        final norm and the logits are not computed.
+
+        Args:
+            sparse_queries: As in :meth:`forward`: attention causal by position over a cache
+                that holds every position up to the queries' (an armed cache, or one holding
+                exactly the positions before them); ``False``: the model's own causal
+                attention over whatever the cache holds.
 
         Returns:
             ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
         """
-        if last_layer >= self.num_layers - 1:
-            raise ValueError("hidden_through_layers stops below the last layer; use forward_from_layer")
         with self._layers.stop_after(last_layer) as captured, self._layers.only(first_layer, last_layer, hidden):
             try:
-                self.forward(input_ids, position_ids, cache, sparse_queries=True)
+                self.forward(input_ids, position_ids, cache, sparse_queries=sparse_queries)
             except StopForward:
                 pass
         return captured[0]
@@ -293,7 +276,7 @@ class ModelAdapter:
     @staticmethod
     def batch_cache(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
         """A cache of several rows over :meth:`batch_buffers` holding ``length`` tokens each."""
-        return batch_cache(keys, values, length)
+        return BufferedCache(keys.shape[0], keys.shape[3], keys, values, length)
 
     # ----------------------------------------------------------------- RoPE
     def rotate_keys(

@@ -2,9 +2,9 @@
 
 The engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` buffers. The classes here
 present such buffers to a model as a transformers ``Cache``: :class:`BufferedCache` (one
-sequence, appends in place and scatters into armed positions), :class:`RaggedCache` (one
-decode step of several sequences, each over its own cache) and :func:`batch_cache` (several
-rows behind one shared beginning, for batched warming).
+sequence, or several rows behind one shared beginning for batched warming; appends in place
+and scatters into armed positions) and :class:`RaggedCache` (one decode step of several
+sequences, each over its own cache).
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ class BufferedCache(DynamicCache):
     Args:
         num_layers: Layers of the model.
         capacity: Tokens to reserve per layer (prompt plus new tokens).
-        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer already holding the
-            first ``length`` tokens; each layer uses a view of it.
+        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer (one sequence) or
+            ``[layers, rows, heads, >=capacity, dim]`` (several, batched warming) already
+            holding the first ``length`` tokens; each layer uses a view of it.
         value_buffer: Same for V.
         length: Tokens already in the buffers.
     """
@@ -125,56 +126,41 @@ class BufferedCache(DynamicCache):
         if self._shared is None:
             self.layers = [BufferedLayer(None, None, 0, capacity) for _ in range(num_layers)]
         else:
-            self.layers = [
-                BufferedLayer(key_buffer[i : i + 1], value_buffer[i : i + 1], length, capacity) for i in range(num_layers)
-            ]
+            rows = key_buffer.dim() == 5
+            keys = key_buffer if rows else key_buffer.unsqueeze(1)
+            values = value_buffer if rows else value_buffer.unsqueeze(1)
+            self.layers = [BufferedLayer(keys[i], values[i], length, capacity) for i in range(num_layers)]
 
     def arm(self, positions: torch.Tensor, first_layer: int = 0) -> None:
         """Arm layers from ``first_layer`` on to scatter the next update into ``positions``."""
         for layer in self.layers[first_layer:]:
             layer.arm(positions)
 
-    def shared_view(self, start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``[layers, heads, tokens, dim]`` views of tokens ``[start, end)`` if every layer still
-        writes into the buffer the cache was built over (no layer had to grow)."""
-        if self._shared is None:
+    def shared_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[layers, heads, tokens, dim]`` views of the tokens held, if the cache was built over
+        one sequence's buffers and every layer still writes into them (no layer had to grow)."""
+        if self._shared is None or self._shared[0].dim() != 4:
             return None
         keys, values = self._shared
         for i, layer in enumerate(self.layers):
             if layer._key_buffer is None or layer._key_buffer.data_ptr() != keys[i].data_ptr():
                 return None
         length = self.layers[0]._length
-        stop = length if end is None else min(end, length)
-        return keys[:, :, start:stop], values[:, :, start:stop]
+        return keys[:, :, :length], values[:, :, :length]
 
 
-def cache_tensors(cache: DynamicCache, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cache's K/V for tokens ``[start, end)`` of its first row as ``[layers, heads, tokens, dim]``.
+def cache_tensors(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's K/V (its first row) as ``[layers, heads, tokens, dim]``.
 
     A view (no copy) when the cache is a :class:`BufferedCache` still living in the one buffer
     it was built over; callers that keep the result must clone it.
     """
     if isinstance(cache, BufferedCache):
-        shared = cache.shared_view(start, end)
+        shared = cache.shared_view()
         if shared is not None:
             return shared
-    keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
-    values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
-    return keys, values
-
-
-def batch_cache(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
-    """A cache of ``rows`` sequences over ``[layers, rows, heads, capacity, dim]`` buffers whose
-    first ``length`` tokens are filled (every row alike); the model appends after them."""
-    cache = BufferedCache(keys.shape[0], keys.shape[3])
-    cache.layers = [BufferedLayer(keys[i], values[i], length, keys.shape[3]) for i in range(keys.shape[0])]
-    return cache
-
-
-def row_tensors(cache: BufferedCache, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``[0, end)`` of one row of a :func:`batch_cache` as ``[layers, heads, tokens, dim]``."""
-    keys = torch.stack([layer.keys[row, :, :end] for layer in cache.layers])
-    values = torch.stack([layer.values[row, :, :end] for layer in cache.layers])
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
     return keys, values
 
 

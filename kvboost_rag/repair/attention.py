@@ -37,7 +37,7 @@ class AttentionRepair(SelectingRepair):
         if budget == 0:
             return Selection(content[:0])
         if budget is not None and budget >= count:  # every cached token: nothing to choose
-            return Selection(content, self.stages.sizes(budget, count))
+            return Selection(content, self.stage_sizes(budget, count))
         adapter, settings = self.adapter, self.settings
         positions = inputs.live.nonzero().view(-1)
         with stage("probe", adapter.device):
@@ -51,6 +51,6 @@ class AttentionRepair(SelectingRepair):
         )
         attention = attention / min(settings.probe_queries, len(positions))
         if budget is None:  # attention (averaged over layers) left on stale tokens <= max_stale_attention
-            budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self.stages.auto_bounds(count))
-        sizes = self.stages.sizes(budget, count)
+            budget = budget_for_left(attention / len(recorded), self.settings.max_stale_attention, *self.auto_bounds(count))
+        sizes = self.stage_sizes(budget, count)
         return Selection(select_highest(content, attention, sizes[0]), sizes)

@@ -56,35 +56,12 @@ class RepairStrategy(Protocol):
         ...
 
 
-class StagePlanner:
-    """Budget bounds and gradual-filtering stage sizes shared by the strategies.
-
-    Args:
-        adapter: The model adapter (number of layers).
-        settings: Engine settings (ratios, ``blend_stages``).
-    """
-
-    def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
-        self.num_layers = adapter.num_layers
-        self.settings = settings
-
-    def auto_bounds(self, count: int) -> tuple[int, int]:
-        """Least and largest budget ``recompute_ratio="auto"`` may pick among ``count`` tokens."""
-        settings = self.settings
-        return recompute_budget(count, settings.min_recompute_ratio), recompute_budget(count, settings.max_recompute_ratio)
-
-    def sizes(self, budget: int, count: int) -> tuple[int, ...]:
-        """Set size of each ``blend_stages`` stage for ``budget`` tokens among ``count``."""
-        spans = layer_spans(self.num_layers, self.settings.blend_stages)
-        return tuple(stage_sizes(budget, [last - first + 1 for first, last in spans], count))
-
-
 class SelectingRepair:
     """Base of the strategies that run a selection pass through the model.
 
     Args:
         adapter: The model adapter.
-        settings: Engine settings (ratios and the strategy's own targets).
+        settings: Engine settings (ratios, ``blend_stages`` and the strategy's own targets).
     """
 
     name = ""
@@ -92,4 +69,13 @@ class SelectingRepair:
     def __init__(self, adapter: ModelAdapter, settings: KVBoostSettings) -> None:
         self.adapter = adapter
         self.settings = settings
-        self.stages = StagePlanner(adapter, settings)
+
+    def auto_bounds(self, count: int) -> tuple[int, int]:
+        """Least and largest budget ``recompute_ratio="auto"`` may pick among ``count`` tokens."""
+        settings = self.settings
+        return recompute_budget(count, settings.min_recompute_ratio), recompute_budget(count, settings.max_recompute_ratio)
+
+    def stage_sizes(self, budget: int, count: int) -> tuple[int, ...]:
+        """Set size of each ``blend_stages`` stage for ``budget`` tokens among ``count``."""
+        spans = layer_spans(self.adapter.num_layers, self.settings.blend_stages)
+        return tuple(stage_sizes(budget, [last - first + 1 for first, last in spans], count))

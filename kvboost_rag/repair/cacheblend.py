@@ -37,14 +37,14 @@ class CacheBlendRepair(SelectingRepair):
         fresh_values[:, :, :h] = inputs.values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
         with stage("probe", adapter.device):
-            adapter.forward_until_layer(torch.tensor(ids[h:]), torch.arange(h, n), partial, check)
+            adapter.hidden_through_layers(torch.tensor(ids[h:]), torch.arange(h, n), partial, 0, check, None)
         rows = content.to(adapter.device)
         fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
         deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])
         count = int(content.numel())
         budget = inputs.budget
         if budget is None:
-            low, high = self.stages.auto_bounds(count)
+            low, high = self.auto_bounds(count)
             budget = adaptive_budget(deviation, kv_energy(fresh_k, fresh_v), self.settings.max_deviation, low, high)
-        sizes = self.stages.sizes(budget, count)
+        sizes = self.stage_sizes(budget, count)
         return Selection(select_highest(content, deviation.cpu(), sizes[0]), sizes)

@@ -48,10 +48,7 @@ def run_probe(
     probe.arm(positions.to(adapter.device))
     depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
     with last_query_attention(queries) as recorded:
-        if depth >= adapter.num_layers:
-            adapter.forward(input_ids, positions, probe, sparse_queries=True)
-        else:
-            adapter.hidden_through_layers(input_ids, positions, probe, 0, depth - 1, None)
+        adapter.hidden_through_layers(input_ids, positions, probe, 0, depth - 1, None)
     return recorded
 
 
