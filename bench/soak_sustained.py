@@ -192,7 +192,7 @@ def lookup_times(args: Any, model: Any, tokenizer: Any, sizes: list[int]) -> lis
         for prompt in prompts:
             tokens = engine._tokenizing.prompt(prompt)
             t0 = time.perf_counter()
-            found = engine._cache.document_index.find(prompt)
+            found = engine._cache.known_documents().find(prompt)
             t1 = time.perf_counter()
             engine._requests.planner.plan(tokens)
             t2 = time.perf_counter()

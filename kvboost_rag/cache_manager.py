@@ -117,13 +117,10 @@ class CacheManager:
         """The stored record of a document text, if any tier holds it."""
         return self._registry.lookup(text)
 
-    @property
-    def document_index(self) -> DocumentRegistry:
-        """The index of known documents that plans look for in prompts (read-only use)."""
-        return self._registry
-
     def known_documents(self) -> DocumentRegistry:
-        """:attr:`document_index` as a call (what a :class:`~kvboost_rag.plan.Planner` reads)."""
+        """The index of known documents that plans look for in prompts (read-only use; a
+        :class:`~kvboost_rag.plan.Planner` calls this at each plan, as clearing the cache
+        replaces the index)."""
         return self._registry
 
     @property

@@ -372,7 +372,7 @@ class Requests:
             documents,
             plan.num_tokens,
             outcome.live_tokens,
-            explain_missed_documents(plan.tokens.text, self.cache.document_index),
+            explain_missed_documents(plan.tokens.text, self.cache.known_documents()),
         )
 
     @property

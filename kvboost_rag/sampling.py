@@ -157,7 +157,7 @@ class TextAssembler:
         known = decode(self.token_ids[self._prefix : self._read], skip_special_tokens=True)
         window = decode(self.token_ids[self._prefix :], skip_special_tokens=True)
         if len(window) > len(known) and not window.endswith("\ufffd"):
-            searched_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0) + 1)
+            searched_from = max(0, len(self.text) - self._holdback)  # a stop string may start there
             self.text += window[len(known) :]
             self._prefix, self._read = self._read, len(self.token_ids)
             cut = self._first_stop(searched_from)

@@ -77,7 +77,7 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
             assert key in prefix_keys, f"unindexed entry {key[:12]}"
     for key in prefix_keys:
         assert cache._store.contains(key), f"prefix index holds {key[:12]} that no tier holds"
-    for anchor, digest in cache.document_index.known():
+    for anchor, digest in cache.known_documents().known():
         record_key = cache.shelf.key_of(anchor, digest)
         assert cache._store.contains(record_key), "registry knows a document whose record is gone"
         chunks = cache._documents[digest][1]
@@ -87,7 +87,7 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
     for tier in cache._store.tiers:
         for key in tier.keys_with_prefix(cache.shelf.prefix):
             anchor, digest = cache.shelf.parse_key(key)
-            assert digest in dict((d, a) for a, d in cache.document_index.known()), "a stored record the registry forgot"
+            assert digest in dict((d, a) for a, d in cache.known_documents().known()), "a stored record the registry forgot"
     assert memory.used_bytes <= memory.max_bytes
 
 

@@ -20,19 +20,19 @@ class DocumentFailure:
 
 
 @dataclass
-class BatchOutcome:
-    """What one worker did with one batch.
+class WarmCounts:
+    """What warming some documents did (a batch's outcome, or a job's totals).
 
     Attributes:
-        computed: Documents whose K/V this batch computed and stored.
+        computed: Documents whose K/V was computed and stored.
         skipped: Documents stored already (by an earlier run or another worker): only their
             records were read.
         tokens: Tokens of the documents warmed or skipped.
-        computed_tokens: Tokens whose K/V this batch computed.
-        bytes_written: Bytes the worker's shared tiers received for this batch.
-        failures: Documents that raised.
-        seconds: Wall time of the batch on the worker.
-        worker: Which worker ran it.
+        computed_tokens: Tokens whose K/V was computed.
+        bytes_written: Bytes written to the shared tiers (Redis counts exactly; a disk folder
+            by the growth of its usage).
+        failures: Documents that could not be warmed, with the error.
+        seconds: Wall time.
     """
 
     computed: int = 0
@@ -42,23 +42,35 @@ class BatchOutcome:
     bytes_written: int = 0
     failures: list[DocumentFailure] = field(default_factory=list)
     seconds: float = 0.0
+
+    def add(self, other: WarmCounts) -> None:
+        """Count ``other``'s documents, tokens, bytes and failures in (not its time)."""
+        self.computed += other.computed
+        self.skipped += other.skipped
+        self.tokens += other.tokens
+        self.computed_tokens += other.computed_tokens
+        self.bytes_written += other.bytes_written
+        self.failures.extend(other.failures)
+
+
+@dataclass
+class BatchOutcome(WarmCounts):
+    """What one worker did with one batch (:class:`WarmCounts`; ``seconds`` on the worker).
+
+    Attributes:
+        worker: Which worker ran it.
+    """
+
     worker: str = ""
 
 
 @dataclass
-class WarmReport:
-    """Totals of a warm job.
+class WarmReport(WarmCounts):
+    """Totals of a warm job (:class:`WarmCounts`; ``seconds`` is the job's wall time, workers'
+    start and model loading included).
 
     Attributes:
         documents: Documents in the source.
-        computed: Documents computed and stored by this run.
-        skipped: Documents found stored already (a resumed job skips what it did before).
-        tokens: Tokens of the computed and skipped documents.
-        computed_tokens: Tokens whose K/V this run computed.
-        bytes_written: Bytes written to the shared tiers (Redis counts exactly; a disk folder
-            by the growth of its usage).
-        failures: Documents that could not be warmed, with the error.
-        seconds: Wall time of the job, workers' start (model loading) included.
         startup_seconds: Part of ``seconds`` spent starting workers and loading models; the
             rates count the rest.
         workers: Workers that ran (1 without Ray).
@@ -66,13 +78,6 @@ class WarmReport:
     """
 
     documents: int = 0
-    computed: int = 0
-    skipped: int = 0
-    tokens: int = 0
-    computed_tokens: int = 0
-    bytes_written: int = 0
-    failures: list[DocumentFailure] = field(default_factory=list)
-    seconds: float = 0.0
     startup_seconds: float = 0.0
     workers: int = 1
     backend: str = "local"
@@ -96,15 +101,6 @@ class WarmReport:
     def tokens_per_second(self) -> float:
         """Computed tokens per second of wall time once the workers were ready."""
         return self.computed_tokens / self.warm_seconds if self.warm_seconds > 0 else 0.0
-
-    def add(self, batch: BatchOutcome) -> None:
-        """Count one batch's outcome."""
-        self.computed += batch.computed
-        self.skipped += batch.skipped
-        self.tokens += batch.tokens
-        self.computed_tokens += batch.computed_tokens
-        self.bytes_written += batch.bytes_written
-        self.failures.extend(batch.failures)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the rates (for JSON output)."""
