@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     tokenizer = load_tokenizer(args.tokenizer)
     layers = model.config.num_hidden_layers
     engine = KVBoost.from_model(
-        model, tokenizer, show_progress=False, chunk_size=args.chunk_size, recompute_ratio=0.15,
+        model, tokenizer, show_progress=False, chunk_size=args.chunk_size,
         max_cache_bytes=64 * 1024**3, check_layer=min(2, layers - 1),
     )
     timer = ForwardTimer(model, device)

@@ -110,8 +110,8 @@ class BenchConfig:
     chat_turns: int = 4
     chat_docs: int = 2
     new_tokens: int = 24
-    ratios: tuple[float, ...] = (0.05, 0.15, 0.30)
-    adapter_ratio: float = 0.15
+    ratios: tuple[float, ...] = (0.05, 0.10, 0.15, 0.30)
+    adapter_ratio: float = 0.10
     seed: int = 0
     out: Path = BENCH_DIR / "results"
     llamacpp: bool = False

@@ -12,7 +12,7 @@ sequence that finished simply is not passed to the next step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +43,9 @@ class DecodeSequence:
         finish_reason: Set once it is done.
         finished_at: ``time.perf_counter()`` when it was done.
         step_logits: The logits of each step, kept on the host when ``options.return_logits``.
+        before_first_step: Work on its cache that must run once its first token is chosen and
+            before that token is decoded (the lookahead repair); the decode worker runs it
+            when the sequence joins, so the first token is already on its way.
     """
 
     cache: ModelCache
@@ -57,6 +60,7 @@ class DecodeSequence:
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    before_first_step: Callable[[], None] | None = None
 
     @property
     def done(self) -> bool:

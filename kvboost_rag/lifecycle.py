@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -264,6 +265,8 @@ class Requests:
                 eos_ids=self.eos_ids,
             )
             first_pieces = sequence.choose(outcome.logits)
+            if outcome.follow_up is not None and not sequence.done:
+                sequence.before_first_step = partial(_look_ahead, outcome, sequence)
         except BaseException:
             self.scheduler.release(reservation)
             raise
@@ -393,3 +396,13 @@ class Requests:
             _warnings.warning("window-exceeded", message)
             return False
         return True
+
+
+def _look_ahead(outcome: PrefillOutcome, sequence: DecodeSequence) -> None:
+    """Run a prefill's follow-up repair with the sequence's first token and count what it
+    recomputed (those tokens no longer count as read from cache)."""
+    if outcome.follow_up is None or sequence.token is None:
+        return
+    outcome.recomputed_tokens += outcome.follow_up(sequence.token)
+    if outcome.content_tokens:
+        outcome.recompute_ratio = outcome.recomputed_tokens / outcome.content_tokens

@@ -6,6 +6,7 @@ statistics) and by :meth:`~kvboost_rag.cache_manager.CacheManager.write_back`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,9 @@ class PrefillOutcome:
         merged_tokens: Document tokens merged with a neighbour by the tokenizer.
         strategy: ``"full"``, ``"exact"``, or the repair strategy used.
         recompute_ratio: Share of the loaded document tokens the repair recomputed.
+        follow_up: The lookahead repair (``lookahead_ratio``), to run once the first token is
+            chosen and before it is decoded: given that token, it recomputes stale cached
+            tokens and returns how many.
     """
 
     logits: torch.Tensor | None
@@ -52,3 +56,4 @@ class PrefillOutcome:
     merged_tokens: int = 0
     strategy: str = "full"
     recompute_ratio: float = 0.0
+    follow_up: Callable[[int], int] | None = None

@@ -22,6 +22,7 @@ what was reused). It stores nothing: write-back reads the outcome.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
 from kvboost_rag.repair.blend_pass import filtered_blend
+from kvboost_rag.repair.lookahead import look_ahead
 from kvboost_rag.repair.runs import contiguous_runs
 from kvboost_rag.stage_times import stage
 
@@ -229,6 +231,13 @@ class Prefiller:
             else:
                 stitched.arm(positions.to(adapter.device))
                 logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
+        extra = recompute_budget(loaded, self.settings.lookahead_ratio) if repair.name == "attention" else 0
+        follow_up = None
+        if extra:  # after the first token is chosen: it reads the stale tokens it attends to most
+            follow_up = partial(
+                look_ahead, adapter, input_ids=input_ids, keys=keys, values=values, stitched=stitched,
+                stale=cached & ~compute, budget=extra,
+            )
         recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
         return PrefillOutcome(
             logits=logits,
@@ -243,6 +252,7 @@ class Prefiller:
             live_tokens=int(live.sum()),
             strategy=repair.name,
             recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
+            follow_up=follow_up,
         )
 
 

@@ -232,7 +232,8 @@ class DecodeScheduler:
         nothing runs (the worker then exits, and the next hand-over starts a new one)."""
         while True:
             with self._state:
-                running.extend(self._incoming)
+                joining = list(self._incoming)
+                running.extend(joining)
                 self._incoming.clear()
                 for handle in [h for h in running if h.cancelled]:
                     running.remove(handle)
@@ -240,6 +241,9 @@ class DecodeScheduler:
                 if not running:
                     self._worker = None
                     return
+            self._prepare(running, [handle for handle in joining if handle in running])
+            if not running:
+                continue
             self.peak_batch = max(self.peak_batch, len(running))
             try:
                 with self._turns.decode_step():
@@ -255,6 +259,22 @@ class DecodeScheduler:
                         self._release_locked(handle.reservation)
             for handle, result in stepped:
                 handle._deliver(result)
+
+    def _prepare(self, running: list[DecodeHandle], joining: list[DecodeHandle]) -> None:
+        """Run the work each joining sequence asked for before its first step; a sequence
+        whose work fails leaves with the error."""
+        for handle in joining:
+            work, handle.sequence.before_first_step = handle.sequence.before_first_step, None
+            if work is None:
+                continue
+            try:
+                with self._turns.decode_step():
+                    work()
+            except Exception as exc:  # noqa: BLE001 - this request's caller re-raises it
+                with self._state:
+                    running.remove(handle)
+                    self._release_locked(handle.reservation)
+                handle._deliver(StepResult(error=exc))
 
     def _release_locked(self, reservation: Reservation) -> None:
         if not reservation.released:
