@@ -137,8 +137,11 @@ class PromptPlan:
         return len(self.tokens.ids)
 
     def documents_after(self, position: int) -> list[PlacedDocument]:
-        """Documents that start at or after ``position`` (those a prefix hit does not cover)."""
-        return [d for d in self.documents if d.first_token >= position]
+        """Documents a prefix hit ending at ``position`` does not wholly cover: those that start
+        at or after it, and those it covers in part (a stored beginning that shares a
+        document's first tokens, such as a warm's lead-in ending on a document with the same
+        first word): their tokens after ``position`` can still be served by content."""
+        return [d for d in self.documents if d.first_token >= position or (d.positions and d.positions[-1] >= position)]
 
 
 def build_plan(
