@@ -57,6 +57,17 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
+def thread_setting(state: threading.local, name: str, value: object) -> Iterator[None]:
+    """Set ``state.<name>`` to ``value`` within the block (this thread), then restore it."""
+    previous = getattr(state, name, None)
+    setattr(state, name, value)
+    try:
+        yield
+    finally:
+        setattr(state, name, previous)
+
+
+@contextlib.contextmanager
 def query_positions(positions: torch.Tensor) -> Iterator[None]:
     """Within the block, the registered attention treats queries as sitting at ``positions``.
 
@@ -104,12 +115,8 @@ def use_backend(backend: Backend) -> Iterator[None]:
     """
     if backend not in BACKENDS:
         raise InvalidInputError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    previous = getattr(_state, "backend", None)
-    _state.backend = backend
-    try:
+    with thread_setting(_state, "backend", backend):
         yield
-    finally:
-        _state.backend = previous
 
 
 def default_backend(device: torch.device) -> Backend:

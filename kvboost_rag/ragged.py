@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.attention import attend_blocks
+from kvboost_rag.attention import attend_blocks, thread_setting
 
 RAGGED_ATTENTION = "kvboost_ragged_decode"
 _state = threading.local()
@@ -109,12 +109,8 @@ def one_call(enabled: bool) -> Iterator[None]:
     """Within the block (this thread), batched decode steps compute every row's attention in
     one call (``True``) or one call per row (``False``); by default one call on CUDA, per row
     elsewhere (on CPU the per-row calls skip the padding)."""
-    previous = getattr(_state, "one_call", None)
-    _state.one_call = enabled
-    try:
+    with thread_setting(_state, "one_call", enabled):
         yield
-    finally:
-        _state.one_call = previous
 
 
 def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
