@@ -75,13 +75,14 @@ def build_chain(retriever: Runnable, chat: ChatKVBoost) -> Runnable:
     return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | chat
 
 
-def ingest(chat: ChatKVBoost, max_chars: int) -> InMemoryVectorStore:
-    """Embed and prewarm the reference topics; returns the (prewarming) store."""
+def ingest(chat: ChatKVBoost, max_chars: int, count: int | None = None) -> InMemoryVectorStore:
+    """Embed and prewarm the reference topics (the first ``count``, default all); returns the
+    (prewarming) store."""
     names = list(python_reference_topics())
     docs = [
         Document(page_content=text, metadata={"topic": name})
         for name, text in zip(names, python_reference_documents(max_chars=max_chars))
-    ]
+    ][:count]
     started = time.perf_counter()
     embeddings = MiniLMEmbeddings()
     store = KVBoostPrewarmer(chat).wrap(InMemoryVectorStore(embeddings))
@@ -91,10 +92,10 @@ def ingest(chat: ChatKVBoost, max_chars: int) -> InMemoryVectorStore:
     return store
 
 
-def run(questions: list[str], k: int, max_chars: int, max_new_tokens: int) -> None:
+def run(questions: list[str], k: int, max_chars: int, max_new_tokens: int, docs: int | None = None) -> None:
     chat = ChatKVBoost(max_new_tokens=max_new_tokens)
     full_prefill = ChatKVBoost(engine=chat.engine, max_new_tokens=max_new_tokens, reuse=False)
-    store = ingest(chat, max_chars)
+    store = ingest(chat, max_chars, docs)
     retriever = store.as_retriever(search_kwargs={"k": k})
     reuse_chain, full_chain = build_chain(retriever, chat), build_chain(retriever, full_prefill)
 
@@ -137,9 +138,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="documents retrieved per question")
     parser.add_argument("--max-chars", type=int, default=500, help="cut each reference topic to this many characters")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--docs", type=int, default=None, help="ingest only the first N reference topics (default: all 79)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    run(args.question or list(QUESTIONS), args.k, args.max_chars, args.max_new_tokens)
+    run(args.question or list(QUESTIONS), args.k, args.max_chars, args.max_new_tokens, args.docs)
 
 
 if __name__ == "__main__":

@@ -104,13 +104,13 @@ def hf_generate_ttft_ms(llm: KVBoostLLM, prompt: str) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
-def ingest(llm: KVBoostLLM, max_chars: int, chunk_size: int) -> VectorStoreIndex:
-    """Split, embed and prewarm the reference topics."""
+def ingest(llm: KVBoostLLM, max_chars: int, chunk_size: int, count: int | None = None) -> VectorStoreIndex:
+    """Split, embed and prewarm the reference topics (the first ``count``, default all)."""
     names = list(python_reference_topics())
     documents = [
         Document(text=text, metadata={"topic": name})
         for name, text in zip(names, python_reference_documents(max_chars=max_chars), strict=True)
-    ]
+    ][:count]
     prewarm = KVBoostPrewarmer(llm=llm, show_progress=True)
     started = time.perf_counter()
     index = VectorStoreIndex.from_documents(
@@ -127,11 +127,17 @@ def ingest(llm: KVBoostLLM, max_chars: int, chunk_size: int) -> VectorStoreIndex
 
 
 def run(
-    questions: list[str], top_k: int, response_mode: str, max_chars: int, chunk_size: int, max_new_tokens: int
+    questions: list[str],
+    top_k: int,
+    response_mode: str,
+    max_chars: int,
+    chunk_size: int,
+    max_new_tokens: int,
+    docs: int | None = None,
 ) -> None:
     llm = KVBoostLLM(max_new_tokens=max_new_tokens)
     full_prefill = KVBoostLLM(engine=llm.engine, max_new_tokens=max_new_tokens, reuse=False)
-    index = ingest(llm, max_chars, chunk_size)
+    index = ingest(llm, max_chars, chunk_size, docs)
     reuse_engine = index.as_query_engine(llm=llm, similarity_top_k=top_k, response_mode=response_mode)
     full_engine = index.as_query_engine(llm=full_prefill, similarity_top_k=top_k, response_mode=response_mode)
     recorder = LastChatRecorder()
@@ -184,6 +190,7 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=500, help="cut each reference topic to this many characters")
     parser.add_argument("--chunk-size", type=int, default=256, help="SentenceSplitter chunk size (model tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--docs", type=int, default=None, help="ingest only the first N reference topics (default: all 79)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     run(
@@ -193,6 +200,7 @@ def main() -> None:
         args.max_chars,
         args.chunk_size,
         args.max_new_tokens,
+        args.docs,
     )
 
 

@@ -2,16 +2,20 @@
 # Runs every test suite (engine, LangChain integration, LlamaIndex integration), each in its
 # own pytest session with its own settings, then the portability checks
 # (scripts/test_portability.sh: the exactness tests at each CPU kernel level and against the
-# lowest dependency versions the packages admit). Extra arguments go to every suite's pytest
-# call (e.g. -m "not slow"). Exits non-zero if anything fails.
+# lowest dependency versions the packages admit). Each suite runs on one pytest-xdist worker per
+# core (at most 4; KVBOOST_RAG_TEST_WORKERS overrides, 0 runs in one process), a test file per
+# worker so module fixtures are built once. Extra arguments go to every suite's pytest call
+# (e.g. -m "not slow"). Exits non-zero if anything fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
+export KVBOOST_RAG_TEST_WORKERS="${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+PARALLEL=(-n "$KVBOOST_RAG_TEST_WORKERS" --dist loadfile)
 "$PY" -m kvboost_rag.environment
 status=0
 for suite in . integrations/langchain-kvboost integrations/llama-index-llms-kvboost; do
   echo "=== pytest: $suite"
-  (cd "$suite" && "$PY" -m pytest "$@") || status=1
+  (cd "$suite" && "$PY" -m pytest "${PARALLEL[@]}" "$@") || status=1
 done
 bash scripts/test_portability.sh || status=1
 exit $status

@@ -10,12 +10,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
 EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)
+# Workers as scripts/test.sh sets them (one per core, at most 4) when run alone.
+PARALLEL=(-n "${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}" --dist loadfile)
 status=0
 
 for level in default avx2; do
   echo "=== exactness tests, ATEN_CPU_CAPABILITY=$level"
   ATEN_CPU_CAPABILITY=$level "$PY" -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability())"
-  ATEN_CPU_CAPABILITY=$level "$PY" -m pytest -q -p no:warnings "${EXACTNESS[@]}" || status=1
+  ATEN_CPU_CAPABILITY=$level "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings "${EXACTNESS[@]}" || status=1
 done
 
 echo "=== lowest admitted versions"
@@ -23,9 +25,9 @@ LOWEST="$PWD/.venv-lowest"
 if "$PY" scripts/lowest_versions.py "$LOWEST"; then
   export PYTHONPATH="$LOWEST${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -m kvboost_rag.environment | grep -E '^(transformers|tokenizers|langchain-core|llama-index-core):'
-  "$PY" -m pytest -q -p no:warnings "${EXACTNESS[@]}" || status=1
-  (cd integrations/langchain-kvboost && "$PY" -m pytest -q -p no:warnings -m "not slow" tests/unit_tests) || status=1
-  (cd integrations/llama-index-llms-kvboost && "$PY" -m pytest -q -p no:warnings -m "not slow") || status=1
+  "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings "${EXACTNESS[@]}" || status=1
+  (cd integrations/langchain-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow" tests/unit_tests) || status=1
+  (cd integrations/llama-index-llms-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow") || status=1
 else
   echo "could not install the lowest admitted versions" >&2
   status=1

@@ -10,7 +10,8 @@ from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.log_limits import forget_all
 from kvboost_rag.testing import tiny_model, tiny_tokenizer
 
-# One thread: predictable on a shared 2-core machine, and tiny models gain nothing from more.
+# One intra-op thread per test process: the suites run one pytest-xdist worker per core, and
+# tiny models gain nothing from more (threads spinning against each other slow every pass).
 torch.set_num_threads(1)
 
 from rag_prompts import SYSTEM_PROMPT

@@ -49,14 +49,18 @@ def test_prewarm_store_serves_a_fresh_process_from_disk(tmp_path):
 
 
 def test_langchain_rag_example():
-    out = run_example("langchain_rag.py", "--question", "What does the pass statement do?", "--k", "2", "--max-chars", "300", "--max-new-tokens", "6")
+    out = run_example(
+        "langchain_rag.py", "--question", "What does the assert statement do?", "--k", "2", "--max-chars", "300",
+        "--max-new-tokens", "6", "--docs", "16",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "ms" in out.stdout
 
 
 def test_llamaindex_query_engine_example():
     out = run_example(
-        "llamaindex_query_engine.py", "--question", "What does the pass statement do?", "--top-k", "2", "--max-chars", "300", "--max-new-tokens", "6"
+        "llamaindex_query_engine.py", "--question", "What does the assert statement do?", "--top-k", "2", "--max-chars", "300",
+        "--max-new-tokens", "6", "--docs", "16",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "ms" in out.stdout

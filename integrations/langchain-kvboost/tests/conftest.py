@@ -7,7 +7,13 @@ import math
 import re
 
 import pytest
+import torch
 from langchain_core.embeddings import Embeddings
+
+# One intra-op thread per test process: the suite runs one pytest-xdist worker per core, and
+# the engine's decode worker runs beside the calling thread; more threads than cores make each
+# forward pass up to ~10x slower (threads spinning against each other).
+torch.set_num_threads(1)
 
 # Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
@@ -21,6 +22,11 @@ from llama_index.core.instrumentation.events.llm import (
 
 from kvboost_rag import KVBoost
 from kvboost_rag.testing import tiny_model, tiny_tokenizer
+
+# One intra-op thread per test process: the suite runs one pytest-xdist worker per core, and
+# the engine's decode worker runs beside the calling thread; more threads than cores make each
+# forward pass up to ~10x slower (threads spinning against each other).
+torch.set_num_threads(1)
 
 # Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
 

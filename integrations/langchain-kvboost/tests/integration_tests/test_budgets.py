@@ -60,8 +60,8 @@ def test_forced_calls_parse_at_every_budget_from_the_minimum() -> None:
         ChatKVBoost(max_new_tokens=minimum - 1).bind_tools([lookup], tool_choice="lookup").invoke(QUESTIONS[0])
     for budget in _budgets(minimum):
         model = ChatKVBoost(max_new_tokens=budget).bind_tools([lookup], tool_choice="lookup")
-        for question in QUESTIONS:
-            reply = model.invoke(question)
+        # The questions decode together (one batch; each reply is still its own greedy output).
+        for question, reply in zip(QUESTIONS, model.batch(list(QUESTIONS)), strict=True):
             assert isinstance(reply, AIMessage) and reply.invalid_tool_calls == [], (budget, question)
             [call] = reply.tool_calls
             assert call["name"] == "lookup" and set(call["args"]) == {"query", "section"}
@@ -79,16 +79,15 @@ def test_structured_outputs_validate_at_every_budget_from_the_minimum() -> None:
         ChatKVBoost(max_new_tokens=minimum - 1).with_structured_output(Answer).invoke(QUESTIONS[0])
     for budget in _budgets(minimum):
         model = ChatKVBoost(max_new_tokens=budget).with_structured_output(Answer, include_raw=True)
-        for question in QUESTIONS[:3]:
-            out = model.invoke(question)
+        for question, out in zip(QUESTIONS[:3], model.batch(list(QUESTIONS[:3])), strict=True):
             assert out["parsing_error"] is None and isinstance(out["parsed"], Answer), (budget, question, out["raw"])
             assert out["raw"].usage_metadata["output_tokens"] <= budget
 
 
 def test_parallel_calls_parse_with_their_own_ids() -> None:
     model = ChatKVBoost(max_new_tokens=96).bind_tools([lookup], tool_choice="any", parallel_tool_calls=True)
-    for question in ("Look up the json module and the csv module.", QUESTIONS[1]):
-        reply = model.invoke(question)
+    questions = ("Look up the json module and the csv module.", QUESTIONS[1])
+    for question, reply in zip(questions, model.batch(list(questions)), strict=True):
         assert reply.tool_calls and reply.invalid_tool_calls == [], reply.content
         assert len({call["id"] for call in reply.tool_calls}) == len(reply.tool_calls)
         for call in reply.tool_calls:

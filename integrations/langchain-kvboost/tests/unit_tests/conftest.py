@@ -6,11 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-
-# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine thread
-# contention makes each forward pass ~10x slower.
-torch.set_num_threads(1)
 
 #: Small chunks so that the short texts of unit tests span several cached chunks.
 TINY_ENGINE_SETTINGS: dict[str, Any] = {"chunk_size": 16, "show_progress": False}
