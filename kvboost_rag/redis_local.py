@@ -63,22 +63,44 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _port_range() -> range:
+    """Ports this process picks from: 20000-49999, split into disjoint parts among the
+    pytest-xdist workers of one run (``PYTEST_XDIST_WORKER=gwN``), so workers never race for
+    the same port."""
+    low, high = 20000, 50000
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
+        size = (high - low) // int(count)
+        low += int(worker[2:]) % int(count) * size
+        high = low + size
+    return range(low, high)
+
+
 def free_port(cluster_bus: bool = False) -> int:
     """A free loopback port (and, with ``cluster_bus``, its cluster bus port ``port + 10000``)."""
+    ports = _port_range()
     for _ in range(200):
-        port = random.randint(20000, 50000)
+        port = random.choice(ports)
         if _port_free(port) and (not cluster_bus or _port_free(port + 10000)):
             return port
     raise RedisNotAvailableError("found no free loopback port")
 
 
-def _ping(port: int, timeout: float = 0.3) -> bool:
+def _server_pid(port: int, timeout: float = 0.3) -> int | None:
+    """Process id of the Redis server answering on ``port`` (``INFO server``), else ``None``."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+                data = sock.recv(4096)
+                if not data:
+                    return None
+                reply += data
     except OSError:
-        return False
+        return None
+    digits = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
+    return int(digits) if digits.isdigit() else None
 
 
 @dataclass
@@ -121,7 +143,8 @@ class LocalRedis:
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while not _ping(self.port):
+        # Ours answers: another process's server on a port taken meanwhile is not taken for it.
+        while _server_pid(self.port) != self.process.pid:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop(kill=True)
                 tail = (self.folder / "server.log").read_text(errors="replace")[-400:]
@@ -163,7 +186,21 @@ def start_server(
         folder: Working folder (default: a new temporary one).
     """
     folder = Path(folder or tempfile.mkdtemp(prefix="kvboost-redis-"))
-    server = LocalRedis(free_port(), folder, _server_args(persistent, maxmemory, policy))
+    return _start_on_a_free_port(folder, _server_args(persistent, maxmemory, policy), cluster_bus=False)
+
+
+def _start_on_a_free_port(folder: Path, args: list[str], cluster_bus: bool, tries: int = 5) -> LocalRedis:
+    """Start a server on a free port, on another one if a process took it meanwhile."""
+    for _ in range(tries - 1):
+        server = LocalRedis(free_port(cluster_bus=cluster_bus), folder, list(args))
+        try:
+            server.start()
+            return server
+        except RedisNotAvailableError:
+            if _port_free(server.port):
+                raise  # it failed for another reason than a taken port
+            logger.info("port %d was taken before redis-server bound it; trying another", server.port)
+    server = LocalRedis(free_port(cluster_bus=cluster_bus), folder, list(args))
     server.start()
     return server
 
@@ -259,9 +296,7 @@ def start_cluster(
         for i in range(masters):
             node_folder = parent / f"node{i}"
             node_folder.mkdir(parents=True, exist_ok=True)
-            node = LocalRedis(free_port(cluster_bus=True), node_folder, list(args))
-            nodes.append(node)
-            node.start()
+            nodes.append(_start_on_a_free_port(node_folder, args, cluster_bus=True))
         addresses = [f"127.0.0.1:{node.port}" for node in nodes]
         command = [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60)
