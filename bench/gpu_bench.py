@@ -3,19 +3,22 @@
 Timing does not depend on weight values, so the model is built from a named shape's config
 (written below, no download) with random weights, in the requested dtype on the requested
 device, and fed the embedded SmolLM2 tokenizer's tokens (all ids fit every shape's vocabulary).
-For each prompt length (a system prompt, Python reference documents, a question) one run
+For each prompt length (a system prompt, retrieved documents: the reference documents cut the
+way a RAG text splitter cuts them, at most ``--doc-tokens`` each, and a question) one run
 measures, each the median of ``--repeats`` calls after a warm-up:
 
 - full prefill through transformers (SDPA, one ``model(...)`` call on a fresh cache,
   tokenizing and taking the first token included): the baseline;
 - an exact prefix repeat through the engine (the same prompt again) and its speedup;
-- document reuse with the engine's default repair (the attention strategy) at 15%: the
-  documents warmed behind the system prompt, the prompt holding them in another order, and
+- document reuse with the engine's default repair (the strategy and ratio in use are printed):
+  the documents warmed behind the system prompt, the prompt holding them in another order, and
   its speedup;
 - engine overhead: the engine's TTFT minus the time spent inside the model's forward calls
-  and minus tokenizing (timed apart: full prefill pays it too), that is plan, lookup,
-  loading, stitching, re-rotation, selection and sampling, for the prefix repeat and for
-  document reuse;
+  and minus tokenizing (the engine's own tokenize stage in the same call: full prefill pays
+  it too), that is plan, lookup, loading, stitching, re-rotation, selection and sampling, for
+  the prefix repeat and for document reuse;
+- operations one call dispatches (:mod:`kvboost_rag.dev.op_counts`, an untimed call of its
+  own): tensor copies, kernels, host reads of tensor values (device syncs on a GPU);
 - decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
   both ``(tokens - 1) / (time of the last token - time of the first)``).
 
@@ -42,6 +45,8 @@ from transformers.generation.streamers import BaseStreamer
 from kvboost_rag import KVBoost
 from kvboost_rag.attention import BACKENDS, default_backend, use_backend
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.dev.op_counts import OpCounter, OpCounts
+from kvboost_rag.stage_times import record_stages
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
@@ -124,22 +129,52 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
-def build_prompt(tokenizer, tokens: int, seed: int) -> tuple[str, list[str], str]:
+def split_documents(tokenizer, doc_tokens: int) -> list[str]:
+    """The reference documents cut the way a RAG text splitter cuts them: paragraphs packed
+    into pieces of at most ``doc_tokens`` tokens, a longer paragraph cut on token boundaries."""
+    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    pieces: list[str] = []
+    for text in python_reference_documents():
+        current: list[str] = []
+        size = 0
+        for paragraph in (p.strip() for p in text.split("\n\n")):
+            if not paragraph:
+                continue
+            tokens = count(paragraph)
+            if current and size + tokens > doc_tokens:
+                pieces.append("\n\n".join(current))
+                current, size = [], 0
+            if tokens > doc_tokens:
+                ids = tokenizer(paragraph, add_special_tokens=False).input_ids
+                pieces.extend(tokenizer.decode(ids[i : i + doc_tokens]).strip() for i in range(0, len(ids), doc_tokens))
+                continue
+            current.append(paragraph)
+            size += tokens
+        if current:
+            pieces.append("\n\n".join(current))
+    return [piece for piece in pieces if len(piece) >= 64]
+
+
+def build_prompt(tokenizer, tokens: int, seed: int, doc_tokens: int = 512) -> tuple[str, list[str], str]:
     """``(prompt, documents, same documents in another order as a prompt)`` of about
-    ``tokens`` tokens: the system prompt, reference documents, the question."""
+    ``tokens`` tokens: the system prompt, retrieved documents (reference documents cut into
+    pieces of at most ``doc_tokens`` tokens, a seeded random choice), the question."""
     count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     budget = tokens - count(SYSTEM_PROMPT) - count(QUESTION)
+    pool = split_documents(tokenizer, doc_tokens)
+    random.Random(seed).shuffle(pool)
     documents: list[str] = []
-    for text in python_reference_documents(max_chars=4000):
-        if budget <= 64:
+    for text in pool:
+        if budget < 64:
             break
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        if len(ids) > budget:
-            text = tokenizer.decode(ids[: budget - 4])
-        documents.append(text)
-        budget -= count(text) + 2
+        size = count(text) + 2
+        if size <= budget:
+            documents.append(text)
+            budget -= size
     shuffled = documents[:]
-    random.Random(seed).shuffle(shuffled)
+    random.Random(seed + 1).shuffle(shuffled)
+    if shuffled == documents:  # another order, always
+        shuffled = shuffled[1:] + shuffled[:1]
     join = lambda docs: SYSTEM_PROMPT + "\n\n" + "\n\n".join(docs) + QUESTION  # noqa: E731
     return join(documents), documents, join(shuffled)
 
@@ -187,6 +222,7 @@ class ForwardTimer:
 @dataclass
 class Row:
     prompt_tokens: int
+    documents: int
     tokenize_ms: float
     full_ms: float
     prefix_ms: float
@@ -196,6 +232,8 @@ class Row:
     recompute_ratio: float
     engine_tps: float
     generate_tps: float
+    prefix_ops: OpCounts
+    blend_ops: OpCounts
 
 
 def median_ms(run: Callable[[], float], repeats: int) -> float:
@@ -204,7 +242,7 @@ def median_ms(run: Callable[[], float], repeats: int) -> float:
 
 def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: torch.device) -> Row:
     model, tokenizer = engine.model, engine.tokenizer
-    prompt, documents, shuffled = build_prompt(tokenizer, tokens, seed=tokens)
+    prompt, documents, shuffled = build_prompt(tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
     n = engine.count_tokens(prompt)
 
     @torch.inference_mode()
@@ -224,10 +262,10 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
     tokenize_ms = median_ms(tokenize, 5)
 
     def engine_call(text: str, check: Callable) -> tuple[float, float]:
-        with timer.measure() as model_s:
+        with timer.measure() as model_s, record_stages(synchronize=False) as stages:
             result = engine.generate(text, max_new_tokens=1)
         check(result)
-        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - tokenize_ms
+        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - stages.get("tokenize", 0.0)
 
     full_prefill()
     full_ms = median_ms(full_prefill, args.repeats)
@@ -239,6 +277,7 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         assert result.strategy == "exact" and result.prefix_hit_tokens >= n - args.chunk_size, result
 
     prefix = [engine_call(prompt, exact) for _ in range(args.repeats)]
+    prefix_ops = counted(engine, prompt)
 
     engine.clear_cache()
     engine.warm(SYSTEM_PROMPT)
@@ -250,11 +289,13 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         ratios.append(result.recompute_ratio)
 
     blend = [engine_call(shuffled, blended) for _ in range(args.repeats)]
+    blend_ops = counted(engine, shuffled)
 
     engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
     generate_tps = generate_decode_rate(model, tokenizer, prompt, args.decode_tokens, device)
     return Row(
         prompt_tokens=n,
+        documents=len(documents),
         tokenize_ms=tokenize_ms,
         full_ms=full_ms,
         prefix_ms=statistics.median(p[0] for p in prefix),
@@ -264,7 +305,16 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         recompute_ratio=statistics.median(ratios),
         engine_tps=engine_tps,
         generate_tps=generate_tps,
+        prefix_ops=prefix_ops,
+        blend_ops=blend_ops,
     )
+
+
+def counted(engine: KVBoost, prompt: str) -> OpCounts:
+    """The operations one call to the first token dispatches (an untimed call of its own)."""
+    with OpCounter() as counter:
+        engine.generate(prompt, max_new_tokens=1)
+    return counter.counts
 
 
 def engine_decode_rate(engine: KVBoost, prompt: str, tokens: int) -> float:
@@ -312,6 +362,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--doc-tokens", type=int, default=512, help="largest document (RAG splitter piece), tokens")
     parser.add_argument("--tokenizer", default="embedded", choices=["embedded", "tiny"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
@@ -341,20 +392,25 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, device: torch.device) -> list[Row]:
     measure(engine, timer, min(lengths[0], 512), args, device)  # warm-up: kernels, compilation
+    settings = engine.settings
+    repair = f"{settings.recompute_strategy} {settings.recompute_ratio:.0%}" if settings.recompute_ratio != "auto" else "auto"
     print(
-        f"| prompt tokens | full prefill SDPA ms | prefix repeat ms | x | {engine.settings.recompute_strategy} 15% ms | x | "
-        "tokenize ms | overhead prefix / blend ms | decode tok/s engine | model.generate | engine / generate |"
+        f"| prompt tokens | documents | full prefill SDPA ms | prefix repeat ms | x | {repair} ms | x | "
+        "tokenize ms | overhead prefix / repair ms | copies prefix / repair | kernels prefix / repair | "
+        "host reads prefix / repair | decode tok/s engine | model.generate | engine / generate |"
     )
-    print("|---" * 11 + "|")
+    print("|---" * 15 + "|")
     rows = []
     for tokens in lengths:
         row = measure(engine, timer, tokens, args, device)
         rows.append(row)
+        p, b = row.prefix_ops, row.blend_ops
         print(
-            f"| {row.prompt_tokens} | {row.full_ms:.1f} | {row.prefix_ms:.1f} | {row.full_ms / row.prefix_ms:.1f} | "
-            f"{row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | {row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / "
-            f"{row.blend_overhead_ms:.1f} | {row.engine_tps:.1f} | {row.generate_tps:.1f} | "
-            f"{row.engine_tps / row.generate_tps:.2f} |",
+            f"| {row.prompt_tokens} | {row.documents} | {row.full_ms:.1f} | {row.prefix_ms:.1f} | "
+            f"{row.full_ms / row.prefix_ms:.1f} | {row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | "
+            f"{row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / {row.blend_overhead_ms:.1f} | "
+            f"{p.copies} / {b.copies} | {p.kernels} / {b.kernels} | {p.host_reads} / {b.host_reads} | "
+            f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} |",
             flush=True,
         )
     return rows

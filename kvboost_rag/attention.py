@@ -38,12 +38,14 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.log_limits import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
@@ -67,14 +69,33 @@ def thread_setting(state: threading.local, name: str, value: object) -> Iterator
         setattr(state, name, previous)
 
 
+@dataclass(frozen=True)
+class QueryPositions:
+    """The positions of one forward pass's queries, in every form the layers read them.
+
+    Built once per forward, before the layer loop, so no layer copies or reads positions.
+
+    Attributes:
+        host: ``[queries]`` int64 on the host.
+        listed: The same as Python ints (block bounds, key ranges).
+        on_device: ``[queries]`` int64 on the model's device (masks), sent asynchronously.
+    """
+
+    host: torch.Tensor
+    listed: list[int]
+    on_device: torch.Tensor
+
+
 @contextlib.contextmanager
-def query_positions(positions: torch.Tensor) -> Iterator[None]:
+def query_positions(positions: torch.Tensor, device: torch.device | None = None) -> Iterator[None]:
     """Within the block, the registered attention treats queries as sitting at ``positions``.
 
     Args:
         positions: Sorted ``[queries]`` absolute positions of the tokens being run.
+        device: The model's device (where the masks are built); default: the host.
     """
-    _state.positions = positions.view(-1).to("cpu", torch.long)
+    host = positions.view(-1).to("cpu", torch.long)
+    _state.positions = QueryPositions(host, host.tolist(), host_to_device(host, device or host.device))
     _state.cached = {}
     try:
         yield
@@ -152,8 +173,8 @@ def sparse_causal_attention(
     Returns:
         ``([batch, queries, heads, dim], None)`` like transformers' SDPA function.
     """
-    positions: torch.Tensor | None = getattr(_state, "positions", None)
-    if positions is None or positions.numel() != query.shape[2]:
+    positions: QueryPositions | None = getattr(_state, "positions", None)
+    if positions is None or len(positions.listed) != query.shape[2]:
         raise RuntimeError("sparse causal attention used outside query_positions()")
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
@@ -161,10 +182,10 @@ def sparse_causal_attention(
     recorded: list[torch.Tensor] | None = getattr(_state, "recorded", None)
     if recorded is not None:
         count = min(getattr(_state, "recorded_queries", 1), query.shape[2])
-        recorded.append(_last_queries_weights(query[:, :, -count:], key, positions[-count:], scale, window, softcap))
+        recorded.append(_last_queries_weights(query[:, :, -count:], key, positions, count, scale, window, softcap))
     backend = getattr(_state, "backend", None) or default_backend(query.device)
     if backend == "blocks":
-        out = attend_blocks(query, key, value, positions.tolist(), scale, window, softcap)
+        out = attend_blocks(query, key, value, positions.listed, scale, window, softcap, positions.on_device)
     elif backend == "flex":
         out = _flex(query, key, value, positions, scale, window, softcap)
         if out is None:
@@ -177,18 +198,18 @@ def sparse_causal_attention(
 def _last_queries_weights(
     query: torch.Tensor,
     key: torch.Tensor,
-    positions: torch.Tensor,
+    positions: QueryPositions,
+    count: int,
     scale: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """``[N]`` attention weights of ``query``'s queries (at sorted ``positions``) over ``key``,
-    mean over heads and batch rows, summed over the queries."""
-    last = int(positions[-1])
-    first = max(0, int(positions[0]) - window + 1) if window else 0
+    """``[N]`` attention weights of ``query``'s queries (the last ``count`` of the pass) over
+    ``key``, mean over heads and batch rows, summed over the queries."""
+    last = positions.listed[-1]
+    first = max(0, positions.listed[-count] - window + 1) if window else 0
     k = key[:, :, first : last + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
     batch, kv_heads = k.shape[:2]
-    count = query.shape[2]
     # [batch, kv_heads, groups, queries, dim]
     q = query.to(k.dtype).view(batch, kv_heads, -1, count, query.shape[-1])
     scores = torch.matmul(q, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [..., queries, keys]
@@ -196,7 +217,7 @@ def _last_queries_weights(
         scores = torch.tanh(scores / softcap) * softcap
     if count > 1 or window:
         keys = torch.arange(first, last + 1, device=k.device).view(1, -1)
-        pos = positions.to(k.device).view(-1, 1)
+        pos = positions.on_device[-count:].view(-1, 1)
         visible = keys <= pos
         if window:
             visible &= keys > pos - window
@@ -207,20 +228,20 @@ def _last_queries_weights(
 
 
 # ---------------------------------------------------------------------- one masked SDPA call
-def _key_range(positions: torch.Tensor, window: int | None) -> tuple[int, int]:
+def _key_range(positions: QueryPositions, window: int | None) -> tuple[int, int]:
     """Keys ``[first, last)`` any query can see."""
-    last = int(positions[-1]) + 1
-    first = max(0, int(positions[0]) - window + 1) if window else 0
+    last = positions.listed[-1] + 1
+    first = max(0, positions.listed[0] - window + 1) if window else 0
     return first, last
 
 
-def _allowed(positions: torch.Tensor, first: int, last: int, window: int | None, device: torch.device) -> torch.Tensor:
+def _allowed(positions: QueryPositions, first: int, last: int, window: int | None, device: torch.device) -> torch.Tensor:
     """``[queries, last - first]`` bool: which keys each query sees (built once per forward)."""
     cache = _state.cached
     tag = ("mask", first, last, window, device)
     if tag not in cache:
         keys = torch.arange(first, last, device=device).view(1, -1)
-        pos = positions.to(device).view(-1, 1)
+        pos = positions.on_device.view(-1, 1)
         allowed = keys <= pos
         if window:
             allowed &= keys > pos - window
@@ -228,7 +249,7 @@ def _allowed(positions: torch.Tensor, first: int, last: int, window: int | None,
     return cache[tag]
 
 
-def _masked(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def _masked(query, key, value, positions: QueryPositions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     first, last = _key_range(positions, window)
     allowed = _allowed(positions, first, last, window, query.device)
@@ -260,7 +281,9 @@ def _flex_uses_compiled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _flex(query, key, value, positions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
+def _flex(
+    query, key, value, positions: QueryPositions, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor | None:
     """One FlexAttention call; ``None`` when the compiled kernel cannot be built (the caller
     then uses one masked SDPA call)."""
     functions = _flex_functions()
@@ -273,7 +296,7 @@ def _flex(query, key, value, positions, scale: float, window: int | None, softca
     tag = ("flex", first, last, window, device)
     cache = _state.cached
     if tag not in cache:
-        pos = positions.to(device) - first
+        pos = positions.on_device - first
 
         def mask_mod(b, h, q_idx, kv_idx):
             visible = kv_idx <= pos[q_idx]
@@ -316,6 +339,7 @@ def attend_blocks(
     scale: float,
     window: int | None,
     softcap: float | None,
+    on_device: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries at sorted ``positions`` over keys ``0..N-1``, in blocks of 32 queries, each
     block attending only to the keys up to its last position (and within ``window``).
@@ -328,6 +352,8 @@ def attend_blocks(
         scale: Softmax scale.
         window: Sliding window, or ``None``.
         softcap: Logit softcapping, or ``None``.
+        on_device: ``positions`` as a tensor on the queries' device (else each block's
+            positions are copied there).
 
     Returns:
         ``[batch, heads, queries, dim]``.
@@ -339,7 +365,10 @@ def attend_blocks(
         last = positions[end - 1] + 1
         first_key = max(0, positions[start] - window + 1) if window else 0
         keys = torch.arange(first_key, last, device=query.device)
-        block_pos = torch.tensor(positions[start:end], device=query.device).view(-1, 1)
+        if on_device is not None:
+            block_pos = on_device[start:end].view(-1, 1)
+        else:
+            block_pos = torch.tensor(positions[start:end], device=query.device).view(-1, 1)
         allowed = keys.view(1, -1) <= block_pos
         if window:
             allowed &= keys.view(1, -1) > block_pos - window

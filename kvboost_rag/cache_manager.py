@@ -31,12 +31,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.corpus_fit import CorpusFit
 from kvboost_rag.document_shelf import DocumentShelf
-from kvboost_rag.hashing import anchor_hash
+from kvboost_rag.hashing import window_anchors
 from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, KVLayout, decode_block, encode_block
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.outcome import PrefillOutcome
@@ -199,14 +200,12 @@ class CacheManager:
             if not self._evicted:
                 return 0
             evicted = set(self._evicted)
-        found = 0
-        i, end = 0, len(text) - ANCHOR_CHARS
-        while i <= end:
-            if anchor_hash(text[i : i + ANCHOR_CHARS]) in evicted:
+        windows = window_anchors(text, ANCHOR_CHARS)
+        found, i = 0, 0
+        for position in np.flatnonzero(np.isin(windows, np.fromiter(evicted, dtype=np.int64))).tolist():
+            if position >= i:
                 found += 1
-                i += ANCHOR_CHARS
-            else:
-                i += 1
+                i = position + ANCHOR_CHARS
         return found
 
     def charge_indexes(self) -> None:
@@ -489,6 +488,7 @@ class CacheManager:
         """Drop every entry and index."""
         self._store.clear()
         self._prefix_index.clear()
+        self.shelf.parsed.clear()
         self._registry = DocumentRegistry(self.shelf)
         with self._maps_lock:
             self._documents.clear()

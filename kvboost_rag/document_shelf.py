@@ -12,6 +12,10 @@ warmed or passed again). The memory tier holds records within ``max_cache_bytes`
 each with its K/V chunks, as one group (the cache names the groups); disk and Redis keep them
 across restarts.
 
+Records read or saved are kept parsed in a small in-process cache (:class:`RecordCache`, bounded
+by tokens), so the documents of the prompts being served are not decoded and checked again at
+every prompt; a record leaves it when its entry leaves every tier.
+
 Stored entries are untrusted input: the text must have the digest its key names, the tokens
 and spans must be well formed (spans ordered and inside the text), and the chunk keys are not
 stored but recomputed from the tokens, so an entry cannot point at other K/V. Any violation
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,7 +36,7 @@ from kvboost_rag.hashing import fingerprint_of, text_digest
 from kvboost_rag.kv_codec import CorruptEntryError
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.segments import DocumentRecord, anchor_of, make_record
-from kvboost_rag.storage import StoredEntry, TieredStore
+from kvboost_rag.storage import KIND_FIELD, StoredEntry, TieredStore
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -48,7 +54,7 @@ def record_to_entry(record: DocumentRecord, fingerprint: str) -> StoredEntry:
             "token_ids": torch.tensor(record.token_ids, dtype=torch.int64),
             "offsets": torch.tensor(record.offsets, dtype=torch.int64).reshape(-1, 2),
         },
-        metadata={"kind": RECORD_KIND, "fingerprint": fingerprint, "digest": record.digest},
+        metadata={KIND_FIELD: RECORD_KIND, "fingerprint": fingerprint, "digest": record.digest},
     )
 
 
@@ -65,7 +71,7 @@ def record_from_entry(entry: StoredEntry, fingerprint: str, chunk_size: int) -> 
             missing or malformed tensors, spans out of order or outside the text.
     """
     meta = entry.metadata
-    if meta.get("kind") != RECORD_KIND:
+    if meta.get(KIND_FIELD) != RECORD_KIND:
         raise CorruptEntryError("not a document record")
     if meta.get("fingerprint") != fingerprint:
         raise CorruptEntryError("document record of another model fingerprint")
@@ -95,6 +101,60 @@ def record_from_entry(entry: StoredEntry, fingerprint: str, chunk_size: int) -> 
     return make_record(text, token_ids, [tuple(span) for span in spans], fingerprint, chunk_size)
 
 
+#: Tokens of parsed records the shelf keeps in process memory (about 100 bytes each).
+RECORD_CACHE_TOKENS = 1 << 18
+
+
+class RecordCache:
+    """Parsed records by digest, least recently used first out, at most ``max_tokens`` tokens.
+
+    Args:
+        max_tokens: Budget in document tokens.
+    """
+
+    def __init__(self, max_tokens: int = RECORD_CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._records: OrderedDict[str, DocumentRecord] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> DocumentRecord | None:
+        """The record, marked as used, or ``None``."""
+        with self._lock:
+            record = self._records.get(digest)
+            if record is not None:
+                self._records.move_to_end(digest)
+            return record
+
+    def put(self, record: DocumentRecord) -> None:
+        """Keep ``record``, dropping the least recently used beyond the budget."""
+        size = len(record.token_ids)
+        if size > self.max_tokens:
+            return
+        with self._lock:
+            if record.digest in self._records:
+                self._records.move_to_end(record.digest)
+                return
+            self._records[record.digest] = record
+            self._tokens += size
+            while self._tokens > self.max_tokens:
+                _, dropped = self._records.popitem(last=False)
+                self._tokens -= len(dropped.token_ids)
+
+    def drop(self, digest: str) -> None:
+        """Forget a record (its entry left the tiers)."""
+        with self._lock:
+            record = self._records.pop(digest, None)
+            if record is not None:
+                self._tokens -= len(record.token_ids)
+
+    def clear(self) -> None:
+        """Forget every record."""
+        with self._lock:
+            self._records.clear()
+            self._tokens = 0
+
+
 class DocumentShelf:
     """Document records kept in a tier stack (a :class:`~kvboost_rag.segments.RecordShelf`).
 
@@ -108,10 +168,19 @@ class DocumentShelf:
         self.store = store
         self.fingerprint = fingerprint
         self.chunk_size = chunk_size
-        self.namespace = fingerprint_of(["document-records", fingerprint])[:16]
+        # v2: anchors are polynomial hashes (kvboost_rag.hashing.anchor_hash); records keyed
+        # by the earlier CRC-32 anchors are not read (their K/V chunks still are).
+        self.namespace = fingerprint_of(["document-records/v2", fingerprint])[:16]
         self.prefix = f"doc-{self.namespace}-"
         #: Called with every record read or saved (the cache learns which chunks it owns).
         self.on_record: Callable[[DocumentRecord], None] | None = None
+        self.parsed = RecordCache()
+        store.on_gone(self._gone)
+
+    def _gone(self, key: str) -> None:
+        parsed = self.parse_key(key)
+        if parsed is not None:
+            self.parsed.drop(parsed[1])
 
     def key_of(self, anchor: int, digest: str) -> str:
         """Key of the record with this anchor hash and text digest."""
@@ -131,9 +200,16 @@ class DocumentShelf:
             self.on_record(record)
         if not self.store.contains(key):
             self.store.put(key, record_to_entry(record, self.fingerprint))
+        if self.store.contains(key):  # not kept when larger than every budget
+            self.parsed.put(record)
 
     def load(self, anchor: int, digest: str) -> DocumentRecord | None:
         """The stored record, or ``None`` (missing, or corrupt: then it is deleted)."""
+        cached = self.parsed.get(digest)
+        if cached is not None:
+            if self.on_record is not None:
+                self.on_record(cached)
+            return cached
         key = self.key_of(anchor, digest)
         entry = self.store.get(key)
         if entry is None:
@@ -150,6 +226,7 @@ class DocumentShelf:
             return None
         if self.on_record is not None:
             self.on_record(record)
+        self.parsed.put(record)
         return record
 
     def stored(self) -> Iterator[tuple[int, str]]:

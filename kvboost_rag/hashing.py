@@ -1,6 +1,6 @@
 """Cache keys: prefix-chained hashes for shared beginnings, content hashes for documents.
 
-Pure functions over token ids (standard library only). Every key is namespaced by a model
+Pure functions over token ids and text (standard library and NumPy). Every key is namespaced by a model
 fingerprint, so a store shared by several models never serves one model's K/V to another.
 
 - ``prefix_hash``: SHA-256 chain. The key of a chunk covers the chunk's tokens *and* every
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 _PREFIX_DOMAIN = b"kvboost-rag/prefix/v1"
 _CONTENT_DOMAIN = b"kvboost-rag/content/v1"
@@ -71,13 +72,51 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+#: Base of the anchor hash: an odd 64-bit constant, so it has an inverse modulo 2**64.
+_ANCHOR_BASE = 0x9E3779B97F4A7C15
+_ANCHOR_BASE_INVERSE = pow(_ANCHOR_BASE, -1, 1 << 64)
+_MASK64 = (1 << 64) - 1
+
+
 def anchor_hash(anchor: str) -> int:
     """Stable 32-bit hash of a document's first characters (the same in every process).
 
-    Indexes documents by where they start; a hit is always confirmed against the text, so a
-    collision costs one extra comparison, never a wrong match.
+    The polynomial ``sum(ord(c_k) * B**k) mod 2**64`` over the characters' code points, high 32
+    bits: :func:`window_anchors` computes it for every window of a prompt at once. Indexes
+    documents by where they start; a hit is always confirmed against the text, so a collision
+    costs one extra comparison, never a wrong match.
     """
-    return zlib.crc32(anchor.encode("utf-8", "surrogatepass"))
+    value, power = 0, 1
+    for char in anchor:
+        value = (value + ord(char) * power) & _MASK64
+        power = (power * _ANCHOR_BASE) & _MASK64
+    return value >> 32
+
+
+def window_anchors(text: str, width: int) -> np.ndarray:
+    """:func:`anchor_hash` of every ``width``-character window of ``text``, vectorized.
+
+    Rolling sums modulo ``2**64`` (NumPy's unsigned arithmetic wraps): window ``i`` is the
+    difference of two prefix sums times the inverse of ``B**i``.
+
+    Returns:
+        ``[len(text) - width + 1]`` int64 array (empty when ``text`` is shorter than ``width``).
+    """
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    count = len(codes) - width + 1
+    if count <= 0 or width <= 0:
+        return np.empty(0, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        powers = np.full(len(codes), _ANCHOR_BASE, dtype=np.uint64)
+        powers[0] = 1
+        powers = np.cumprod(powers, dtype=np.uint64)
+        sums = np.zeros(len(codes) + 1, dtype=np.uint64)
+        np.cumsum(codes * powers, dtype=np.uint64, out=sums[1:])
+        inverses = np.full(count, _ANCHOR_BASE_INVERSE, dtype=np.uint64)
+        inverses[0] = 1
+        inverses = np.cumprod(inverses, dtype=np.uint64)
+        windows = (sums[width:] - sums[:-width]) * inverses
+    return (windows >> np.uint64(32)).astype(np.int64)
 
 
 def fingerprint_of(parts: Iterable[str | bytes]) -> str:

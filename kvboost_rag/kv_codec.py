@@ -134,14 +134,17 @@ def decode_block(
         device: Where the tensors go.
         dtype: Dtype of the returned K/V (default: the stored dtype).
         trusted: The entry comes from this process's own memory (written by it, or checked
-            when it was first read from a shared tier): metadata, dtypes and shapes are still
-            checked, but no tensor value is read (no host read, so no device sync).
+            when it was first read from a shared tier): only the fingerprint and the K/V
+            layout are checked again; no metadata is parsed again and no tensor value is read
+            (no host read, so no device sync).
 
     Raises:
         CorruptEntryError: For every problem with the entry (never another exception type,
             except out-of-memory errors, which are not the entry's fault).
     """
     try:
+        if trusted:
+            return _decode_trusted(entry, fingerprint, expected_layout, device, dtype)
         return _decode(entry, fingerprint, expected_layout, device, dtype, trusted)
     except CorruptEntryError:
         raise
@@ -213,6 +216,43 @@ def _decode(
         values=values.to(dtype=target),
         token_ids=token_ids,
         start_position=start,
+    )
+
+
+def _decode_trusted(
+    entry: StoredEntry,
+    fingerprint: str,
+    expected_layout: tuple[int, int, int],
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+) -> KVBlock:
+    """:func:`_decode` for an entry of this process's own memory, which passed the full
+    checks when it entered it: the fingerprint, the K/V names and their layout are checked
+    again (a cheap guard against a mixed-up store), the metadata is not parsed again."""
+    meta = entry.metadata
+    if meta.get("fingerprint") != fingerprint:
+        raise CorruptEntryError("entry belongs to another model fingerprint")
+    bits = int(meta["bits"])
+    stored_dtype = _STORED_DTYPES[meta["dtype"]]
+    if bits == 0:
+        keys, values = entry.tensors["keys"], entry.tensors["values"]
+        keys, values = keys.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    else:
+        shape = _shape_field(meta["shape"], expected_layout)
+        on_device = {name: entry.tensors[name].to(device, non_blocking=True) for name in quant.TENSOR_NAMES}
+        keys, values = quant.dequantize_kv(on_device, bits, int(meta["group_size"]), shape, stored_dtype)
+    layers, heads, head_dim = expected_layout
+    token_ids = entry.tensors["token_ids"]
+    if keys.dim() != 4 or (keys.shape[0], keys.shape[1], keys.shape[3]) != (layers, heads, head_dim):
+        raise CorruptEntryError(f"entry shape {tuple(keys.shape)} does not fit layout {expected_layout}")
+    if values.shape != keys.shape or token_ids.shape != (keys.shape[2],):
+        raise CorruptEntryError("entry K, V and token ids disagree in length")
+    target = dtype or stored_dtype
+    return KVBlock(
+        keys=keys.to(dtype=target),
+        values=values.to(dtype=target),
+        token_ids=token_ids,
+        start_position=int(meta["start_position"]),
     )
 
 

@@ -30,6 +30,7 @@ from kvboost_rag.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import GenerationResult
 from kvboost_rag.sampling import SequenceSampling, TextAssembler, make_generator
 from kvboost_rag.scheduler import DecodeHandle, DecodeScheduler, Reservation
+from kvboost_rag.stage_times import stage
 from kvboost_rag.warming import Warming
 
 logger = logging.getLogger(__name__)
@@ -343,11 +344,12 @@ class Requests:
         return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
 
     def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
-        if not options.reuse:
-            return self.planner.plan(tokens, find_documents=False, content_reuse=False, reserve=budget)
-        records = [self.warming.document_record(d) for d in options.documents]
-        content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
-        return self.planner.plan(tokens, explicit=records, content_reuse=content, reserve=budget)
+        with stage("plan"):
+            if not options.reuse:
+                return self.planner.plan(tokens, find_documents=False, content_reuse=False, reserve=budget)
+            records = [self.warming.document_record(d) for d in options.documents]
+            content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
+            return self.planner.plan(tokens, explicit=records, content_reuse=content, reserve=budget)
 
     def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
         """Log (rate-limited) why a prompt with a long computed part held no prewarmed

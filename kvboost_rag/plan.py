@@ -7,19 +7,23 @@ which of its tokens line up with the prompt's tokens, and where the leading part
 stored as exact prefix chunks ends. Lookup, stitching, repair and write-back all read the
 plan; none of them tokenizes, hashes or aligns again.
 
-Pure: standard library and the pure helpers of :mod:`kvboost_rag.hashing` and
-:mod:`kvboost_rag.segments` only.
+Pure: standard library, NumPy and the pure helpers of :mod:`kvboost_rag.hashing` and
+:mod:`kvboost_rag.segments` only (torch only to hold the token ids as a host tensor).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from kvboost_rag.hashing import prefix_hash
-from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, DocumentRegistry, align_tokens
+from kvboost_rag.segments import DocumentOccurrence, DocumentRecord, DocumentRegistry, PromptIndex, align_tokens
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,11 @@ class PromptTokens:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @functools.cached_property
+    def id_tensor(self) -> torch.Tensor:
+        """``[tokens]`` int64 host tensor of :attr:`ids` (built once per prompt)."""
+        return torch.from_numpy(np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
 
 
 @dataclass(frozen=True)
@@ -199,26 +208,19 @@ def build_plan(
 
 
 def _place(occurrences: Sequence[DocumentOccurrence], tokens: PromptTokens) -> list[PlacedDocument]:
-    token_at_char: dict[int, int] = {}
-    for j, (start, end) in enumerate(tokens.offsets):
-        if end > start:
-            token_at_char.setdefault(start, j)
-    # Running maximum of the span ends: non-decreasing even where special tokens carry
-    # empty spans, so the first token ending after a character is one bisection away.
-    ends: list[int] = []
-    for _, end in tokens.offsets:
-        ends.append(max(end, ends[-1]) if ends else end)
+    if not occurrences:
+        return []
+    index = PromptIndex(len(tokens.text), tokens.ids, tokens.offsets)
     placed: list[PlacedDocument] = []
     for occurrence in occurrences:
-        align_tokens(occurrence, tokens.ids, token_at_char, tokens.offsets)
-        first = bisect.bisect_right(ends, occurrence.char_start)
+        align_tokens(occurrence, index)
         placed.append(
             PlacedDocument(
                 record=occurrence.record,
                 char_start=occurrence.char_start,
-                first_token=first,
-                positions=tuple(j for j, _ in occurrence.aligned),
-                rows=tuple(k for _, k in occurrence.aligned),
+                first_token=index.first_token_after(occurrence.char_start),
+                positions=occurrence.positions,
+                rows=occurrence.rows,
                 merged_tokens=occurrence.merged_tokens,
             )
         )

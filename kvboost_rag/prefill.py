@@ -21,9 +21,11 @@ what was reused). It stores nothing: write-back reads the outcome.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from functools import partial
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -31,6 +33,7 @@ from kvboost_rag.blend import leading_tokens, recompute_budget
 from kvboost_rag.cache_manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.kv_codec import KVBlock
 from kvboost_rag.outcome import PrefillOutcome
 from kvboost_rag.plan import PlacedDocument, PromptPlan
@@ -39,17 +42,27 @@ from kvboost_rag.repair.blend_pass import filtered_blend
 from kvboost_rag.repair.lookahead import look_ahead
 from kvboost_rag.repair.runs import contiguous_runs
 from kvboost_rag.stage_times import stage
+from kvboost_rag.stitch import Run, stitch_documents, stitch_prefix
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ContentHit:
-    """Cached document rows placed at new prompt positions."""
+class ContentHits:
+    """Document chunks loaded for one prompt and where their rows go.
 
-    block: KVBlock
-    rows: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
+    Attributes:
+        keys: Stored keys of the loaded chunks, in load order.
+        blocks: Their blocks, in the same order.
+        runs: Runs of block rows placed at prompt positions.
+    """
+
+    keys: list[str] = field(default_factory=list)
+    blocks: list[KVBlock] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
 
 
 class Prefiller:
@@ -103,13 +116,10 @@ class Prefiller:
                     logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
                     strategy="exact",
                 )
-            hits = self._content_hits(plan, documents, h) if plan.content_reuse else {}
+            hits = self._content_hits(plan, documents, h) if plan.content_reuse else ContentHits()
         with stage("stitch", self.adapter.device):
             keys, values = self.adapter.buffers(n + plan.reserve)
-            for piece in pieces:
-                end = piece.start + piece.length
-                keys[:, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
-                values[:, :, piece.start : end] = piece.block.values[:, :, : piece.length]
+            stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys)
         else:
@@ -129,7 +139,7 @@ class Prefiller:
         # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
         # (measured 35% slower per token than prefill from scratch on CPU); causal attention
         # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
-        logits = self.adapter.forward(torch.tensor(ids[h:]), torch.arange(h, n), kv, sparse_queries=h > 0)
+        logits = self.adapter.forward(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, sparse_queries=h > 0)
         return PrefillOutcome(
             logits=logits,
             cache=kv,
@@ -142,38 +152,39 @@ class Prefiller:
         )
 
     # ------------------------------------------------------------------ document hits
-    def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> dict[str, ContentHit]:
+    def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> ContentHits:
         """Load the chunks of the documents after the prefix hit and place their rows.
 
         The plan aligned each document row with a prompt token of the same id; a loaded chunk
         whose stored tokens differ from the document's (a colliding or tampered entry) is not
-        used. Token ids are compared as host lists, once per chunk. The last prompt token is
-        always computed (its logits are needed).
+        used. Work is per chunk (bisection into the aligned rows), not per token; token ids
+        are compared as host lists. The last prompt token is always computed (its logits
+        are needed).
         """
         last = len(plan.tokens.ids) - 1
-        hits: dict[str, ContentHit] = {}
+        hits = ContentHits()
+        index: dict[str, int] = {}
         unusable: set[str] = set()
         for document in documents:
-            record = document.record
-            size = record.chunk_size
-            for j, k in zip(document.positions, document.rows):
-                if j < h or j == last:
-                    continue
-                chunk = k // size
+            for chunk, first, stop in _chunk_slices(document, h, last):
+                record = document.record
                 key = record.chunk_keys[chunk]
                 if key in unusable:
                     continue
-                hit = hits.get(key)
-                if hit is None:
+                slot = index.get(key)
+                if slot is None:
                     block = self.cache.load(key)
-                    lo = chunk * size
+                    lo = chunk * record.chunk_size
                     if block is None or block.token_ids.tolist() != list(record.token_ids[lo : lo + record.chunk_length(chunk)]):
                         unusable.add(key)
                         continue
-                    hit = hits[key] = ContentHit(block)
-                hit.rows.append(k - chunk * size)
-                hit.positions.append(j)
-        return {key: hit for key, hit in hits.items() if hit.positions}
+                    slot = index[key] = len(hits.blocks)
+                    hits.keys.append(key)
+                    hits.blocks.append(block)
+                base = chunk * record.chunk_size
+                for row, position, length in _runs(document.rows, document.positions, first, stop):
+                    hits.runs.append(Run(slot, row - base, position, length))
+        return hits
 
     def _blend(
         self,
@@ -182,7 +193,7 @@ class Prefiller:
         values: torch.Tensor,
         h: int,
         prefix_keys: tuple[str, ...],
-        hits: dict[str, ContentHit],
+        hits: ContentHits,
     ) -> PrefillOutcome:
         """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
 
@@ -195,14 +206,7 @@ class Prefiller:
         n = len(ids)
         cached = torch.zeros(n, dtype=torch.bool)
         with stage("stitch", adapter.device):
-            for hit in hits.values():
-                for row, position, length in _spans(hit.rows, hit.positions):
-                    delta = position - (hit.block.start_position + row)
-                    source = slice(row, row + length)
-                    target = slice(position, position + length)
-                    adapter.rotate_keys(hit.block.keys[:, :, source], delta, out=keys[:, :, target])
-                    values[:, :, target] = hit.block.values[:, :, source]
-                    cached[target] = True
+            cached[stitch_documents(adapter, keys, values, hits.blocks, hits.runs)] = True  # host mask
         content_positions = cached.nonzero().view(-1)
         loaded = int(content_positions.numel())
         ratio = self.settings.recompute_ratio
@@ -212,16 +216,17 @@ class Prefiller:
         live[n - 1] = True
         repair = self.repair
         with stage("select", adapter.device):  # the probe inside it is timed apart
-            selection = repair.choose(RepairInputs(ids, h, live, keys, values, content_positions, budget))
+            selection = repair.choose(RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget))
         recompute, stage_sizes = selection.positions, selection.stage_sizes
-        keep = leading_tokens(contiguous_runs(content_positions), self.settings.keep_document_start)
+        keep_start = self.settings.keep_document_start
+        keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
         compute = live.clone()
         compute[recompute] = True
         compute[keep] = True
         positions = compute.nonzero().view(-1)
 
         stitched = adapter.cache_over(keys, values, n)
-        input_ids = torch.tensor(ids)
+        input_ids = plan.tokens.id_tensor
         recomputed = float((cached & compute).sum())
         with stage("blend", adapter.device):
             if len(stage_sizes) > 1:
@@ -229,7 +234,7 @@ class Prefiller:
                     adapter, self.settings.blend_stages, input_ids, positions, recompute, keep, stage_sizes, stitched
                 )
             else:
-                stitched.arm(positions.to(adapter.device))
+                stitched.arm(host_to_device(positions, adapter.device))
                 logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
         extra = recompute_budget(loaded, self.settings.lookahead_ratio) if repair.name == "attention" else 0
         follow_up = None
@@ -246,7 +251,7 @@ class Prefiller:
             values=values,
             prefix_tokens=h,
             prefix_keys=prefix_keys,
-            loaded_chunks=frozenset(hits),
+            loaded_chunks=frozenset(hits.keys),
             content_tokens=loaded,
             recomputed_tokens=recomputed_tokens,
             live_tokens=int(live.sum()),
@@ -256,15 +261,31 @@ class Prefiller:
         )
 
 
-def _spans(rows: list[int], positions: list[int]) -> list[tuple[int, int, int]]:
-    """Group row->position pairs into ``(first_row, first_position, length)`` runs where both
-    advance by one (one re-rotation angle per run)."""
-    spans: list[tuple[int, int, int]] = []
-    for row, position in zip(rows, positions):
-        if spans:
-            r0, p0, length = spans[-1]
-            if row == r0 + length and position == p0 + length:
-                spans[-1] = (r0, p0, length + 1)
-                continue
-        spans.append((row, position, 1))
-    return spans
+def _chunk_slices(document: PlacedDocument, h: int, last: int) -> Iterator[tuple[int, int, int]]:
+    """``(chunk, first, stop)`` for each chunk of the document with aligned rows at prompt
+    positions in ``[h, last)``: its pairs are ``rows[first:stop]`` / ``positions[first:stop]``
+    (both ascending), found by bisection."""
+    rows, positions = document.rows, document.positions
+    size = document.record.chunk_size
+    begin = bisect.bisect_left(positions, h)
+    end = bisect.bisect_left(positions, last)  # the last prompt token is always computed
+    while begin < end:
+        chunk = rows[begin] // size
+        stop = min(end, bisect.bisect_left(rows, (chunk + 1) * size, begin, end))
+        yield chunk, begin, stop
+        begin = stop
+
+
+def _runs(rows: Sequence[int], positions: Sequence[int], first: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """``(row, position, length)`` runs of ``rows[first:stop]`` / ``positions[first:stop]``
+    where both advance by one (one re-rotation shift per run): the whole slice at once when it
+    is one run (the usual case), else split where either jumps."""
+    count = stop - first
+    if rows[stop - 1] - rows[first] == count - 1 and positions[stop - 1] - positions[first] == count - 1:
+        yield rows[first], positions[first], count
+        return
+    start = first
+    for i in range(first + 1, stop + 1):
+        if i == stop or rows[i] != rows[i - 1] + 1 or positions[i] != positions[i - 1] + 1:
+            yield rows[start], positions[start], i - start
+            start = i

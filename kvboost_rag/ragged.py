@@ -26,8 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.attention import attend_blocks, thread_setting
+from kvboost_rag.hf.transfer import host_to_device
 
 RAGGED_ATTENTION = "kvboost_ragged_decode"
+#: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it
+#: the rows are attended one by one (a kernel per row instead of a copy of every row's K/V).
+ONE_CALL_MAX_TOKENS = 16384
 _state = threading.local()
 
 
@@ -68,7 +72,9 @@ def ragged_decode_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // keys[0].shape[1]
     one_call = getattr(_state, "one_call", None)
-    if softcap is None and (one_call if one_call is not None else query.device.type == "cuda"):
+    if one_call is None:  # by default: on CUDA, when padding copies little
+        one_call = query.device.type == "cuda" and len(keys) * max(k.shape[-2] for k in keys) <= ONE_CALL_MAX_TOKENS
+    if softcap is None and one_call and len(keys) > 1:
         return _in_one_call(query, keys, values, scale, window, groups).transpose(1, 2).contiguous(), None
     out = torch.empty_like(query)
     for b, (k, v) in enumerate(zip(keys, values)):
@@ -94,7 +100,7 @@ def _in_one_call(
         padded_keys[b, :, : lengths[b]] = k[0]
         padded_values[b, :, : lengths[b]] = v[0]
     index = torch.arange(longest, device=query.device).view(1, -1)
-    length = torch.tensor(lengths, device=query.device).view(-1, 1)
+    length = host_to_device(torch.tensor(lengths), query.device).view(-1, 1)
     visible = index < length
     if window is not None:
         visible &= index >= length - window
@@ -106,9 +112,10 @@ def _in_one_call(
 
 @contextlib.contextmanager
 def one_call(enabled: bool) -> Iterator[None]:
-    """Within the block (this thread), batched decode steps compute every row's attention in
-    one call (``True``) or one call per row (``False``); by default one call on CUDA, per row
-    elsewhere (on CPU the per-row calls skip the padding)."""
+    """Within the block (this thread), batched decode steps of several rows compute every
+    row's attention in one call (``True``) or one call per row (``False``); by default one
+    call on CUDA while the padded K/V stays under :data:`ONE_CALL_MAX_TOKENS` rows, per row
+    elsewhere (the per-row calls copy nothing; one row is always attended directly)."""
     with thread_setting(_state, "one_call", enabled):
         yield
 

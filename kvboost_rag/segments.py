@@ -1,8 +1,9 @@
 """Splitting a prompt into a shared beginning, documents and live text.
 
 Documents are known to a :class:`DocumentRegistry` (warmed, or passed by the caller). They
-are found in a prompt *string* by an anchor index over their first characters, scanning the
-prompt once (time linear in the prompt's length, independent of the corpus size), in any order
+are found in a prompt *string* by an anchor index over their first characters: the anchor of
+every window of the prompt is computed at once (time linear in the prompt's length, independent
+of the corpus size), in any order
 and at any offset. The registry indexes; the full records live on a shelf (the cache's tiers
 in an engine, see :mod:`kvboost_rag.document_shelf`). A document that lands only partly (a
 leading part) still matches that part.
@@ -15,13 +16,17 @@ prompt's tokens differ; those become live tokens (:attr:`DocumentOccurrence.merg
 
 from __future__ import annotations
 
+import functools
+import itertools
 import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvboost_rag.hashing import anchor_hash, content_hash_chain, text_digest
+import numpy as np
+
+from kvboost_rag.hashing import anchor_hash, content_hash_chain, text_digest, window_anchors
 
 #: Characters of a document's start that index it. Shorter documents are found only when
 #: passed explicitly to ``generate(documents=...)``.
@@ -51,6 +56,18 @@ class DocumentRecord:
     def chunk_length(self, chunk: int) -> int:
         """Tokens in chunk ``chunk`` (the last one may be short)."""
         return min(self.chunk_size, len(self.token_ids) - chunk * self.chunk_size)
+
+    @functools.cached_property
+    def spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(starts, ends, token_ids)`` as int64 arrays (computed once per record)."""
+        spans = np.array(self.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.ascontiguousarray(spans[:, 0]), np.ascontiguousarray(spans[:, 1]), np.array(self.token_ids, dtype=np.int64)
+
+    @functools.cached_property
+    def shared_spans(self) -> bool:
+        """Whether some tokens share one span (the bytes of one character)."""
+        starts = self.spans[0]
+        return bool(len(starts) > 1 and (starts[1:] <= starts[:-1]).any())
 
     def whole_chunks(self, usable: int) -> list[int]:
         """The chunks that lie wholly within the document's first ``usable`` tokens: the ones
@@ -91,8 +108,9 @@ class DocumentOccurrence:
         char_start: Offset of its first character in the prompt.
         matched_chars: How many of its characters the prompt holds (all of them unless the
             prompt carries only a leading part).
-        aligned: ``(prompt_token_index, document_token_index)`` pairs whose ids and
-            character spans agree.
+        positions: Prompt token indices whose ids and character spans agree with the
+            document tokens at ``rows`` (both ascending).
+        rows: Document token indices paired with ``positions``.
         merged_tokens: Document tokens inside the matched text with no identical prompt
             token (the tokenizer merged across the boundary, or split differently).
     """
@@ -100,8 +118,14 @@ class DocumentOccurrence:
     record: DocumentRecord
     char_start: int
     matched_chars: int
-    aligned: list[tuple[int, int]] = field(default_factory=list)
+    positions: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
     merged_tokens: int = 0
+
+    @property
+    def aligned(self) -> list[tuple[int, int]]:
+        """``(prompt_token_index, document_token_index)`` pairs."""
+        return list(zip(self.positions, self.rows))
 
     @property
     def is_whole(self) -> bool:
@@ -146,6 +170,11 @@ class HeldRecords:
         return self._records.get(digest)
 
 
+#: Buckets of the anchor index's first-level filter: powers of two, 2 bytes each, about
+#: ``BUCKETS_PER_ANCHOR`` per indexed anchor within these bounds.
+MIN_ANCHOR_BUCKETS = 1 << 10
+MAX_ANCHOR_BUCKETS = 1 << 20
+BUCKETS_PER_ANCHOR = 64
 #: Estimated bytes of one anchor index entry (dict slot, anchor int, digest string, list).
 ANCHOR_ENTRY_BYTES = sys.getsizeof(2**31) + sys.getsizeof("0" * 64) + sys.getsizeof([0]) + 104
 
@@ -170,6 +199,10 @@ class DocumentRegistry:
     def __init__(self, shelf: RecordShelf | None = None) -> None:
         self.shelf: RecordShelf = shelf if shelf is not None else HeldRecords()
         self._anchors: dict[int, list[str]] = {}
+        self._sorted_anchors = np.empty(0, dtype=np.int64)  # the keys of _anchors, sorted
+        # Anchors per bucket of their low bits: a prompt window whose bucket is empty is no
+        # document start (a gather instead of a search for most windows).
+        self._buckets = np.zeros(MIN_ANCHOR_BUCKETS, dtype=np.uint16)
         self._count = 0
         self._lock = threading.Lock()
 
@@ -180,7 +213,7 @@ class DocumentRegistry:
     @property
     def nbytes(self) -> int:
         """Estimated bytes of the anchor index."""
-        return len(self) * ANCHOR_ENTRY_BYTES
+        return len(self) * ANCHOR_ENTRY_BYTES + self._buckets.nbytes
 
     def known(self) -> list[tuple[int, str]]:
         """``(anchor, digest)`` of every indexed document."""
@@ -209,7 +242,12 @@ class DocumentRegistry:
         if length < ANCHOR_CHARS:
             return
         with self._lock:
-            digests = self._anchors.setdefault(anchor, [])
+            digests = self._anchors.get(anchor)
+            if digests is None:
+                digests = self._anchors[anchor] = []
+                at = int(np.searchsorted(self._sorted_anchors, anchor))
+                self._sorted_anchors = np.insert(self._sorted_anchors, at, anchor)
+                self._count_bucket(anchor, 1)
             if digest not in digests:
                 digests.append(digest)
                 self._count += 1
@@ -224,14 +262,33 @@ class DocumentRegistry:
             self._count -= 1
             if not digests:
                 del self._anchors[anchor]
+                at = int(np.searchsorted(self._sorted_anchors, anchor))
+                self._sorted_anchors = np.delete(self._sorted_anchors, at)
+                self._count_bucket(anchor, -1)
             return True
+
+    def _count_bucket(self, anchor: int, change: int) -> None:  # change: +1 or -1
+        """Count an anchor in (or out of) its bucket; the bucket array grows and shrinks with
+        the anchors (about :data:`BUCKETS_PER_ANCHOR` buckets each), rebuilt from the sorted
+        anchors when it does. Called under the lock."""
+        anchors = len(self._sorted_anchors)
+        size = len(self._buckets)
+        wanted = min(MAX_ANCHOR_BUCKETS, max(MIN_ANCHOR_BUCKETS, 1 << (anchors * BUCKETS_PER_ANCHOR).bit_length()))
+        if wanted > size or wanted * 4 < size:
+            self._buckets = np.bincount(self._sorted_anchors & (wanted - 1), minlength=wanted).astype(np.uint16)
+        elif change > 0:
+            self._buckets[anchor & (size - 1)] += 1
+        else:
+            self._buckets[anchor & (size - 1)] -= 1
 
     def find(self, prompt: str, explicit: Sequence[DocumentRecord] = (), start: int = 0) -> list[DocumentOccurrence]:
         """Find registered and explicitly given documents in ``prompt``.
 
-        The prompt is scanned once; at each position the anchor hash of the next
-        :data:`ANCHOR_CHARS` characters is looked up, and the records of matching anchors are
-        read from the shelf (a record no longer kept is dropped from the index).
+        The anchor hash of every :data:`ANCHOR_CHARS`-character window of the prompt is
+        computed at once (:func:`~kvboost_rag.hashing.window_anchors`) and matched against the
+        index's sorted anchors; only matching windows are visited, in order, and the records
+        of their anchors read from the shelf (a record no longer kept is dropped from the
+        index). A document found is skipped whole.
 
         Args:
             prompt: The prompt string.
@@ -248,29 +305,36 @@ class DocumentRegistry:
             pos = prompt.find(record.text, start) if record.text else -1
             if pos >= 0:
                 found.append(DocumentOccurrence(record, pos, len(record.text)))
-        anchors = self._anchors
-        i, end = start, len(prompt) - ANCHOR_CHARS
-        while i <= end:
-            anchor = anchor_hash(prompt[i : i + ANCHOR_CHARS])
-            digests = anchors.get(anchor)
-            if not digests:
-                i += 1
-                continue
+        i = start
+        for position, anchor in self._matching_windows(prompt, start):
+            if position < i:
+                continue  # inside a document found before
             best: DocumentOccurrence | None = None
-            for digest in list(digests):
+            for digest in list(self._anchors.get(anchor, ())):
                 record = self.shelf.load(anchor, digest)
                 if record is None:
                     self.forget(anchor, digest)
                     continue
-                matched = common_prefix_length(prompt, i, record.text)
+                matched = common_prefix_length(prompt, position, record.text)
                 if matched >= ANCHOR_CHARS and (best is None or matched > best.matched_chars):
-                    best = DocumentOccurrence(record, i, matched)
-            if best is None:
-                i += 1
-                continue
-            found.append(best)
-            i += best.matched_chars
+                    best = DocumentOccurrence(record, position, matched)
+            if best is not None:
+                found.append(best)
+                i = position + best.matched_chars
         return _non_overlapping(found)
+
+    def _matching_windows(self, prompt: str, start: int) -> list[tuple[int, int]]:
+        """``(position, anchor)`` of the windows from ``start`` whose anchor is indexed."""
+        with self._lock:
+            known = self._sorted_anchors
+            if not len(known):
+                return []
+            windows = window_anchors(prompt[start:], ANCHOR_CHARS)
+            candidates = np.flatnonzero(self._buckets[windows & (len(self._buckets) - 1)])
+        anchors = windows[candidates]
+        slots = np.minimum(np.searchsorted(known, anchors), len(known) - 1)
+        hits = candidates[known[slots] == anchors]
+        return list(zip((hits + start).tolist(), windows[hits].tolist()))
 
 
 def _non_overlapping(occurrences: Iterable[DocumentOccurrence]) -> list[DocumentOccurrence]:
@@ -283,35 +347,80 @@ def _non_overlapping(occurrences: Iterable[DocumentOccurrence]) -> list[Document
     return kept
 
 
-def align_tokens(
-    occurrence: DocumentOccurrence,
-    prompt_ids: Sequence[int],
-    token_at_char: dict[int, int],
-    prompt_offsets: Sequence[tuple[int, int]],
-) -> None:
-    """Fill ``occurrence.aligned`` and ``merged_tokens`` by matching tokens on ids and spans.
+class PromptIndex:
+    """A prompt's tokens as arrays, built once per plan for aligning every document in it.
+
+    Args:
+        text_length: Characters in the prompt.
+        ids: Its token ids.
+        offsets: Character span of each token.
+
+    Attributes:
+        ids: ``[tokens]`` token ids.
+        ends: ``[tokens]`` end character of each token's span.
+        token_at_char: ``[chars + 1]``: the first token with a non-empty span starting at each
+            character, ``-1`` where none starts.
+        running_end: ``[tokens]`` running maximum of the span ends (non-decreasing even where
+            special tokens carry empty spans).
+    """
+
+    def __init__(self, text_length: int, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
+        spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+        self.ids = np.array(ids, dtype=np.int64)
+        starts, self.ends = spans[:, 0], np.ascontiguousarray(spans[:, 1])
+        self.token_at_char = np.full(text_length + 1, -1, dtype=np.int64)
+        tokens = np.flatnonzero(self.ends > starts)[::-1]  # reversed: the first token per start wins
+        self.token_at_char[starts[tokens]] = tokens
+        self.running_end = np.maximum.accumulate(self.ends) if len(self.ends) else self.ends
+
+    def first_token_after(self, char: int) -> int:
+        """Index of the first token whose span ends after ``char``."""
+        return int(np.searchsorted(self.running_end, char, side="right"))
+
+
+def align_tokens(occurrence: DocumentOccurrence, prompt: PromptIndex) -> None:
+    """Fill ``occurrence.positions``/``rows`` and ``merged_tokens`` by matching tokens on ids and spans.
+
+    A document token is aligned with the prompt token that starts at the same character, ends
+    at the same character and has the same id. Several tokens of one character (the bytes of
+    an emoji or a rare letter) share its span: the next token of the document is then the
+    next token of the prompt. Vectorized over the document's tokens; documents with such
+    shared spans, or with tokens no prompt token starts at, take the token-by-token path.
 
     Args:
         occurrence: A document occurrence in the prompt.
-        prompt_ids: The prompt's token ids (as full prefill sees them).
-        token_at_char: Prompt token index by the character its span starts at.
-        prompt_offsets: Character span of each prompt token.
+        prompt: The prompt's token arrays.
     """
     record = occurrence.record
     base = occurrence.char_start
+    starts, ends, ids = record.spans
+    count = int(np.searchsorted(ends, occurrence.matched_chars, side="right"))  # spans ends are ordered
+    j = prompt.token_at_char[base + starts[:count]]
+    if record.shared_spans or (j < 0).any():
+        _align_one_by_one(occurrence, prompt, count)
+        return
+    ok = (prompt.ends[j] == base + ends[:count]) & (prompt.ids[j] == ids[:count])
+    rows = np.flatnonzero(ok)
+    occurrence.positions, occurrence.rows = tuple(j[rows].tolist()), tuple(rows.tolist())
+    occurrence.merged_tokens = count - len(rows)
+
+
+def _align_one_by_one(occurrence: DocumentOccurrence, prompt: PromptIndex, count: int) -> None:
+    record = occurrence.record
+    base = occurrence.char_start
+    last = len(prompt.ids) - 1
     aligned: list[tuple[int, int]] = []
     merged = 0
-    for k, (x, y) in enumerate(record.offsets):
-        if y > occurrence.matched_chars:
-            break
-        j = token_at_char.get(base + x)
+    for k in range(count):
+        x, y = record.offsets[k]
+        j: int | None = int(prompt.token_at_char[base + x])
+        if j < 0:
+            j = None
         if aligned and aligned[-1][1] == k - 1 and (j is None or j <= aligned[-1][0]):
-            # Several tokens of one character (the bytes of an emoji or a rare letter) share
-            # its span: the next token of the document is the next token of the prompt.
-            j = aligned[-1][0] + 1 if aligned[-1][0] + 1 < len(prompt_ids) else None
-        if j is not None and prompt_offsets[j][1] == base + y and prompt_ids[j] == record.token_ids[k]:
+            j = aligned[-1][0] + 1 if aligned[-1][0] < last else None
+        if j is not None and int(prompt.ends[j]) == base + y and int(prompt.ids[j]) == record.token_ids[k]:
             aligned.append((j, k))
         else:
             merged += 1
-    occurrence.aligned = aligned
+    occurrence.positions, occurrence.rows = tuple(j for j, _ in aligned), tuple(k for _, k in aligned)
     occurrence.merged_tokens = merged

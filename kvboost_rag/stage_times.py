@@ -1,6 +1,6 @@
 """Wall time of each prefill stage, for benchmarks and diagnosis.
 
-Prefill marks its stages (lookup, stitch, probe, select, blend, ...) with :func:`stage`; a
+A call marks its stages (tokenize, plan, lookup, stitch, probe, select, blend, ...) with :func:`stage`; a
 caller that wants the times wraps a call in :func:`record_stages` and reads the yielded
 dict. Outside :func:`record_stages` a stage costs one thread-local read and nothing is
 recorded. A stage's time excludes the stages nested in it. On CUDA the device is synchronized at each stage boundary while recording, so the
@@ -20,19 +20,24 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def record_stages() -> Iterator[dict[str, float]]:
+def record_stages(synchronize: bool = True) -> Iterator[dict[str, float]]:
     """Within the block (this thread), prefill stages add their wall time to the yielded dict.
+
+    Args:
+        synchronize: Synchronize a CUDA device at each stage boundary, so each stage's time is
+            its work's; ``False`` leaves the device's queue alone (the times are then the host's
+            only, for a call timed as a whole).
 
     Yields:
         Stage name -> milliseconds, summed over the stage's occurrences.
     """
-    previous = getattr(_state, "times", None), getattr(_state, "nested", None)
+    previous = getattr(_state, "times", None), getattr(_state, "nested", None), getattr(_state, "sync", True)
     times: dict[str, float] = {}
-    _state.times, _state.nested = times, [0.0]
+    _state.times, _state.nested, _state.sync = times, [0.0], synchronize
     try:
         yield times
     finally:
-        _state.times, _state.nested = previous
+        _state.times, _state.nested, _state.sync = previous
 
 
 @contextlib.contextmanager
@@ -47,7 +52,7 @@ def stage(name: str, device: torch.device | None = None) -> Iterator[None]:
     if times is None:
         yield
         return
-    cuda = device is not None and device.type == "cuda"
+    cuda = device is not None and device.type == "cuda" and _state.sync
     if cuda:
         torch.cuda.synchronize(device)
     nested: list[float] = _state.nested  # milliseconds spent in the stages inside each open stage

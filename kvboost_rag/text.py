@@ -7,6 +7,7 @@ from typing import Any
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
 from kvboost_rag.inputs import check_text
 from kvboost_rag.plan import PromptTokens
+from kvboost_rag.stage_times import stage
 
 
 class Tokenizing:
@@ -39,8 +40,10 @@ class Tokenizing:
             PromptTooLongError: It does not fit the context window.
         """
         check_text(text, what)
-        enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
+        with stage("tokenize"):
+            enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
         if not ids:
             raise InvalidInputError(f"{what} has no tokens")
         window = self._model.context_window
@@ -49,4 +52,4 @@ class Tokenizing:
                 f"{what} has {len(ids)} tokens but the model's context window is {window}: "
                 "retrieve fewer or shorter documents"
             )
-        return PromptTokens(text, ids, [tuple(o) for o in enc["offset_mapping"]])
+        return PromptTokens(text, ids, offsets)

@@ -10,6 +10,8 @@ from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.kv_codec import KVBlock, decode_block, encode_block
 from kvboost_rag.storage import DeviceTier, MemoryTier, PinnedMemoryTier, StoredEntry, TieredStore, build_store
 
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
 LAYOUT = (2, 2, 8)
 
 
@@ -107,3 +109,65 @@ def test_cuda_tier_layout_charges_indexes_to_host_memory_only(make_engine, docs,
     stats = engine.cache_stats()
     assert stats.memory_bytes == memory.used_bytes and stats.index_bytes == memory.reserved_bytes
     assert stats.documents == len(docs) and stats.documents_by_tier["memory"] == len(docs)
+
+
+def test_cuda_tier_layout_holds_nothing_but_kv_through_warms_generates_batches_and_evictions(
+    make_engine, docs, monkeypatch
+):
+    """The tier stack a CUDA engine builds, on CPU, with a device tier small enough to evict:
+    every entry ever placed on the device tier is a K/V block (keys, values and host-side
+    token ids), never a document record or other host metadata, and the engine serves
+    documents from it."""
+    from kvboost_rag import engine as engine_module
+    from kvboost_rag.storage import HOST_TENSORS
+
+    placed: list[tuple[str, StoredEntry]] = []
+    original = DeviceTier.put_many
+
+    def spying_put_many(self, items):
+        evicted = original(self, items)
+        placed.extend((key, self.resident(key)) for key, _ in items if self.resident(key) is not None)
+        return evicted
+
+    monkeypatch.setattr(DeviceTier, "put_many", spying_put_many)
+    block_bytes = _entry(tokens=32).nbytes  # about one 32-token chunk of this layout's size
+
+    def cuda_layout(settings, device=None):
+        return TieredStore([DeviceTier(40 * block_bytes, "cpu"), MemoryTier(256 * 1024**2)])
+
+    monkeypatch.setattr(engine_module, "build_store", cuda_layout)
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs)
+    single = engine.generate(rag_prompt([docs[2], docs[0], docs[4]]), max_new_tokens=3)
+    batch = engine.generate_batch([rag_prompt([docs[1], docs[3]]), rag_prompt([docs[5], docs[2]])], max_new_tokens=3)
+    assert single.content_hit_tokens > 0 and all(r.content_hit_tokens > 0 for r in batch)
+    device_tier = engine._cache._store.tiers[0]
+    assert engine.cache_stats().tiers["device"]["evictions"] > 0  # groups left the device tier
+    assert placed and all(not entry.host_only for _, entry in placed)
+    assert all(not key.startswith("doc-") for key, _ in placed)
+    for _, entry in placed:
+        assert {"keys", "values"} <= set(entry.tensors) and set(entry.tensors) - {"keys", "values"} <= HOST_TENSORS
+    assert all(not entry.host_only for key in device_tier.keys() for entry in [device_tier.resident(key)])
+
+
+def test_a_group_moves_to_the_device_tier_in_one_copy_per_dtype():
+    """Promoting one chunk of a document brings its whole group up in one transfer: the
+    device entries are views of one allocation; the record of the group stays below."""
+    from kvboost_rag.dev.op_counts import OpCounter
+
+    group = {"c1": "doc", "c2": "doc", "c3": "doc", "record": "doc"}
+    device, memory = DeviceTier(10**7, "meta"), MemoryTier(10**7)
+    store = TieredStore([device, memory])
+    store.group_by(group.get)
+    for i, key in enumerate(["c1", "c2", "c3"]):
+        memory.put(key, _entry(tokens=4 + i, seed=i))
+    memory.put("record", StoredEntry({"text": torch.zeros(5, dtype=torch.uint8)}, {"kind": "document"}))
+    with OpCounter() as counted:
+        store.get("c2")
+    assert set(device.keys()) == {"c1", "c2", "c3"}  # not the record
+    assert counted.counts.by_name["_to_copy"] == 1  # one transfer for every K/V tensor of the group
+    moved = [device.resident(k).tensors[name] for k in ("c1", "c2", "c3") for name in ("keys", "values")]
+    assert all(t._base is not None for t in moved) and len({id(t._base) for t in moved}) == 1  # one allocation
+    assert all(device.resident(k).tensors["token_ids"].device.type == "cpu" for k in ("c1", "c2", "c3"))
+    assert store.get("c1") is device.resident("c1") and store.stats()["device"]["hits"] == 1

@@ -154,7 +154,7 @@ def test_generate_flows_one_way(make_engine, docs):
         ("kvboost_rag.prefill", "run"): "prefill",
         ("kvboost_rag.cache_manager", "match_prefix"): "lookup",
         ("kvboost_rag.cache_manager", "load"): "lookup",
-        ("kvboost_rag.hf.adapter", "rotate_keys"): "stitch",
+        ("kvboost_rag.stitch", "stitch_documents"): "stitch",
         ("kvboost_rag.repair.attention", "choose"): "repair",
         ("kvboost_rag.batch_decode", "choose"): "decode",
         ("kvboost_rag.cache_manager", "write_back"): "write-back",

@@ -4,6 +4,7 @@ from kvboost_rag.segments import (
     ANCHOR_CHARS,
     DocumentRecord,
     DocumentRegistry,
+    PromptIndex,
     align_tokens,
     common_prefix_length,
 )
@@ -84,8 +85,7 @@ def _occurrence(tokenizer, prefix: str, doc: str):
     penc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(penc.input_ids), [tuple(o) for o in penc.offset_mapping]
     occ = DocumentRegistry().find(prompt, explicit=[rec])[0]
-    at = {s: j for j, (s, e) in reversed(list(enumerate(offsets)))}
-    align_tokens(occ, ids, at, offsets)
+    align_tokens(occ, PromptIndex(len(prompt), ids, offsets))
     return occ, ids, rec
 
 

@@ -20,10 +20,17 @@ from kvboost_rag.attention import ATTENTION_NAME, query_positions
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.hf.attention_switch import AttentionSwitch
-from kvboost_rag.hf.caches import BufferedCache, ModelCache, RaggedCache, cache_keyword, cache_tensors
+from kvboost_rag.hf.caches import (
+    BufferedCache,
+    ModelCache,
+    RaggedCache,
+    cache_keyword,
+    cache_tensors,
+)
 from kvboost_rag.hf.layers import DecoderLayers, StopForward
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.rope import find_rope
+from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
 from kvboost_rag.kv_codec import KVLayout
 from kvboost_rag.ragged import RAGGED_ATTENTION
@@ -128,15 +135,15 @@ class ModelAdapter:
             Logits of the last input token, ``[vocab]`` float32.
         """
         call = dict(
-            input_ids=input_ids.view(1, -1).to(self.device),
-            position_ids=position_ids.view(1, -1).to(self.device),
+            input_ids=host_to_device(input_ids.view(1, -1), self.device),
+            position_ids=host_to_device(position_ids.view(1, -1), self.device),
             **{self._cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
         )
         if not sparse_queries:
             return self.model(**call).logits[0, -1].float()
-        with self._attention.use(ATTENTION_NAME), query_positions(position_ids):
+        with self._attention.use(ATTENTION_NAME), query_positions(position_ids, self.device):
             out = self.model(**call)
         return out.logits[0, -1].float()
 
@@ -170,8 +177,8 @@ class ModelAdapter:
         itself calls it)."""
         with self._attention.use(RAGGED_ATTENTION):
             out = self.model(
-                input_ids=input_ids.view(-1, 1).to(self.device),
-                position_ids=position_ids.view(-1, 1).to(self.device),
+                input_ids=host_to_device(input_ids.view(-1, 1), self.device),
+                position_ids=host_to_device(position_ids.view(-1, 1), self.device),
                 **{self._cache_keyword: RaggedCache(caches)},
                 use_cache=True,
                 logits_to_keep=1,
@@ -183,8 +190,8 @@ class ModelAdapter:
         """Run ``[rows, tokens]`` on top of a :meth:`batch_cache`, filling it
         (batched warming; the logits are not needed)."""
         self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
+            input_ids=host_to_device(input_ids, self.device),
+            position_ids=host_to_device(position_ids, self.device),
             **{self._cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
@@ -279,6 +286,65 @@ class ModelAdapter:
         return BufferedCache(keys.shape[0], keys.shape[3], keys, values, length)
 
     # ----------------------------------------------------------------- RoPE
+    def rotation(
+        self, delta: torch.Tensor | Sequence[int] | int, first_layer: int = 0, layers: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosines and sines that move keys by ``delta`` positions, on the model's device.
+
+        Angles are computed on the host in float64 (positions times frequencies lose
+        precision in float32) for each distinct delta only; the tables go to the device in one
+        asynchronous copy each.
+
+        Args:
+            delta: ``[deltas]`` position shifts (new position minus the position the keys were
+                computed at), or one int.
+            first_layer: Model layer of the first row of keys these tables rotate.
+            layers: Layers rotated (default: all from ``first_layer``).
+
+        Returns:
+            ``(cos, sin)``, each ``[1 or layers, deltas, rotary_dim / 2]`` float32: one row for
+            all layers when every layer rotates with the same frequencies.
+
+        Raises:
+            UnsupportedModelError: The model's keys cannot be re-rotated.
+        """
+        if self._inv_freq is None:
+            raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
+        delta_t = torch.as_tensor(delta, dtype=torch.float64).view(-1)
+        if self._one_rope:
+            frequencies = self._inv_freq[:1]  # [1, half]: one table for all layers
+        else:
+            count = layers if layers is not None else self.num_layers - first_layer
+            frequencies = self._inv_freq[first_layer : first_layer + count]  # [layers, half]
+        angles = delta_t.view(1, -1, 1) * frequencies.unsqueeze(1)  # [1 or layers, deltas, half]
+        return host_to_device(angles.cos().float(), self.device), host_to_device(angles.sin().float(), self.device)
+
+    @staticmethod
+    def apply_rotation(
+        keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate ``keys`` ``[layers, heads, tokens, head_dim]`` by per-token tables
+        ``[1 or layers, tokens or 1, half]`` (from :meth:`rotation`): one pass for every layer
+        and token, the rotation in float32, dimensions past the rotary ones copied as they are.
+
+        Args:
+            keys: The keys.
+            cos: Cosines.
+            sin: Sines.
+            out: Where to write (same shape; may be ``keys`` or a view of a larger tensor); a new
+                tensor when omitted.
+        """
+        half = cos.shape[-1]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1 or layers, 1, tokens or 1, half]
+        x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
+        dst = out if out is not None else torch.empty_like(keys)
+        first, second = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # [layers, heads, tokens, half]
+        dst[..., :half] = first
+        dst[..., half : 2 * half] = second
+        if 2 * half < keys.shape[-1] and dst is not keys:
+            dst[..., 2 * half :] = keys[..., 2 * half :]
+        return dst
+
     def rotate_keys(
         self, keys: torch.Tensor, delta: torch.Tensor | int, out: torch.Tensor | None = None, first_layer: int = 0
     ) -> torch.Tensor:
@@ -297,27 +363,10 @@ class ModelAdapter:
         """
         if self._inv_freq is None:
             raise UnsupportedModelError(f"keys cannot be re-rotated: {self.position_independent_reason}")
-        dst = out if out is not None else torch.empty_like(keys)
-        half = self._inv_freq.shape[1]
         if isinstance(delta, int) and delta == 0:  # checked on the host: no device read
+            dst = out if out is not None else torch.empty_like(keys)
             if dst is not keys:
                 dst.copy_(keys)
             return dst
-        delta_t = torch.as_tensor(delta, dtype=torch.float64).view(-1, 1)
-        # Angles in float64 (positions times frequencies lose precision in float32), the
-        # rotation itself in float32.
-        if self._one_rope:
-            frequencies = self._inv_freq[:1]  # one table for all layers
-        else:
-            frequencies = self._inv_freq[first_layer : first_layer + keys.shape[0]]  # [layers, half]
-        angles = delta_t.view(1, 1, -1, 1) * frequencies.view(-1, 1, 1, half)  # [layers or 1, 1, tokens or 1, half]
-        cos = angles.cos().float().to(keys.device)
-        sin = angles.sin().float().to(keys.device)
-        x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
-        first = x1 * cos - x2 * sin
-        second = x2 * cos + x1 * sin
-        dst[..., :half] = first
-        dst[..., half : 2 * half] = second
-        if 2 * half < keys.shape[-1] and dst is not keys:
-            dst[..., 2 * half :] = keys[..., 2 * half :]
-        return dst
+        cos, sin = self.rotation(delta, first_layer, keys.shape[0])
+        return self.apply_rotation(keys, cos, sin, out)

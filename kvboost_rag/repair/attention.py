@@ -42,7 +42,7 @@ class AttentionRepair(SelectingRepair):
         positions = inputs.live.nonzero().view(-1)
         with stage("probe", adapter.device):
             recorded = run_probe(
-                adapter, torch.tensor(inputs.ids)[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
+                adapter, inputs.ids[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
                 layers=settings.probe_layers, queries=settings.probe_queries,
             )
         weighting = settings.probe_weighting

@@ -17,7 +17,7 @@ class RepairInputs:
     """A stitched prompt whose document K/V came from cache at new positions.
 
     Attributes:
-        ids: Every prompt token.
+        ids: ``[n]`` int64 host tensor, every prompt token.
         prefix_tokens: Tokens served by the exact prefix hit (``h``).
         live: ``[n]`` bool, positions computed whatever the repair (after the prefix, not
             loaded, and the last token).
@@ -27,7 +27,7 @@ class RepairInputs:
         budget: Cached tokens to recompute, or ``None`` for ``recompute_ratio="auto"``.
     """
 
-    ids: list[int]
+    ids: torch.Tensor
     prefix_tokens: int
     live: torch.Tensor
     keys: torch.Tensor

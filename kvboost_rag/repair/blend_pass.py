@@ -13,6 +13,7 @@ import torch
 
 from kvboost_rag.blend import kv_deviation, layer_spans
 from kvboost_rag.hf import BufferedCache, ModelAdapter
+from kvboost_rag.hf.transfer import host_to_device
 
 
 def filtered_blend(
@@ -51,23 +52,23 @@ def filtered_blend(
     token_layers = float(keep.numel() * adapter.num_layers)
     hidden: torch.Tensor | None = None
     for k, (low, high) in enumerate(spans):
-        stitched.arm(positions.to(adapter.device), first_layer=low)
+        stitched.arm(host_to_device(positions, adapter.device), first_layer=low)
         token_layers += current.numel() * (high - low + 1)
         if k == len(spans) - 1:
             logits = adapter.forward_from_layer(input_ids[positions], positions, stitched, low, hidden)
             break
-        rows = current.to(adapter.device)
+        rows = host_to_device(current, adapter.device)
         saved_keys = keys[low : high + 1][:, :, rows].clone()
         saved_values = values[low : high + 1][:, :, rows].clone()
         hidden = adapter.hidden_through_layers(input_ids[positions], positions, stitched, low, high, hidden)
         deviation = kv_deviation(keys[high][:, rows], values[high][:, rows], saved_keys[-1], saved_values[-1])
         goes_on = torch.zeros(current.numel(), dtype=torch.bool)
         goes_on[torch.topk(deviation.cpu(), k=min(sizes[k + 1], current.numel())).indices] = True
-        leaving = (~goes_on).to(adapter.device)
+        leaving = host_to_device(~goes_on, adapter.device)
         keys[low : high + 1][:, :, rows[leaving]] = saved_keys[:, :, leaving]
         values[low : high + 1][:, :, rows[leaving]] = saved_values[:, :, leaving]
         stays = ~torch.isin(positions, current[~goes_on])
         positions = positions[stays]
-        hidden = hidden[:, stays.to(adapter.device)]
+        hidden = hidden[:, host_to_device(stays, adapter.device)]
         current = current[goes_on]
     return logits, token_layers / adapter.num_layers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.blend import adaptive_budget, kv_deviation, kv_energy, select_highest
+from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 from kvboost_rag.stage_times import stage
 
@@ -37,8 +38,8 @@ class CacheBlendRepair(SelectingRepair):
         fresh_values[:, :, :h] = inputs.values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
         with stage("probe", adapter.device):
-            adapter.hidden_through_layers(torch.tensor(ids[h:]), torch.arange(h, n), partial, 0, check, None)
-        rows = content.to(adapter.device)
+            adapter.hidden_through_layers(ids[h:], torch.arange(h, n), partial, 0, check, None)
+        rows = host_to_device(content, adapter.device)
         fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
         deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])
         count = int(content.numel())

@@ -13,6 +13,7 @@ import torch
 
 from kvboost_rag.blend import select_highest
 from kvboost_rag.hf import BufferedCache, ModelAdapter
+from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.repair.probe import attention_scores, run_probe
 
 
@@ -50,6 +51,6 @@ def look_ahead(
     if not recorded:
         return 0
     chosen = select_highest(candidates, attention_scores(recorded, candidates), budget)
-    stitched.arm(chosen.to(adapter.device))
+    stitched.arm(host_to_device(chosen, adapter.device))
     adapter.forward(input_ids[chosen], chosen, stitched, sparse_queries=True)
     return int(chosen.numel())

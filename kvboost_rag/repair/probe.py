@@ -15,6 +15,7 @@ import torch
 
 from kvboost_rag.attention import last_query_attention
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.transfer import host_to_device
 
 
 def run_probe(
@@ -45,7 +46,7 @@ def run_probe(
         through the registered attention function).
     """
     probe = adapter.cache_over(keys, values, length)
-    probe.arm(positions.to(adapter.device))
+    probe.arm(host_to_device(positions, adapter.device))
     depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
     with last_query_attention(queries) as recorded:
         adapter.hidden_through_layers(input_ids, positions, probe, 0, depth - 1, None)

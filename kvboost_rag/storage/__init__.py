@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.storage.base import StorageTier, StoredEntry
+from kvboost_rag.storage.base import HOST_TENSORS, KIND_FIELD, StorageTier, StoredEntry
 from kvboost_rag.storage.device import DeviceTier, PinnedMemoryTier
 from kvboost_rag.storage.disk import DiskTier
 from kvboost_rag.storage.memory import MemoryTier
@@ -22,6 +22,8 @@ __all__ = [
     "DeviceTier",
     "DiskTier",
     "FrequencyRecencyPolicy",
+    "HOST_TENSORS",
+    "KIND_FIELD",
     "MemoryTier",
     "PinnedMemoryTier",
     "StorageTier",

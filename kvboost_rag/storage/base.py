@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+#: Metadata field naming what an entry that describes rather than holds K/V is (a document
+#: record: ``"document"``). Such entries are host metadata: a tier in device memory never holds
+#: them, whatever their tensors.
+KIND_FIELD = "kind"
+#: Tensors of a K/V entry that the host reads (token ids, compared with prompt tokens): they
+#: stay in host memory when the entry's K/V goes to a device.
+HOST_TENSORS = frozenset({"token_ids"})
+
+
 @dataclass(frozen=True)
 class StoredEntry:
     """One cache entry as tiers hold it.
@@ -30,6 +39,12 @@ class StoredEntry:
     def nbytes(self) -> int:
         """Bytes held by the tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def host_only(self) -> bool:
+        """Whether the entry is host metadata (it names a :data:`KIND_FIELD`), never placed
+        in device memory."""
+        return KIND_FIELD in self.metadata
 
 
 class StorageTier(ABC):
@@ -72,6 +87,17 @@ class StorageTier(ABC):
 
     def unpin(self, key: str) -> None:  # noqa: B027 - optional hook
         """Let ``key`` be evicted again (no-op where pins are ignored)."""
+
+    def put_many(self, items: list[tuple[str, StoredEntry]]) -> list[str]:
+        """Store several entries (tiers that can move them together override this).
+
+        Returns:
+            The keys evicted to make room.
+        """
+        evicted: list[str] = []
+        for key, entry in items:
+            evicted += self.put(key, entry)
+        return evicted
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -69,6 +69,13 @@ class MemoryTier(StorageTier):
             self.policy.touch(key)
         return entry
 
+    def group_entries(self, key: str) -> list[tuple[str, StoredEntry]]:
+        """The other entries of ``key``'s group held here (no use is counted)."""
+        with self._lock:
+            group = self._group.get(key)
+            members = self._members.get(group, ()) if group is not None else ()
+            return [(other, self._entries[other]) for other in members if other != key and other in self._entries]
+
     def put(self, key: str, entry: StoredEntry) -> list[str]:
         size = entry.nbytes
         room = self.max_bytes - self.reserved_bytes

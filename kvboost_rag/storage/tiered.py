@@ -86,14 +86,25 @@ class TieredStore:
                 self.hits[tier.name] += 1
             served = entry
             for upper in self.tiers[:depth]:
-                self._count_evictions(upper, upper.put(key, entry))
                 if isinstance(upper, DeviceTier):
-                    # Serve the device copy just made rather than copy the entry again.
+                    # The entry's whole group (a document's chunks) moves up with it, in one
+                    # copy; the device copy just made is served.
+                    self._count_evictions(upper, upper.put_many(self._with_group(tier, key, entry)))
                     served = upper.resident(key) or served
+                else:
+                    self._count_evictions(upper, upper.put(key, entry))
             return served, isinstance(tier, MemoryTier)
         with self._lock:
             self.misses += 1
         return None
+
+    def _with_group(self, tier: StorageTier, key: str, entry: StoredEntry) -> list[tuple[str, StoredEntry]]:
+        """``(key, entry)`` and, when ``tier`` keeps groups in memory, the other members of
+        the key's group it holds (without counting a use)."""
+        items = [(key, entry)]
+        if isinstance(tier, MemoryTier):
+            items += tier.group_entries(key)
+        return items
 
     def put(self, key: str, entry: StoredEntry) -> None:
         """Write ``entry`` to every tier but the overflow tiers (they get it when evicted above)."""

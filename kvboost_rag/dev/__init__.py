@@ -1,0 +1,1 @@
+"""Development support: what tests and benchmarks use and the library itself never imports."""
