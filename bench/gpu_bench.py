@@ -17,8 +17,9 @@ measures, each the median of ``--repeats`` calls after a warm-up:
   and minus tokenizing (the engine's own tokenize stage in the same call: full prefill pays
   it too), that is plan, lookup, loading, stitching, re-rotation, selection and sampling, for
   the prefix repeat and for document reuse;
-- operations one call dispatches (:mod:`kvboost_rag.dev.op_counts`, an untimed call of its
-  own): tensor copies, kernels, host reads of tensor values (device syncs on a GPU);
+- what one call does, as ``torch.profiler`` sees it (:func:`kvboost_rag.dev.op_counts.profile_counts`,
+  an untimed call of its own): ``aten::copy_`` calls, host reads of tensor values, and on CUDA
+  kernel launches, runtime memory copies and host synchronizations;
 - decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
   both ``(tokens - 1) / (time of the last token - time of the first)``).
 
@@ -45,7 +46,7 @@ from transformers.generation.streamers import BaseStreamer
 from kvboost_rag import KVBoost
 from kvboost_rag.attention import BACKENDS, default_backend, use_backend
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.dev.op_counts import OpCounter, OpCounts
+from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.stage_times import record_stages
 
 SYSTEM_PROMPT = (
@@ -232,8 +233,8 @@ class Row:
     recompute_ratio: float
     engine_tps: float
     generate_tps: float
-    prefix_ops: OpCounts
-    blend_ops: OpCounts
+    prefix_ops: RuntimeCounts
+    blend_ops: RuntimeCounts
 
 
 def median_ms(run: Callable[[], float], repeats: int) -> float:
@@ -310,11 +311,10 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
     )
 
 
-def counted(engine: KVBoost, prompt: str) -> OpCounts:
-    """The operations one call to the first token dispatches (an untimed call of its own)."""
-    with OpCounter() as counter:
-        engine.generate(prompt, max_new_tokens=1)
-    return counter.counts
+def counted(engine: KVBoost, prompt: str) -> RuntimeCounts:
+    """What one call to the first token does, as the profiler sees it (an untimed call of its
+    own): copies, host reads, and on CUDA kernel launches, runtime copies and syncs."""
+    return profile_counts(lambda: engine.generate(prompt, max_new_tokens=1))
 
 
 def engine_decode_rate(engine: KVBoost, prompt: str, tokens: int) -> float:
@@ -396,10 +396,11 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
     repair = f"{settings.recompute_strategy} {settings.recompute_ratio:.0%}" if settings.recompute_ratio != "auto" else "auto"
     print(
         f"| prompt tokens | documents | full prefill SDPA ms | prefix repeat ms | x | {repair} ms | x | "
-        "tokenize ms | overhead prefix / repair ms | copies prefix / repair | kernels prefix / repair | "
-        "host reads prefix / repair | decode tok/s engine | model.generate | engine / generate |"
+        "tokenize ms | overhead prefix / repair ms | copies prefix / repair | launches prefix / repair | "
+        "syncs prefix / repair | memcpys prefix / repair | host reads prefix / repair | decode tok/s engine | "
+        "model.generate | engine / generate |"
     )
-    print("|---" * 15 + "|")
+    print("|---" * 17 + "|")
     rows = []
     for tokens in lengths:
         row = measure(engine, timer, tokens, args, device)
@@ -409,7 +410,8 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
             f"| {row.prompt_tokens} | {row.documents} | {row.full_ms:.1f} | {row.prefix_ms:.1f} | "
             f"{row.full_ms / row.prefix_ms:.1f} | {row.blend_ms:.1f} | {row.full_ms / row.blend_ms:.1f} | "
             f"{row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / {row.blend_overhead_ms:.1f} | "
-            f"{p.copies} / {b.copies} | {p.kernels} / {b.kernels} | {p.host_reads} / {b.host_reads} | "
+            f"{p.copies} / {b.copies} | {p.launches} / {b.launches} | {p.syncs} / {b.syncs} | "
+            f"{p.memcpys} / {b.memcpys} | {p.host_reads} / {b.host_reads} | "
             f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} |",
             flush=True,
         )

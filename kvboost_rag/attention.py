@@ -43,6 +43,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.hf.transfer import host_to_device
@@ -261,24 +262,53 @@ def _masked(query, key, value, positions: QueryPositions, scale: float, window: 
 
 # ---------------------------------------------------------------------- FlexAttention
 _flex_failed = threading.Event()
+#: Compiled graphs of the FlexAttention call allowed before torch falls back to eager: prompt
+#: lengths are dynamic, so the variants are few (query and key block counts of one or more,
+#: dtype, window, softcap), well under this.
+FLEX_RECOMPILE_LIMIT = 64
+_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 @functools.cache
-def _flex_functions() -> tuple[Callable, Callable, Callable] | None:
-    """``(flex_attention eager, flex_attention compiled-or-None, create_block_mask)``."""
+def _flex_functions(backend: str = "inductor") -> tuple[Callable, Callable, Callable] | None:
+    """``(flex_attention eager, flex_attention compiled-or-None, create_block_mask)``; compiled
+    with ``backend`` where CUDA is present, or wherever :func:`compile_flex_with` asks."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
     compiled = None
-    if torch.cuda.is_available():
-        compiled = torch.compile(flex_attention, dynamic=True)
+    if torch.cuda.is_available() or backend != "inductor":
+        compiled = torch.compile(flex_attention, dynamic=True, backend=backend)
     return flex_attention, compiled, create_block_mask
 
 
+@functools.cache
+def _softcap_score(softcap: float | None) -> Callable | None:
+    """The score modification of a softcap (one function object per value, so compiled code is
+    not specialized on a fresh closure at every call)."""
+    if not softcap:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
+@contextlib.contextmanager
+def compile_flex_with(backend: str) -> Iterator[None]:
+    """Within the block (this thread), the ``flex`` backend compiles with ``backend`` on every
+    device, CPU included (``"aot_eager"`` traces and guards exactly as on a GPU without
+    generating kernels: what tests of recompilation use)."""
+    with thread_setting(_state, "flex_backend", backend):
+        yield
+
+
 def _flex_uses_compiled(device: torch.device) -> bool:
-    """Whether FlexAttention runs compiled on ``device`` (CUDA; elsewhere the eager reference)."""
-    return device.type == "cuda"
+    """Whether FlexAttention runs compiled on ``device`` (CUDA, or any device within
+    :func:`compile_flex_with`; elsewhere the eager reference)."""
+    return device.type == "cuda" or getattr(_state, "flex_backend", None) is not None
 
 
 def _flex(
@@ -286,7 +316,7 @@ def _flex(
 ) -> torch.Tensor | None:
     """One FlexAttention call; ``None`` when the compiled kernel cannot be built (the caller
     then uses one masked SDPA call)."""
-    functions = _flex_functions()
+    functions = _flex_functions(getattr(_state, "flex_backend", None) or "inductor")
     if functions is None:
         raise InvalidInputError("attention backend 'flex' needs torch>=2.5 (FlexAttention); use 'masked_sdpa'")
     eager, compiled, create_block_mask = functions
@@ -305,20 +335,17 @@ def _flex(
             return visible
 
         cache[tag] = create_block_mask(mask_mod, None, None, query.shape[2], last - first, device=device)
-    score_mod = None
-    if softcap:
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score / softcap) * softcap
-
     groups = query.shape[1] // key.shape[1]
-    call = dict(score_mod=score_mod, block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
+    call = dict(score_mod=_softcap_score(softcap), block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
     if compiled is None or not _flex_uses_compiled(device):
         return eager(query, k, v, **call)
     if _flex_failed.is_set():
         return None
+    if _get_current_dispatch_mode() is not None:
+        return None  # a dispatch mode (an op counter) is active: torch.compile cannot run under it
     try:
-        return compiled(query, k, v, **call)
+        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: FLEX_RECOMPILE_LIMIT}):
+            return compiled(query, k, v, **call)
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, ImportError) as exc:  # compilation failed (no Triton, unsupported shape...)

@@ -46,6 +46,11 @@ from kvboost_rag.stitch import Run, stitch_documents, stitch_prefix
 
 logger = logging.getLogger(__name__)
 
+#: Rows past the prompt and its reserved new tokens in every prefill buffer: attention then
+#: always reads a slice of the buffer, never the whole of it, so compiled attention sees one
+#: stride pattern for the keys (a buffer read whole is a second variant, compiled again).
+SPARE_ROWS = 1
+
 
 @dataclass
 class ContentHits:
@@ -104,7 +109,7 @@ class Prefiller:
         """
         n = plan.num_tokens
         if not reuse:
-            keys, values = self.adapter.buffers(n + plan.reserve)
+            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
             return self._exact(plan, keys, values, 0, ())
         with stage("lookup", self.adapter.device):
             pieces = self.cache.match_prefix(plan)
@@ -118,7 +123,7 @@ class Prefiller:
                 )
             hits = self._content_hits(plan, documents, h) if plan.content_reuse else ContentHits()
         with stage("stitch", self.adapter.device):
-            keys, values = self.adapter.buffers(n + plan.reserve)
+            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
             stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys)

@@ -385,7 +385,8 @@ def align_tokens(occurrence: DocumentOccurrence, prompt: PromptIndex) -> None:
     at the same character and has the same id. Several tokens of one character (the bytes of
     an emoji or a rare letter) share its span: the next token of the document is then the
     next token of the prompt. Vectorized over the document's tokens; documents with such
-    shared spans, or with tokens no prompt token starts at, take the token-by-token path.
+    shared spans, or where no prompt token starts at the token after an aligned one, take the
+    token-by-token path.
 
     Args:
         occurrence: A document occurrence in the prompt.
@@ -396,10 +397,15 @@ def align_tokens(occurrence: DocumentOccurrence, prompt: PromptIndex) -> None:
     starts, ends, ids = record.spans
     count = int(np.searchsorted(ends, occurrence.matched_chars, side="right"))  # spans ends are ordered
     j = prompt.token_at_char[base + starts[:count]]
-    if record.shared_spans or (j < 0).any():
+    if record.shared_spans:
         _align_one_by_one(occurrence, prompt, count)
         return
-    ok = (prompt.ends[j] == base + ends[:count]) & (prompt.ids[j] == ids[:count])
+    found = j >= 0
+    j = np.where(found, j, 0)
+    ok = found & (prompt.ends[j] == base + ends[:count]) & (prompt.ids[j] == ids[:count])
+    if (~found[1:] & ok[:-1]).any():  # no prompt token starts where an aligned one's next does
+        _align_one_by_one(occurrence, prompt, count)
+        return
     rows = np.flatnonzero(ok)
     occurrence.positions, occurrence.rows = tuple(j[rows].tolist()), tuple(rows.tolist())
     occurrence.merged_tokens = count - len(rows)

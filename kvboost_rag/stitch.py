@@ -2,8 +2,8 @@
 
 Whatever the number of documents, chunks or layers, the stitch of one prompt is:
 
-- prefix pieces: one concatenation of every piece's rows and one copy into the buffers' first
-  rows (per K and V);
+- prefix pieces: one concatenation of every piece's rows, written straight into the buffers'
+  first rows (per K and V);
 - document chunks: one concatenation of the rows the prompt uses, written straight into the
   span of prompt positions they cover (per K and V), then one re-rotation of every key of
   that span in place (each run of rows by its own position shift).
@@ -57,13 +57,8 @@ def stitch_prefix(keys: torch.Tensor, values: torch.Tensor, pieces: Sequence[tup
     if not pieces:
         return 0
     length = sum(used for _, used in pieces)
-    if len(pieces) == 1:
-        block, used = pieces[0]
-        keys[:, :, :used] = block.keys[:, :, :used]
-        values[:, :, :used] = block.values[:, :, :used]
-        return length
-    keys[:, :, :length] = torch.cat([block.keys[:, :, :used] for block, used in pieces], dim=2)  # [L, H, h, D]
-    values[:, :, :length] = torch.cat([block.values[:, :, :used] for block, used in pieces], dim=2)
+    torch.cat([block.keys[:, :, :used] for block, used in pieces], dim=2, out=keys[:, :, :length])  # [L, H, h, D]
+    torch.cat([block.values[:, :, :used] for block, used in pieces], dim=2, out=values[:, :, :length])
     return length
 
 

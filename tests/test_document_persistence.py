@@ -146,3 +146,27 @@ def test_store_reports_keys_that_left_every_tier(tmp_path):
     only_memory.put("d", _kv(10))
     assert gone == ["a", "c"]
     assert sorted(store.keys_with_prefix("b")) == ["b"]
+
+
+def test_parsed_records_are_served_from_memory_and_leave_with_their_entry(tokenizer):
+    """The shelf keeps the records it read parsed (no decoding and checking at every prompt),
+    bounded by tokens, and forgets one when its entry leaves every tier."""
+    store = TieredStore([MemoryTier(64 * 1024**2)])
+    shelf = DocumentShelf(store, "fp", chunk_size=16)
+    texts = python_reference_documents(max_chars=300)[:3]
+    records = []
+    for text in texts:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        records.append(make_record(text, enc.input_ids, [tuple(o) for o in enc.offset_mapping], "fp", 16))
+        shelf.save(records[-1])
+    from kvboost_rag.segments import anchor_of
+
+    first = shelf.load(anchor_of(texts[0]), records[0].digest)
+    assert first is shelf.load(anchor_of(texts[0]), records[0].digest)  # the same parsed object
+    store.delete(shelf.key_of(anchor_of(texts[0]), records[0].digest))
+    assert shelf.load(anchor_of(texts[0]), records[0].digest) is None  # gone with its entry
+    small = DocumentShelf(store, "fp", chunk_size=16)
+    small.parsed.max_tokens = max(len(records[1].token_ids), len(records[2].token_ids))  # one record fits
+    assert small.load(anchor_of(texts[1]), records[1].digest) is not None
+    assert small.load(anchor_of(texts[2]), records[2].digest) is not None
+    assert small.parsed.get(records[1].digest) is None and small.parsed.get(records[2].digest) is not None

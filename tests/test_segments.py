@@ -2,10 +2,12 @@ import pytest
 
 from kvboost_rag.segments import (
     ANCHOR_CHARS,
+    DocumentOccurrence,
     DocumentRecord,
     DocumentRegistry,
     PromptIndex,
     align_tokens,
+    anchor_of,
     common_prefix_length,
 )
 
@@ -120,3 +122,79 @@ def test_documents_with_multi_token_characters_are_stored_and_served_whole(make_
     result = engine.generate(rag_prompt(texts[::-1]), max_new_tokens=1)
     assert result.documents_found == 4
     assert result.boundary_merged_tokens <= 4 * 2  # at most the seams' tokens, never the characters'
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["Context:\n", "Context: ", "x", "Docs:\n\n", "### ", "(", "résumé — ", "🙂 ", "\t"],
+)
+def test_vectorized_alignment_equals_token_by_token(tokenizer, prefix, monkeypatch):
+    """Real documents (some with multi-byte characters) after prefixes that merge or do not
+    merge with their first token, and cut short: the fast path gives the same pairs, and it is
+    the path taken for documents of one token per character span."""
+    from kvboost_rag import segments
+    from kvboost_rag.corpus import python_reference_documents
+    from kvboost_rag.segments import _align_one_by_one
+
+    fallbacks: list[str] = []
+    monkeypatch.setattr(segments, "_align_one_by_one", lambda occ, *a: fallbacks.append(occ.record.text) or _align_one_by_one(occ, *a))
+
+    texts = [*python_reference_documents(max_chars=400)[:4], "Émoji 🙂 and naïve café — “quotes” " * 4]
+    for doc in texts:
+        enc = tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)
+        rec = DocumentRecord("d", doc, tuple(enc.input_ids), tuple(map(tuple, enc.offset_mapping)), ("k",), 32)
+        for prompt in (prefix + doc + "\n\nQuestion?", prefix + doc[: len(doc) // 2]):
+            penc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = list(penc.input_ids), [tuple(o) for o in penc.offset_mapping]
+            index = PromptIndex(len(prompt), ids, offsets)
+            occ = DocumentRegistry().find(prompt, explicit=[rec])[0] if prompt.find(doc) >= 0 else None
+            if occ is None:  # the cut prompt holds a leading part only
+                occ = DocumentOccurrence(rec, len(prefix), common_prefix_length(prompt, len(prefix), doc))
+            fast = DocumentOccurrence(rec, occ.char_start, occ.matched_chars)
+            align_tokens(fast, index)
+            slow = DocumentOccurrence(rec, occ.char_start, occ.matched_chars)
+            count = sum(1 for _, end in rec.offsets if end <= occ.matched_chars)
+            _align_one_by_one(slow, index, count)
+            assert (fast.positions, fast.rows, fast.merged_tokens) == (slow.positions, slow.rows, slow.merged_tokens)
+            assert fast.positions, "something aligned"
+    assert all(DocumentRecord("d", t, *_spans(tokenizer, t)).shared_spans for t in fallbacks), fallbacks
+
+
+def _spans(tokenizer, text: str) -> tuple:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return tuple(enc.input_ids), tuple(map(tuple, enc.offset_mapping)), ("k",), 32
+
+
+def test_window_anchors_equal_the_anchor_of_each_window():
+    import random
+
+    from kvboost_rag.hashing import anchor_hash, window_anchors
+
+    rng = random.Random(3)
+    text = "".join(rng.choice("ab cdé\n🙂\U0010fffd\ud800") for _ in range(2000))
+    windows = window_anchors(text, ANCHOR_CHARS)
+    assert len(windows) == len(text) - ANCHOR_CHARS + 1
+    assert all(int(windows[i]) == anchor_hash(text[i : i + ANCHOR_CHARS]) for i in range(len(windows)))
+    assert len(window_anchors("short", ANCHOR_CHARS)) == 0
+
+
+def test_find_after_registrations_and_forgetting_equals_a_plain_scan():
+    """Hundreds of documents registered and forgotten (the anchor filter grows and shrinks):
+    find returns exactly the registered documents a plain scan finds, in order."""
+    import random
+
+    rng = random.Random(11)
+    words = ["alpha", "beta", "gamma", "delta", "scope", "import", "yield", "lambda", "class", "async"]
+    texts = [" ".join(rng.choice(words) for _ in range(20)) + f" #{i}" for i in range(600)]
+    reg = DocumentRegistry()
+    for text in texts:
+        reg.register(record(text))
+    forgotten = set(rng.sample(range(600), 450))
+    for i in forgotten:
+        assert reg.forget(anchor_of(texts[i]), texts[i])
+    kept = [i for i in range(600) if i not in forgotten]
+    chosen = rng.sample(range(600), 40)
+    prompt = "System.\n\n" + "\n\n".join(texts[i] for i in chosen) + "\n\nQuestion?"
+    found = [o.record.text for o in reg.find(prompt)]
+    expected = [texts[i] for i in chosen if i in set(kept)]
+    assert found == expected and len(reg) == len(kept)

@@ -39,8 +39,9 @@ VIEW_OPS: frozenset[str] = frozenset(
 )
 
 
-def _name(func: torch._ops.OpOverload) -> str:
-    return func.overloadpacket.__name__
+def _name(func: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> str:
+    packet = getattr(func, "overloadpacket", None)
+    return packet.__name__ if packet is not None else str(getattr(func, "__name__", func))
 
 
 @dataclass
@@ -79,6 +80,9 @@ class OpCounter(TorchDispatchMode):
         counted.counts.copies
     """
 
+    #: Higher-order operators (compiled FlexAttention) pass through, counted once by name.
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.counts = OpCounts()
@@ -86,3 +90,49 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts.by_name[_name(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+#: CUDA runtime calls that block the host until the device catches up.
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+#: CUDA runtime calls that launch a kernel.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+#: CUDA runtime calls that copy memory.
+MEMCPY_CALLS = frozenset({"cudaMemcpyAsync", "cudaMemcpy"})
+
+
+@dataclass
+class RuntimeCounts:
+    """What one call did, as the profiler saw it (works with compiled code, unlike a dispatch
+    mode).
+
+    Attributes:
+        copies: ``aten::copy_`` calls (every tensor copy ends in one).
+        host_reads: ``aten::_local_scalar_dense`` calls (a tensor value read on the host).
+        launches: Kernel launches (CUDA only; 0 on CPU).
+        memcpys: Memory copies issued through the CUDA runtime (0 on CPU).
+        syncs: Calls that made the host wait for the device (0 on CPU).
+    """
+
+    copies: int
+    host_reads: int
+    launches: int
+    memcpys: int
+    syncs: int
+
+
+def profile_counts(call) -> RuntimeCounts:
+    """Run ``call()`` under ``torch.profiler`` and count its copies, host reads, kernel
+    launches, runtime memory copies and synchronizations (every thread's CPU-side events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        call()
+    names = Counter(event.name for event in profiler.events())
+    return RuntimeCounts(
+        copies=names["aten::copy_"],
+        host_reads=names[f"aten::{HOST_READ_OP}"],
+        launches=sum(names[n] for n in LAUNCH_CALLS),
+        memcpys=sum(names[n] for n in MEMCPY_CALLS),
+        syncs=sum(names[n] for n in SYNC_CALLS),
+    )
