@@ -1,4 +1,5 @@
-"""Shared pieces of the server tests: the tiny engine's app, SSE parsing, a RAG prompt."""
+"""Shared pieces of the server tests: the tiny engine and its app (fixtures the test modules
+import), SSE parsing, a RAG prompt."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
+from fastapi.testclient import TestClient
+
 from kvboost_rag import KVBoost
-from kvboost_rag.server import ServerSettings
+from kvboost_rag.server import ServerSettings, create_app
 from kvboost_rag.testing import tiny_engine
 
 #: The model name the tiny engine's server answers to.
@@ -30,6 +34,18 @@ SEARCH_TOOL = {
 def server_engine() -> KVBoost:
     """A fresh engine over the tiny random-weight llama (chunks of 32 tokens)."""
     return tiny_engine(chunk_size=32, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine() -> KVBoost:
+    """One tiny engine per test module."""
+    return server_engine()
+
+
+@pytest.fixture(scope="module")
+def client(engine: KVBoost) -> TestClient:
+    """The app around :func:`engine`, called in process."""
+    return TestClient(create_app(engine, SETTINGS))
 
 
 def sse_payloads(lines: Iterable[str]) -> list[Any]:

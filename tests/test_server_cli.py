@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from kvboost_rag.cli import main
+from kvboost_rag.cli import build_parser, main
 
 FACTORY = "kvboost_rag.testing:tiny_engine"
 
@@ -77,3 +78,20 @@ def test_serve_warm_through_it_and_stop_on_sigterm(tmp_path, docs):
 def test_warm_through_a_server_uses_its_store_only():
     with pytest.raises(SystemExit, match="drop"):
         main(["warm", "corpus.jsonl", "--server", "http://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:7000/0"])
+
+
+def test_the_engine_and_the_warm_client_import_no_server_stack():
+    code = ("import sys, kvboost_rag, kvboost_rag.cli, kvboost_rag.server.warm_client; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+def test_deploy_recipes_run_the_serve_command():
+    deploy = Path(__file__).resolve().parents[1] / "examples" / "deploy"
+    entrypoint = next(line for line in (deploy / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT"))
+    unit = next(line for line in (deploy / "kvboost-rag.service").read_text().splitlines() if line.startswith("ExecStart="))
+    for argv in (json.loads(entrypoint.removeprefix("ENTRYPOINT ")), unit.removeprefix("ExecStart=").split()):
+        assert Path(argv[0]).name == "kvboost-rag"
+        args = build_parser().parse_args(argv[1:])
+        assert args.command == "serve" and args.host == "0.0.0.0" and args.port == 8000

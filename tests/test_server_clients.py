@@ -17,15 +17,10 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, rag_messages, server_engine, sse_payloads
+from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, engine, rag_messages, sse_payloads  # noqa: F401 - fixture
 
 from kvboost_rag.server import BackgroundServer
 from kvboost_rag.server.warm_client import warm_through_server
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return server_engine()
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,11 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, server_engine
+from server_helpers import MODEL, SEARCH_TOOL, client, engine  # noqa: F401 - fixtures
 
 from kvboost_rag.server import ServerSettings, create_app
 
 USER = [{"role": "user", "content": "What does pass do?"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return server_engine()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return TestClient(create_app(engine, SETTINGS))
 
 
 def chat_body(**fields):

@@ -6,21 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 from langchain_kvboost import ChatKVBoost, KVBoostLLM
-from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, rag_messages, server_engine, sse_payloads
-
-from kvboost_rag.server import create_app
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return server_engine()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return TestClient(create_app(engine, SETTINGS))
+from server_helpers import MODEL, SEARCH_TOOL, client, engine, rag_messages, sse_payloads  # noqa: F401 - fixtures
 
 
 def chat(client, **body):

@@ -10,8 +10,12 @@ server shutting down) with a 503. Admission runs on the event loop: no locks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from kvboost_rag.server.errors import APIError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ class Slot:
     def release(self) -> None:
         """Give the place back; later calls do nothing."""
         if self._admission is not None:
-            self._admission._active -= 1
+            self._admission.leave()
             self._admission = None
 
 
@@ -79,3 +83,26 @@ class Admission:
             )
         self._active += 1
         return Slot(self)
+
+    def leave(self) -> None:
+        """One held request is over (called by its :class:`Slot`)."""
+        self._active -= 1
+
+    async def within(self, answer: Callable[[Slot], Awaitable[tuple[T, bool]]]) -> T:
+        """Run ``answer`` holding a place.
+
+        Args:
+            answer: Takes the slot; returns its result and whether it handed the slot over
+                (a stream releases it when it ends); else the slot goes back on return.
+
+        Raises:
+            APIError: As :meth:`admit`.
+        """
+        slot = self.admit()
+        handed_over = False
+        try:
+            result, handed_over = await answer(slot)
+            return result
+        finally:
+            if not handed_over:
+                slot.release()

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from kvboost_rag import GenerationStream
 from kvboost_rag.integration import ToolCallHoldBack
-from kvboost_rag.server.errors import bad_request
 from kvboost_rag.server.admission import Slot
+from kvboost_rag.server.errors import bad_request
 from kvboost_rag.server.generation import CLIENT_CLOSED, check_supported, engine_params, run_to_end, start_stream
 from kvboost_rag.server.internals import CallFormat
 from kvboost_rag.server.prompts import call_format, chat_dicts, render
@@ -113,11 +113,4 @@ async def chat_completions(
     """Answer a conversation (streamed as server-sent events with ``stream=true``)."""
     state.check_model(body.model)
     _check_chat_fields(body)
-    slot = state.admission.admit()
-    handed_over = False
-    try:
-        response, handed_over = await _answer(state, body, request, slot)
-        return response
-    finally:
-        if not handed_over:
-            slot.release()
+    return await state.admission.within(partial(_answer, state, body, request))

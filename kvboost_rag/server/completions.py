@@ -139,11 +139,4 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     """Complete one or several text prompts (one streamed with ``stream=true``)."""
     state.check_model(body.model)
     _check_completion_fields(body)
-    slot = state.admission.admit()
-    handed_over = False
-    try:
-        response, handed_over = await _answer(state, body, request, slot)
-        return response
-    finally:
-        if not handed_over:
-            slot.release()
+    return await state.admission.within(partial(_answer, state, body, request))

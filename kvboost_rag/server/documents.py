@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from kvboost_rag.integration import prewarm_texts
+from kvboost_rag.server.admission import Slot
 from kvboost_rag.server.errors import bad_request
 from kvboost_rag.server.internals import call_in_thread
 from kvboost_rag.server.schemas import WarmDocument, WarmRequest
@@ -92,8 +93,8 @@ async def warm_documents(request: Request, state: ServerState = Depends(server_s
     documents = await read_documents(request)
     texts = [d.text for d in documents]
     labels = [d.id or f"document {i}" for i, d in enumerate(documents)]
-    slot = state.admission.admit()
-    try:
+
+    async def warm(slot: Slot) -> tuple[Any, bool]:
         stats = await call_in_thread(
             prewarm_texts,
             state.engine,
@@ -103,9 +104,9 @@ async def warm_documents(request: Request, state: ServerState = Depends(server_s
             batch_size=state.settings.warm_batch_size,
             show_progress=False,
         )
-    finally:
-        slot.release()
-    return _report(stats)
+        return stats, False
+
+    return _report(await state.admission.within(warm))
 
 
 @router.get("/v1/documents")

@@ -31,12 +31,14 @@ def _parts_text(parts: Sequence[ContentPart], where: str, pinned: list[str]) -> 
     """The text of content parts; the text of each ``cache_control`` part goes to ``pinned``."""
     texts: list[str] = []
     for j, part in enumerate(parts):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(
                 f"{where}.{j} is a {part.type!r} part; this server reads text parts only "
                 "({'type': 'text', 'text': ...})",
                 f"{where}.{j}.type",
             )
+        if part.text is None:
+            raise bad_request(f"{where}.{j} is a text part without 'text'", f"{where}.{j}.text")
         texts.append(part.text)
         if part.cache_control is not None and part.text:
             pinned.append(part.text)

@@ -2,7 +2,7 @@
 
 On SIGINT/SIGTERM the server first refuses new requests (503 with ``Retry-After``, and
 ``/health`` turns 503 so a load balancer stops sending), then stops listening and lets the
-requests it holds finish (up to ``graceful_seconds``).
+requests it holds finish (up to :data:`GRACEFUL_SECONDS`).
 """
 
 from __future__ import annotations
@@ -76,19 +76,19 @@ def serve(
 
 
 def serve_command(args: Any, engine_settings: dict[str, Any]) -> int:
-    """``kvboost-rag serve``: build the engine from the arguments and serve it."""
+    """``kvboost-rag serve``: check the server's settings, build the engine, serve it."""
+    from pydantic import ValidationError
+
     from kvboost_rag.server.internals import EngineSpec
 
+    names = tuple(args.served_model_name or ())
+    try:
+        settings = ServerSettings(model_names=names, api_key=args.api_key, max_pending=args.max_pending,
+                                  max_new_tokens=args.max_tokens, temperature=args.temperature)
+    except ValidationError as exc:
+        raise SystemExit(f"kvboost-rag serve: {exc}") from None
     spec = EngineSpec(model=args.model, settings=engine_settings, factory=args.engine_factory, threads=args.threads)
     engine = spec.build()
-    names = tuple(args.served_model_name or ())
-    settings = ServerSettings(
-        model_names=names,
-        api_key=args.api_key,
-        max_pending=args.max_pending,
-        max_new_tokens=args.max_tokens,
-        temperature=args.temperature,
-    )
     logger.info("serving %s on http://%s:%d/v1", list(names) or engine.model_name, args.host, args.port)
     serve(engine, settings, args.host, args.port, args.log_level)
     return 0
