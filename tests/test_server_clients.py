@@ -10,6 +10,7 @@ import inspect
 import json
 import time
 import warnings
+from typing import Literal
 
 import httpx
 import openai
@@ -17,6 +18,7 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
 from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, engine, rag_messages, sse_payloads  # noqa: F401 - fixture
 
 from kvboost_rag.server import BackgroundServer
@@ -100,6 +102,17 @@ def test_langchain_chat_openai_invoke_stream_and_usage(server, docs):
     assert reply.response_metadata["finish_reason"] in ("stop", "length")
     streamed = "".join(chunk.content for chunk in chat.stream(messages))
     assert streamed == reply.content
+
+
+class Statement(BaseModel):
+    name: Literal["pass", "break", "continue"]
+    does_nothing: bool
+
+
+def test_langchain_structured_output_through_the_openai_parse_path(server):
+    chat = ChatOpenAI(model=MODEL, base_url=server.url, api_key="unused", temperature=0, max_tokens=48, max_retries=0)
+    answer = chat.with_structured_output(Statement, method="json_schema").invoke("Which statement does nothing?")
+    assert isinstance(answer, Statement)
 
 
 def test_langchain_tool_calling_agent(server, engine, docs):

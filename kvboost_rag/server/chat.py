@@ -10,7 +10,6 @@ held back and sent whole as one ``tool_calls`` delta once decoded
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
@@ -38,8 +37,6 @@ from kvboost_rag.server.schemas import ChatCompletionRequest
 from kvboost_rag.server.state import ServerState, server_state
 from kvboost_rag.server.streaming import EventStreamResponse, pieces, sse
 
-logger = logging.getLogger(__name__)
-
 router = APIRouter()
 
 
@@ -59,9 +56,6 @@ def _check_chat_fields(body: ChatCompletionRequest) -> None:
     check_supported(body)
     if body.logprobs or body.top_logprobs:
         raise bad_request("logprobs are not returned by this server; send logprobs=false", "logprobs")
-    ignored = body.ignored_fields()
-    if ignored:
-        logger.debug("chat request: ignored unknown fields %s", ignored)
 
 
 async def chat_events(

@@ -8,7 +8,6 @@ constrains the output as in chat (an extension, as in vLLM).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
@@ -42,8 +41,6 @@ from kvboost_rag.server.schemas import CompletionRequest
 from kvboost_rag.server.state import ServerState, server_state
 from kvboost_rag.server.streaming import EventStreamResponse, pieces, sse
 
-logger = logging.getLogger(__name__)
-
 router = APIRouter()
 
 
@@ -72,9 +69,6 @@ def _check_completion_fields(body: CompletionRequest) -> None:
         raise bad_request("best_of must be 1", "best_of")
     if body.logprobs:
         raise bad_request("logprobs are not returned by this server", "logprobs")
-    ignored = body.ignored_fields()
-    if ignored:
-        logger.debug("completion request: ignored unknown fields %s", ignored)
 
 
 async def completion_events(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from kvboost_rag.server.internals import call_in_thread, iterate_in_thread
 from kvboost_rag.server.schemas import GenerationFields
 from kvboost_rag.server.settings import ServerSettings
 
+logger = logging.getLogger(__name__)
+
 #: Sampling controls of the OpenAI API this server does not implement, and what to use.
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
@@ -31,11 +34,15 @@ CLIENT_CLOSED = 499
 
 
 def check_supported(body: GenerationFields) -> None:
-    """Refuse the OpenAI fields whose effect this server cannot give (400 naming them).
+    """Refuse the OpenAI fields whose effect this server cannot give (400 naming them); log
+    the fields it does not know (ignored).
 
     Raises:
         APIError: ``n`` above 1, a presence or frequency penalty, a ``logit_bias``.
     """
+    ignored = body.ignored_fields()
+    if ignored:
+        logger.debug("ignored unknown request fields %s", ignored)
     if body.n != 1:
         raise bad_request(f"n={body.n}: this server returns one choice per prompt; send n=1 (or several requests)", "n")
     for name in _PENALTIES:
