@@ -1,14 +1,18 @@
-"""The ``kvboost-rag`` command: ``kvboost-rag warm SOURCE ...`` warms a corpus into a shared store.
+"""The ``kvboost-rag`` command: ``kvboost-rag warm SOURCE ...`` warms a corpus into a shared store;
+``kvboost-rag serve`` serves the model over an OpenAI-compatible HTTP API.
 
 Examples::
 
     kvboost-rag warm docs/ --redis-url redis://10.0.0.5:7000/0 --kv-cache-bits 8
     kvboost-rag warm corpus.jsonl --redis-url redis://127.0.0.1:7000/0 --workers 4 --model ./Llama-3.1-8B
     kvboost-rag warm corpus.jsonl --disk-cache-dir /mnt/shared/kv --json
+    kvboost-rag warm corpus.jsonl --server http://127.0.0.1:8000
+    kvboost-rag serve --model ./Qwen2.5-1.5B-Instruct --redis-url redis://10.0.0.5:7000/0 --port 8000
 
 Progress goes to stderr, one line per batch; the final report to stdout (``--json`` for a JSON
 object). The exit status is 1 when a document failed, 0 otherwise. Run it again after a kill:
-documents already stored are skipped.
+documents already stored are skipped. With ``--server`` the documents go to a running server's
+``POST /v1/documents`` and are warmed by its engine into its store.
 """
 
 from __future__ import annotations
@@ -35,19 +39,16 @@ def _setting(text: str) -> tuple[str, Any]:
         return name, value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvboost-rag", description="kvboost-rag tools")
-    commands = parser.add_subparsers(dest="command", required=True)
-    warm = commands.add_parser("warm", help="warm a corpus into a shared store (Redis, Redis Cluster, disk folder)")
-    warm.add_argument("source", help="folder of text files (.txt, .md, .rst) or a .jsonl file")
-    store = warm.add_argument_group("store (the serving replicas' settings)")
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The store and model arguments ``warm`` and ``serve`` share (the cache namespace)."""
+    store = parser.add_argument_group("store (the serving replicas' settings)")
     store.add_argument("--redis-url", help="Redis, any Redis Cluster node, or redis+sentinel:// URL")
     store.add_argument("--redis-cluster", action=argparse.BooleanOptionalAction, default=None,
                        help="state that the URL is (or is not) a cluster node instead of asking the server")
     store.add_argument("--redis-ttl-seconds", type=int, default=None)
     store.add_argument("--disk-cache-dir", type=Path, default=None, help="disk tier folder (shared storage)")
     store.add_argument("--secret-key-env", metavar="VAR", help="environment variable holding cache_secret_key")
-    model = warm.add_argument_group("model")
+    model = parser.add_argument_group("model")
     model.add_argument("--model", help="local model folder (default: the embedded SmolLM2-135M-Instruct)")
     model.add_argument("--engine-factory", metavar="MODULE:FUNCTION",
                        help="callable building the engine from the settings (instead of --model)")
@@ -56,14 +57,45 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--chunk-size", type=int, default=None)
     model.add_argument("--set", dest="settings", type=_setting, action="append", default=[], metavar="NAME=VALUE",
                        help="any other KVBoostSettings field (JSON value), repeatable")
+    model.add_argument("--threads", type=int, default=None, help="torch CPU threads (per worker)")
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_engine_arguments(serve)
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=os.environ.get("KVBOOST_RAG_API_KEY"),
+                      help="require 'Authorization: Bearer KEY' (default: $KVBOOST_RAG_API_KEY)")
+    http.add_argument("--served-model-name", action="append", metavar="NAME",
+                      help="model name clients send, repeatable (default: the model folder's name)")
+    http.add_argument("--max-pending", type=int, default=64,
+                      help="requests held at once (decoding or queued); more get a 429 with Retry-After")
+    http.add_argument("--max-tokens", type=int, default=256, help="max_tokens of requests that set none")
+    http.add_argument("--temperature", type=float, default=1.0, help="temperature of requests that set none")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvboost-rag", description="kvboost-rag tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    warm = commands.add_parser("warm", help="warm a corpus into a shared store (Redis, Redis Cluster, disk folder)")
+    warm.add_argument("source", help="folder of text files (.txt, .md, .rst) or a .jsonl file")
+    warm.add_argument("--server", metavar="URL",
+                      help="warm through a running kvboost-rag server (http://host:port) into its store, "
+                           "instead of loading the model here")
+    warm.add_argument("--api-key", default=os.environ.get("KVBOOST_RAG_API_KEY"),
+                      help="the server's API key (default: $KVBOOST_RAG_API_KEY)")
+    _add_engine_arguments(warm)
     run = warm.add_argument_group("run")
     run.add_argument("--workers", type=int, default=1, help="workers (Ray actors); 1 runs in this process")
     run.add_argument("--batch-size", type=int, default=16)
     run.add_argument("--backend", choices=["auto", "local", "ray"], default="auto")
     run.add_argument("--ray-address", help="running Ray cluster (default: start a local one)")
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     run.add_argument("--text-field", default="text", help="JSONL field holding the text")
     run.add_argument("--json", action="store_true", help="print the final report as JSON")
+    _add_serve_parser(commands)
     return parser
 
 
@@ -75,7 +107,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.secret_key_env:
         secret = os.environ.get(args.secret_key_env)
         if not secret:
-            raise SystemExit(f"kvboost-rag warm: ${args.secret_key_env} is not set")
+            raise SystemExit(f"kvboost-rag {args.command}: ${args.secret_key_env} is not set")
         settings["cache_secret_key"] = secret
     settings.update(dict(args.settings))
     if settings["disk_cache_dir"] is not None:
@@ -83,26 +115,18 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def _progress(report: Any) -> None:
+    logger.info(
+        "progress %d/%d documents: %d computed, %d stored already, %d failed, %.1f s",
+        report.done, report.documents, report.computed, report.skipped, len(report.failures), report.seconds,
+    )
+
+
 def warm_command(args: argparse.Namespace) -> int:
-    from kvboost_rag.config import KVBoostSettings
     from kvboost_rag.errors import InvalidInputError
-    from kvboost_rag.warm_job import EngineSpec, warm_corpus
-
-    settings = _settings(args)
-    KVBoostSettings(**settings)  # a bad setting fails here, not in every worker
-    spec = EngineSpec(model=args.model, settings=settings, factory=args.engine_factory, threads=args.threads)
-
-    def progress(report: Any) -> None:
-        logger.info(
-            "progress %d/%d documents: %d computed, %d stored already, %d failed, %.1f s",
-            report.done, report.documents, report.computed, report.skipped, len(report.failures), report.seconds,
-        )
 
     try:
-        report = warm_corpus(
-            args.source, spec, workers=args.workers, batch_size=args.batch_size, backend=args.backend,
-            ray_address=args.ray_address, text_field=args.text_field, on_progress=progress,
-        )
+        report = _warm_through_server(args) if args.server else _warm_here(args)
     except InvalidInputError as exc:
         raise SystemExit(f"kvboost-rag warm: {exc}") from None
     for failure in report.failures:
@@ -111,13 +135,50 @@ def warm_command(args: argparse.Namespace) -> int:
     return 1 if report.failures else 0
 
 
+def _warm_here(args: argparse.Namespace) -> Any:
+    from kvboost_rag.config import KVBoostSettings
+    from kvboost_rag.warm_job import EngineSpec, warm_corpus
+
+    settings = _settings(args)
+    KVBoostSettings(**settings)  # a bad setting fails here, not in every worker
+    spec = EngineSpec(model=args.model, settings=settings, factory=args.engine_factory, threads=args.threads)
+    return warm_corpus(
+        args.source, spec, workers=args.workers, batch_size=args.batch_size, backend=args.backend,
+        ray_address=args.ray_address, text_field=args.text_field, on_progress=_progress,
+    )
+
+
+def _warm_through_server(args: argparse.Namespace) -> Any:
+    from kvboost_rag.server.warm_client import warm_through_server
+
+    engine_side = [name for name in ("redis_url", "disk_cache_dir", "model", "engine_factory", "warm_prefix")
+                   if getattr(args, name) is not None]
+    if engine_side or args.settings:
+        raise SystemExit(f"kvboost-rag warm --server: the server's own model and store are used; drop "
+                         f"{['--' + n.replace('_', '-') for n in engine_side] or ['--set']}")
+    return warm_through_server(args.source, args.server, api_key=args.api_key, batch_size=args.batch_size,
+                               text_field=args.text_field, on_progress=_progress)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from kvboost_rag.config import KVBoostSettings
+
+    try:
+        from kvboost_rag.server.run import serve_command as run_server
+    except ImportError as exc:
+        raise SystemExit(f"kvboost-rag serve needs the server extra: pip install 'kvboost-rag[server]' ({exc})") from None
+    settings = _settings(args)
+    KVBoostSettings(**settings)  # a bad setting fails before the model loads
+    return run_server(args, settings)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kvboost-rag`` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    raise SystemExit(warm_command(args))
+    raise SystemExit(serve_command(args) if args.command == "serve" else warm_command(args))
 
 
 if __name__ == "__main__":

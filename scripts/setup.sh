@@ -13,7 +13,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The CPU build of torch; a looser requirement could pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 
-"${PIP[@]}" -e ".[embedded,redis,ray,bench,test,examples,constrained]" \
+"${PIP[@]}" -e ".[embedded,redis,ray,bench,test,examples,constrained,server,server-test]" \
   -e "integrations/langchain-kvboost[test]" \
   -e integrations/llama-index-llms-kvboost \
   "langchain-tests>=1.1,<2"
