@@ -115,7 +115,7 @@ class LoadRow:
 def load_engine(model: str | None) -> KVBoost:
     """The engine over the embedded model, a local folder, or (``"tiny"``) a random tiny llama."""
     if model == "tiny":
-        from kvboost_rag.testing import tiny_model, tiny_tokenizer
+        from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
         return KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), show_progress=False, chunk_size=32)
     return KVBoost.from_pretrained(model, show_progress=False)

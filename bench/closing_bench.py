@@ -1,10 +1,10 @@
 """Forced tool calls and structured outputs at small token budgets, on the embedded model.
 
 For each budget (``max_new_tokens``) and question this decodes, greedily and through the same
-rendering the integrations use (``kvboost_rag.tool_calls.render_chat``):
+rendering the integrations use (``kvboost_rag.decode.tool_calls.render_chat``):
 
 - a forced call of a tool with two free string arguments (``tool_choice`` = its name), read
-  back with :func:`~kvboost_rag.tool_calls.parse_tool_calls`;
+  back with :func:`~kvboost_rag.decode.tool_calls.parse_tool_calls`;
 - a structured output of a three-field object (two strings and an integer), read back with
   pydantic.
 
@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from kvboost_rag import InvalidInputError, KVBoost
-from kvboost_rag.tool_calls import call_format, parse_tool_calls, render_chat
+from kvboost_rag.decode.tool_calls import call_format, parse_tool_calls, render_chat
 
 QUESTIONS = [
     "Look up the json module.",

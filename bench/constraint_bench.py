@@ -149,7 +149,7 @@ def outlines_candidate(tokenizer: Any, vocab: int) -> Candidate:
 
 
 def engine_hook_candidate(tokenizer: Any, vocab: int) -> Candidate:
-    from kvboost_rag.constrained import ConstraintCompiler, OutputConstraint
+    from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 
     def setup() -> Any:
         compiler = ConstraintCompiler(tokenizer, vocab, [int(tokenizer.eos_token_id)])

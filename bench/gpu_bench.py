@@ -44,10 +44,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from kvboost_rag import KVBoost
-from kvboost_rag.attention import BACKENDS, default_backend, use_backend
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
-from kvboost_rag.stage_times import record_stages
+from kvboost_rag.diagnosis.stage_times import record_stages
+from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
@@ -122,7 +122,7 @@ def build_model(shape: str, layers: int | None, device: torch.device, dtype: tor
 def load_tokenizer(name: str):
     """The embedded SmolLM2 tokenizer (``embedded``) or the tests' tiny one (``tiny``)."""
     if name == "tiny":
-        from kvboost_rag.testing import tiny_tokenizer
+        from kvboost_rag.dev.testing import tiny_tokenizer
 
         return tiny_tokenizer()
     from kvboost_rag.default_model import default_model_dir

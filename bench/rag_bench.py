@@ -59,8 +59,8 @@ from rag_systems import (  # noqa: E402
 )
 
 from kvboost_rag import KVBoost  # noqa: E402
-from kvboost_rag.correctness import first_token_kl  # noqa: E402
 from kvboost_rag.corpus import python_reference_topics  # noqa: E402
+from kvboost_rag.diagnosis.correctness import first_token_kl  # noqa: E402
 
 logger = logging.getLogger("rag_bench")
 

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from kvboost_rag.sampling import eos_token_ids
+from kvboost_rag.decode.sampling import eos_token_ids
 
 logger = logging.getLogger(__name__)
 

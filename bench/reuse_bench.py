@@ -43,15 +43,15 @@ from corpora import CORPORA, extractive_questions, load_corpus
 from rag_bench import QAItem, cut_documents, exact_match, load_qa, usable_items
 
 from kvboost_rag import KVBoost
-from kvboost_rag.correctness import first_token_kl
-from kvboost_rag.stage_times import record_stages
+from kvboost_rag.diagnosis.correctness import first_token_kl
+from kvboost_rag.diagnosis.stage_times import record_stages
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below. Quote the relevant rule, keep the answer short, and say so "
     "when the documents do not contain the answer."
 )
-#: Prefill stages timed apart (kvboost_rag.stage_times), in order; ``other`` is the rest of
+#: Prefill stages timed apart (kvboost_rag.diagnosis.stage_times), in order; ``other`` is the rest of
 #: the TTFT (tokenizing, planning, the first token's choice).
 STAGES = ("lookup", "stitch", "probe", "select", "blend")
 #: (row name, settings): every repair measured, with no repair and EPIC's LegoLink (recompute

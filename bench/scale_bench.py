@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from kvboost_rag.kv_codec import KVBlock, encode_block
-from kvboost_rag.storage import DiskTier, MemoryTier, StorageTier, serialize_entry
-from kvboost_rag.storage.redis_tier import RedisTier
+from kvboost_rag.cache.codec import KVBlock, encode_block
+from kvboost_rag.cache.storage import DiskTier, MemoryTier, StorageTier, serialize_entry
+from kvboost_rag.cache.storage.redis_tier import RedisTier
 
 logger = logging.getLogger("scale_bench")
 
@@ -101,7 +101,7 @@ def _time_gets(tier: StorageTier, keys: list[str]) -> tuple[float, float]:
 
 
 def lookup_latency(args: argparse.Namespace, bits: int | None) -> list[list[str]]:
-    from kvboost_rag.redis_local import start_cluster, start_server
+    from kvboost_rag.dev.redis_local import start_cluster, start_server
 
     layers, heads, head_dim, dtype = SHAPES["SmolLM2-135M (float32)"]
     entry = encode_block(_block(layers, heads, head_dim, dtype, args.chunk_size), fingerprint="bench", bits=bits)
@@ -137,8 +137,8 @@ def lookup_latency(args: argparse.Namespace, bits: int | None) -> list[list[str]
 
 def warm_throughput(args: argparse.Namespace) -> list[list[str]]:
     from kvboost_rag.corpus import python_reference_documents
-    from kvboost_rag.redis_local import start_cluster
-    from kvboost_rag.warm_job import EngineSpec, warm_corpus
+    from kvboost_rag.dev.redis_local import start_cluster
+    from kvboost_rag.warming.job import EngineSpec, warm_corpus
 
     docs = python_reference_documents(max_chars=args.max_chars)[: args.docs]
     rows = []

@@ -135,7 +135,7 @@ def make_reference(args: argparse.Namespace) -> tuple[Any, Any]:
         reference = KVBoost.from_pretrained(args.model, max_cache_bytes=8 * 1024**3, **engine_settings(args))
         model = reference.model
         return reference, lambda: model  # the two runs never overlap
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
     reference = KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), max_cache_bytes=8 * 1024**3, **engine_settings(args))
     return reference, lambda: tiny_model("llama")  # same seed, same weights

@@ -114,7 +114,7 @@ def load_model(args: Any) -> tuple[Any, Any]:
 
         engine = KVBoost.from_pretrained(args.model, show_progress=False)
         return engine.model, engine.tokenizer
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
     return tiny_model("llama"), tiny_tokenizer()
 
@@ -177,7 +177,7 @@ def lookup_times(args: Any, model: Any, tokenizer: Any, sizes: list[int]) -> lis
     Returns:
         ``(documents, find_ms, plan_ms)`` per size.
     """
-    from kvboost_rag.segments import make_record
+    from kvboost_rag.request.documents import make_record
 
     rows = []
     for size in sizes:
@@ -228,7 +228,7 @@ def plot(windows: list[Window], path: Path, window: int) -> None:
 
 def run_sustained(args: Any) -> int:
     """The sustained soak and the lookup timing; returns the exit status."""
-    from kvboost_rag.correctness import compare_runs
+    from kvboost_rag.diagnosis.correctness import compare_runs
 
     model, tokenizer = load_model(args)
     with tempfile.TemporaryDirectory(prefix="kvboost-sustained-") as disk_dir:

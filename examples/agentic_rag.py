@@ -40,14 +40,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.tools import BaseTool, tool  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStoreRetriever  # noqa: E402
+from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer  # noqa: E402
+from langchain_rag import MiniLMEmbeddings  # noqa: E402
 
 from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 from kvboost_rag.default_model import default_model_dir  # noqa: E402
-from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer  # noqa: E402
-from langchain_rag import MiniLMEmbeddings  # noqa: E402
 
 logger = logging.getLogger("agentic_rag")
 

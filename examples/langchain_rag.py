@@ -26,15 +26,15 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import Runnable, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer  # noqa: E402
 from minilm import MiniLMEncoder  # noqa: E402
+
+from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 
 logger = logging.getLogger("langchain_rag")
 

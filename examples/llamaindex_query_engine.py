@@ -37,10 +37,10 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # 
 from llama_index.core.instrumentation.events.base import BaseEvent  # noqa: E402
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
-
-from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer  # noqa: E402
 from minilm import MiniLMEncoder  # noqa: E402
+
+from kvboost_rag.corpus import python_reference_documents, python_reference_topics  # noqa: E402
 
 logger = logging.getLogger("llamaindex_query_engine")
 

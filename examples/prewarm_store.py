@@ -76,7 +76,7 @@ def load_engine(args: argparse.Namespace) -> Any:
     else:
         settings["disk_cache_dir"] = args.store_dir
     if args.tiny:
-        from kvboost_rag.testing import tiny_model, tiny_tokenizer
+        from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
         model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     else:
@@ -188,8 +188,8 @@ def store_load_ms_per_token(args: argparse.Namespace, engine: Any) -> float | No
     """Time to read, verify and decode every stored entry, per token (disk tier only)."""
     if args.redis_url:
         return None
-    from kvboost_rag.kv_codec import decode_block
-    from kvboost_rag.storage import DiskTier
+    from kvboost_rag.cache.codec import decode_block
+    from kvboost_rag.cache.storage import DiskTier
 
     tier = DiskTier(args.store_dir, max_bytes=engine.settings.max_disk_bytes)
     tokens, start = 0, time.perf_counter()

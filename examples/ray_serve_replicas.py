@@ -3,8 +3,8 @@
 The recipe for a RAG service that outgrew one machine:
 
 1. a Redis Cluster holds the K/V of the corpus (here: 3 masters started on loopback ports by
-   :mod:`kvboost_rag.redis_local`; ``--redis-url`` names a real one);
-2. a warm job (``kvboost_rag.warm_job.warm_corpus``, the same as ``kvboost-rag warm``) reads the
+   :mod:`kvboost_rag.dev.redis_local`; ``--redis-url`` names a real one);
+2. a warm job (``kvboost_rag.warming.job.warm_corpus``, the same as ``kvboost-rag warm``) reads the
    corpus once on Ray workers and stores it there;
 3. a Ray Serve deployment with ``--replicas`` replicas, each with its own model and a LangChain
    chain (retriever -> prompt -> ``KVBoostLLM``) whose engine uses the cluster as its Redis tier,
@@ -63,7 +63,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from kvboost_rag import KVBoost
 
     if args.tiny:
-        from kvboost_rag.testing import tiny_engine
+        from kvboost_rag.dev.testing import tiny_engine
 
         return tiny_engine(**engine_settings(args))
     return KVBoost.from_pretrained(args.model, **engine_settings(args))
@@ -83,7 +83,6 @@ class RagReplica:
 
         from langchain_core.prompts import PromptTemplate
         from langchain_core.runnables import RunnableLambda
-
         from langchain_kvboost import KVBoostLLM
 
         self.name = f"replica-{os.getpid()}"
@@ -123,11 +122,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from kvboost_rag.warm_job import EngineSpec, warm_corpus
+    from kvboost_rag.warming.job import EngineSpec, warm_corpus
 
     cluster = None
     if args.redis_url is None:
-        from kvboost_rag.redis_local import start_cluster
+        from kvboost_rag.dev.redis_local import start_cluster
 
         cluster = start_cluster(3)
         args.redis_url = cluster.url
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         settings = engine_settings(args)
         spec = EngineSpec(model=args.model, settings=settings, threads=1,
-                          factory="kvboost_rag.testing:tiny_engine" if args.tiny else None)
+                          factory="kvboost_rag.dev.testing:tiny_engine" if args.tiny else None)
         report = warm_corpus(corpus(args.docs), spec, workers=args.warm_workers)
         logger.info("warm job: %s", report.summary())
 

@@ -153,8 +153,11 @@ def langchain_layout(
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
     from langchain_community.vectorstores import FAISS
     from langchain_core.prompts import ChatPromptTemplate
-    from langchain_huggingface import ChatHuggingFace, HuggingFaceEmbeddings, HuggingFacePipeline
-
+    from langchain_huggingface import (
+        ChatHuggingFace,
+        HuggingFaceEmbeddings,
+        HuggingFacePipeline,
+    )
     from langchain_kvboost import ChatKVBoost, KVBoostLLM, KVBoostPrewarmer
 
     generation = {"max_new_tokens": new_tokens, "do_sample": False, "return_full_text": False}
@@ -196,7 +199,6 @@ def llamaindex_layouts(
     from llama_index.core import Document, Settings, VectorStoreIndex
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.llms.huggingface import HuggingFaceLLM
-
     from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer
 
     # The same arguments for both: swapping in is the class name.

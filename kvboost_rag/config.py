@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 RecomputeStrategy = Literal["attention", "cacheblend", "selective", "none"]
 ProbeWeighting = Literal["attention", "value", "depth", "value_depth"]

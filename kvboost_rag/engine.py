@@ -11,26 +11,35 @@ from typing import Any
 
 import torch
 
-from kvboost_rag.batch_decode import decode_step
-from kvboost_rag.cache_manager import CacheManager
-from kvboost_rag.chat import ChatTemplate
+from kvboost_rag.cache.manager import CacheManager
+from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.constrained import ConstraintCompiler, OutputConstraint
-from kvboost_rag.correctness import compare_runs
-from kvboost_rag.errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
-from kvboost_rag.hashing import root_hash
+from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
+from kvboost_rag.decode.sampling import eos_token_ids
+from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
+from kvboost_rag.decode.step import decode_step
+from kvboost_rag.diagnosis.correctness import compare_runs
+from kvboost_rag.errors import (
+    InvalidInputError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from kvboost_rag.generation.lifecycle import GenerationStream, Requests
+from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
-from kvboost_rag.inputs import check_device
-from kvboost_rag.lifecycle import GenerationStream, Requests
-from kvboost_rag.options import GenerationOptions
-from kvboost_rag.parts import EngineParts
-from kvboost_rag.plan import Planner
-from kvboost_rag.prefill import Prefiller
-from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, WarmResult
-from kvboost_rag.sampling import eos_token_ids
-from kvboost_rag.scheduler import DecodeScheduler, ModelTurns
-from kvboost_rag.storage import build_store
-from kvboost_rag.text import Tokenizing
+from kvboost_rag.prefill.prefiller import Prefiller
+from kvboost_rag.request.chat import ChatTemplate
+from kvboost_rag.request.hashing import root_hash
+from kvboost_rag.request.inputs import check_device
+from kvboost_rag.request.options import GenerationOptions
+from kvboost_rag.request.plan import Planner
+from kvboost_rag.request.text import Tokenizing
+from kvboost_rag.results import (
+    CacheStats,
+    CorrectnessReport,
+    GenerationResult,
+    WarmResult,
+)
 from kvboost_rag.warming import Warming
 
 logger = logging.getLogger(__name__)
@@ -43,7 +52,7 @@ class KVBoost:
 
     Build it with :meth:`from_pretrained` or :meth:`from_model`. Safe to call from several
     threads: prefills and warms take turns on the model, concurrent generations decode
-    together in one batch (:mod:`kvboost_rag.scheduler`), cache lookups are locked.
+    together in one batch (:mod:`kvboost_rag.decode.scheduler`), cache lookups are locked.
 
     Args:
         model: A transformers causal LM.
@@ -78,7 +87,7 @@ class KVBoost:
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
         parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)
         self._warming = Warming(parts)
-        self._requests = Requests(parts, self._warming, self._scheduler, self._constraints, eos_ids)
+        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason
@@ -225,7 +234,7 @@ class KVBoost:
         Args:
             prompt: The full prompt text.
             options: Decoding and reuse options (defaults when omitted).
-            **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`
+            **overrides: Fields of :class:`~kvboost_rag.request.options.GenerationOptions`
                 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``reuse``,
                 ``documents``, ``return_logits``, ``constraint``), applied over ``options``.
 
@@ -264,7 +273,7 @@ class KVBoost:
         Args:
             prompts: Full prompt texts.
             options: Options for every prompt (defaults when omitted).
-            **overrides: Fields of :class:`~kvboost_rag.options.GenerationOptions`.
+            **overrides: Fields of :class:`~kvboost_rag.request.options.GenerationOptions`.
 
         Returns:
             One entry per prompt, in order: its :class:`GenerationResult` (``ttft_ms`` from

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 logger = logging.getLogger("lowest_versions")

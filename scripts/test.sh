@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
 export KVBOOST_RAG_TEST_WORKERS="${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
 PARALLEL=(-n "$KVBOOST_RAG_TEST_WORKERS" --dist loadfile)
-"$PY" -m kvboost_rag.environment
+"$PY" -m kvboost_rag.dev.environment
 status=0
 for suite in . integrations/langchain-kvboost integrations/llama-index-llms-kvboost; do
   echo "=== pytest: $suite"

@@ -24,7 +24,7 @@ echo "=== lowest admitted versions"
 LOWEST="$PWD/.venv-lowest"
 if "$PY" scripts/lowest_versions.py "$LOWEST"; then
   export PYTHONPATH="$LOWEST${PYTHONPATH:+:$PYTHONPATH}"
-  "$PY" -m kvboost_rag.environment | grep -E '^(transformers|tokenizers|langchain-core|llama-index-core):'
+  "$PY" -m kvboost_rag.dev.environment | grep -E '^(transformers|tokenizers|langchain-core|llama-index-core):'
   "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings "${EXACTNESS[@]}" || status=1
   (cd integrations/langchain-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow" tests/unit_tests) || status=1
   (cd integrations/llama-index-llms-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow") || status=1

@@ -7,8 +7,8 @@ import torch
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 from kvboost_rag.log_limits import forget_all
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
 
 # One intra-op thread per test process: the suites run one pytest-xdist worker per core, and
 # tiny models gain nothing from more (threads spinning against each other slow every pass).
@@ -16,8 +16,7 @@ torch.set_num_threads(1)
 
 from rag_prompts import SYSTEM_PROMPT
 
-
-# Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
+# Each test's engines spill to a folder of their own (kvboost_rag.dev.pytest_isolation, loaded in addopts).
 
 
 @pytest.fixture(autouse=True)

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from kvboost_rag import KVBoost
-from kvboost_rag.constrained import OutputConstraint
+from kvboost_rag.decode.constrained import OutputConstraint
+from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.results import GenerationResult
-from kvboost_rag.sampling import eos_token_ids
 
 
 def forcing(tokens: list[int]) -> OutputConstraint:

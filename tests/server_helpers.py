@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvboost_rag import KVBoost
+from kvboost_rag.dev.testing import tiny_engine
 from kvboost_rag.server import ServerSettings, create_app
-from kvboost_rag.testing import tiny_engine
 
 #: The model name the tiny engine's server answers to.
 MODEL = "tiny"

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from kvboost_rag.async_stream import iterate_in_thread
+from kvboost_rag.integration.async_stream import iterate_in_thread
 
 
 def test_items_arrive_in_order_from_one_worker_thread():
@@ -60,7 +60,7 @@ def test_stopping_early_closes_the_iterator():
 
 
 def test_calls_run_in_threads_of_their_own():
-    from kvboost_rag.async_stream import call_in_thread
+    from kvboost_rag.integration.async_stream import call_in_thread
 
     # More calls than the loop's default executor has workers, all running at the same time.
     count = 40
@@ -73,7 +73,7 @@ def test_calls_run_in_threads_of_their_own():
 
 
 def test_call_errors_reach_the_caller():
-    from kvboost_rag.async_stream import call_in_thread
+    from kvboost_rag.integration.async_stream import call_in_thread
 
     def failing():
         raise KeyError("missing")

@@ -4,8 +4,10 @@ import threading
 
 import pytest
 import torch
+from rag_prompts import rag_prompt
 
-from kvboost_rag.attention import (
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.hf.sparse_attention import (
     BACKENDS,
     default_backend,
     last_query_attention,
@@ -13,9 +15,6 @@ from kvboost_rag.attention import (
     sparse_causal_attention,
     use_backend,
 )
-from kvboost_rag.errors import InvalidInputError
-
-from rag_prompts import rag_prompt
 
 
 def dense_reference(q, k, v, positions, window=None, softcap=None):
@@ -89,14 +88,14 @@ def test_sparse_attention_needs_positions():
 
 
 def test_failed_flex_compilation_falls_back_to_one_masked_call(monkeypatch, caplog):
-    from kvboost_rag import attention
+    from kvboost_rag.hf import sparse_attention as attention
 
     eager, _, create_block_mask = attention._flex_functions()
 
     def broken(*args, **kwargs):
         raise RuntimeError("no triton")
 
-    monkeypatch.setattr(attention, "_flex_functions", lambda: (eager, broken, create_block_mask))
+    monkeypatch.setattr(attention, "_flex_functions", lambda backend="inductor": (eager, broken, create_block_mask))
     monkeypatch.setattr(attention, "_flex_failed", threading.Event())
     assert attention.default_backend(torch.device("cuda")) == "flex"
     torch.manual_seed(3)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvboost_rag.background_warmer import BackgroundWarmer
+from kvboost_rag.warming.background import BackgroundWarmer
 
 
 def test_waits_for_answers_to_finish(make_engine, docs) -> None:

@@ -7,10 +7,10 @@ import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
-from kvboost_rag.batch_decode import DecodeSequence
+from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler
+from kvboost_rag.decode.step import DecodeSequence
+from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
-from kvboost_rag.sampling import SequenceSampling, TextAssembler
-from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
 
 # Llama-style RoPE, Qwen2 (biases), a partial-rotary family, interleaved sliding-window
 # layers, and GPT-2 (no RoPE: prefix-only reuse).
@@ -215,7 +215,7 @@ def test_ragged_step_equals_one_sequence_steps(make_engine, one_call):
     """One batched forward over caches of different lengths gives each row the logits of
     its own one-sequence step (sliding-window layers included), whether the rows' attention
     runs one call per row (CPU's default) or one padded call for all rows (CUDA's)."""
-    from kvboost_rag.ragged import one_call as attention_in_one_call
+    from kvboost_rag.hf.ragged_attention import one_call as attention_in_one_call
 
     for family in (*ROPE_FAMILIES, "gpt2"):
         adapter = make_engine(family)._adapter

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvboost_rag import KVBoost
-from kvboost_rag.warming.batch import BatchWarmer, batchable, batches
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.warming.batch import BatchWarmer, batchable, batches
 
 #: Float rounding differs between a batch and single rows (other matrix shapes), nothing else.
 ATOL = 1e-5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvboost_rag.constrained import ConstraintCompiler, OutputConstraint
+from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 
 pytest.importorskip("llguidance", reason="constrained decoding is the optional extra kvboost-rag[constrained]")
 

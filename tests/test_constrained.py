@@ -10,14 +10,14 @@ from typing import Literal
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from rag_prompts import SYSTEM_PROMPT
 
 from kvboost_rag import InvalidInputError
-from kvboost_rag import lifecycle as engine_module
-from kvboost_rag.constrained import OutputConstraint, masked_by_bitmask
+from kvboost_rag.decode.constrained import OutputConstraint, masked_by_bitmask
+from kvboost_rag.decode.sampling import SequenceSampling, next_token
+from kvboost_rag.generation import lifecycle as engine_module
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.options import GenerationOptions
-from kvboost_rag.sampling import SequenceSampling, next_token
-from rag_prompts import SYSTEM_PROMPT
+from kvboost_rag.request.options import GenerationOptions
 
 pytest.importorskip("llguidance", reason="constrained decoding is the optional extra kvboost-rag[constrained]")
 
@@ -179,7 +179,7 @@ def test_repetition_penalty_lowers_generated_tokens_only():
     # negative doubled), the others untouched.
     assert next_token(logits, options, state) == 2
     assert state.generated == [0, 1, 2]
-    from kvboost_rag.sampling import penalize_repeats
+    from kvboost_rag.decode.sampling import penalize_repeats
 
     assert penalize_repeats(logits, [0, 1, 0], 2.0).tolist() == [1.0, -2.0, 3.0, 0.5]
     flipped = torch.tensor([3.0, 2.5])

@@ -6,10 +6,10 @@ import pytest
 from rag_prompts import SYSTEM_PROMPT
 
 from kvboost_rag import KVBoost
-from kvboost_rag.warming.batch import BatchWarmer
-from kvboost_rag.cache_manager import CacheManager
+from kvboost_rag.cache.manager import CacheManager
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.warming import CONTEXT_DOCUMENT_SEPARATOR
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.warming.batch import BatchWarmer
 
 
 def _warmed_texts(engine: KVBoost, texts: list[str], monkeypatch) -> dict[str, str]:

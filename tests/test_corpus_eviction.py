@@ -14,15 +14,15 @@ from collections import Counter
 
 import pytest
 import torch
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
-import kvboost_rag.lifecycle as lifecycle_module
+import kvboost_rag.generation.lifecycle as lifecycle_module
 import kvboost_rag.warming.documents as warming_module
 from kvboost_rag import KVBoost
+from kvboost_rag.cache.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
-from kvboost_rag.testing import tiny_model
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 DOCS = python_reference_documents(max_chars=240)[:24]
 

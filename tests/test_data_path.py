@@ -14,13 +14,13 @@ import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from torch._dynamo.utils import counters
 
-from kvboost_rag import attention
+from kvboost_rag.cache.codec import KVBlock
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import OpCounter, OpCounts
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.kv_codec import KVBlock
-from kvboost_rag.stitch import Run, stitch_documents, stitch_prefix
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.hf import sparse_attention as attention
+from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 
 
 def _counts(engine, prompt: str) -> tuple[OpCounts, int]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.kv_codec import KVBlock, decode_block, encode_block
-from kvboost_rag.storage import DeviceTier, MemoryTier, PinnedMemoryTier, StoredEntry, TieredStore, build_store
-
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+from kvboost_rag.cache.codec import KVBlock, decode_block, encode_block
+from kvboost_rag.cache.storage import (
+    DeviceTier,
+    MemoryTier,
+    PinnedMemoryTier,
+    StoredEntry,
+    TieredStore,
+    build_store,
+)
+from kvboost_rag.config import KVBoostSettings
 
 LAYOUT = (2, 2, 8)
 
@@ -119,7 +125,7 @@ def test_cuda_tier_layout_holds_nothing_but_kv_through_warms_generates_batches_a
     token ids), never a document record or other host metadata, and the engine serves
     documents from it."""
     from kvboost_rag import engine as engine_module
-    from kvboost_rag.storage import HOST_TENSORS
+    from kvboost_rag.cache.storage import HOST_TENSORS
 
     placed: list[tuple[str, StoredEntry]] = []
     original = DeviceTier.put_many

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
+from kvboost_rag.cache.storage import DiskTier, StoredEntry, build_store
+from kvboost_rag.cache.storage.disk import SUFFIX
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.storage import DiskTier, StoredEntry, build_store
-from kvboost_rag.storage.disk import SUFFIX
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="FIFOs and symlinks as POSIX has them")
 

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
+from kvboost_rag.cache.codec import CorruptEntryError
+from kvboost_rag.cache.document_records import (
+    DocumentShelf,
+    record_from_entry,
+    record_to_entry,
+)
+from kvboost_rag.cache.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.document_shelf import DocumentShelf, record_from_entry, record_to_entry
-from kvboost_rag.kv_codec import CorruptEntryError
-from kvboost_rag.segments import make_record
-from kvboost_rag.testing import tiny_model
-from kvboost_rag.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.request.documents import make_record
 
 PER_TOKEN = 2 * 3 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 of the tiny llama
 
@@ -159,7 +163,7 @@ def test_parsed_records_are_served_from_memory_and_leave_with_their_entry(tokeni
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         records.append(make_record(text, enc.input_ids, [tuple(o) for o in enc.offset_mapping], "fp", 16))
         shelf.save(records[-1])
-    from kvboost_rag.segments import anchor_of
+    from kvboost_rag.request.documents import anchor_of
 
     first = shelf.load(anchor_of(texts[0]), records[0].digest)
     assert first is shelf.load(anchor_of(texts[0]), records[0].digest)  # the same parsed object

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.integration.dropin import (
+    device_setting,
+    generation_fields,
+    model_settings,
+)
 
 
 def test_generation_arguments_map_onto_fields() -> None:

@@ -4,12 +4,12 @@ import random
 import statistics
 
 import pytest
+from decoding_checks import check_against_full_prefill
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoostSettings
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.correctness import first_token_kl
-from decoding_checks import check_against_full_prefill
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from kvboost_rag.diagnosis.correctness import first_token_kl
 
 pytestmark = pytest.mark.slow
 

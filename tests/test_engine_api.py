@@ -5,6 +5,7 @@ import threading
 import pydantic
 import pytest
 import torch
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import (
     InvalidInputError,
@@ -14,8 +15,7 @@ from kvboost_rag import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from kvboost_rag.testing import tiny_model
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from kvboost_rag.dev.testing import tiny_model
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_one_stop_string_is_one_stop_string(engine):
 
 
 def test_options_object_and_overrides(engine):
-    from kvboost_rag.options import GenerationOptions
+    from kvboost_rag.request.options import GenerationOptions
 
     options = GenerationOptions(max_new_tokens=3)
     assert engine.generate("Hello there", options).generated_tokens <= 3
@@ -305,7 +305,7 @@ def test_cuda_device_without_cuda_is_invalid_input(tokenizer):
 
 
 def test_pinned_overflow_evicts_the_oldest_pin_with_one_warning(caplog):
-    from kvboost_rag.storage import MemoryTier, StoredEntry
+    from kvboost_rag.cache.storage import MemoryTier, StoredEntry
 
     def entry() -> StoredEntry:
         return StoredEntry({"keys": torch.zeros(250, dtype=torch.float32)})
@@ -314,7 +314,7 @@ def test_pinned_overflow_evicts_the_oldest_pin_with_one_warning(caplog):
     for key in ("a", "b"):
         tier.put(key, entry())
         assert tier.pin(key)
-    with caplog.at_level("WARNING", logger="kvboost_rag.storage.memory"):
+    with caplog.at_level("WARNING", logger="kvboost_rag.cache.storage.memory"):
         evicted = tier.put("c", entry())
         assert evicted == ["a"] and "c" in tier and "b" in tier
         assert tier.pin("c")

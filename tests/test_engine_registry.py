@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from kvboost_rag import KVBoost, ModelNotFoundError
-from kvboost_rag.engine_registry import ArgumentNames, clear_shared_engines, engine_of, resolve_engine
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.integration.engine_registry import (
+    ArgumentNames,
+    clear_shared_engines,
+    engine_of,
+    resolve_engine,
+)
 
 
 @pytest.fixture

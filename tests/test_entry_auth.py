@@ -10,11 +10,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from kvboost_rag.cache.codec import KVBlock, decode_block, encode_block
+from kvboost_rag.cache.storage import (
+    DiskTier,
+    StoredEntry,
+    build_store,
+    deserialize_entry,
+    serialize_entry,
+)
+from kvboost_rag.cache.storage.disk import SUFFIX
+from kvboost_rag.cache.storage.serialization import CorruptPayloadError
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.kv_codec import KVBlock, decode_block, encode_block
-from kvboost_rag.storage import DiskTier, StoredEntry, build_store, deserialize_entry, serialize_entry
-from kvboost_rag.storage.disk import SUFFIX
-from kvboost_rag.storage.serialization import CorruptPayloadError
 
 LAYOUT = (2, 2, 8)
 

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
-from kvboost_rag import UnsupportedModelError
-from kvboost_rag.hf.windows import LayerWindows
-from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
-
 from decoding_checks import check_against_full_prefill
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+from kvboost_rag import UnsupportedModelError
+from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
+from kvboost_rag.hf.windows import LayerWindows
 
 ATOL = 1e-4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.testing import tiny_model
 
 
 class _LoraLinear(torch.nn.Module):
@@ -70,7 +70,7 @@ def test_a_changed_buffer_changes_the_fingerprint(tokenizer):
 
 
 def test_weights_digest_is_independent_of_storage_layout():
-    from kvboost_rag.fingerprint import weights_digest
+    from kvboost_rag.hf.fingerprint import weights_digest
 
     model = tiny_model()
     other = tiny_model()

@@ -46,7 +46,7 @@ def test_named_shapes_build_with_published_dimensions(shape):
 
 
 def test_prompt_has_about_the_requested_length():
-    from kvboost_rag.testing import tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     prompt, documents, shuffled = gpu_bench.build_prompt(tokenizer, 1000, seed=1)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
-from kvboost_rag.blend import layer_spans, stage_sizes
-from kvboost_rag.prefill import Prefiller
+from kvboost_rag.prefill.prefiller import Prefiller
+from kvboost_rag.repair.selection import layer_spans, stage_sizes
 
 
 @pytest.mark.parametrize("budget,spans,candidates", [(60, [15, 15], 400), (33, [2, 1], 400), (10, [4, 4, 4, 4], 50)])

@@ -1,4 +1,4 @@
-from kvboost_rag.hashing import (
+from kvboost_rag.request.hashing import (
     content_hash,
     content_hash_chain,
     fingerprint_of,

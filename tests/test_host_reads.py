@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvboost_rag.corpus import python_reference_documents
-
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 
 class HostReads(TorchDispatchMode):

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from kvboost_rag import InvalidInputError, PromptTooLongError
+from kvboost_rag.decode.tool_calls import CallFormat, call_format
+from kvboost_rag.dev.testing import refuse_documents
 from kvboost_rag.integration import (
     CALL_PARAMETERS,
     ToolCallHoldBack,
@@ -25,8 +27,6 @@ from kvboost_rag.integration import (
 from kvboost_rag.integration.params import DocumentConverter, document_texts
 from kvboost_rag.integration.prewarm import check_max_document_tokens
 from kvboost_rag.results import GenerationResult
-from kvboost_rag.testing import refuse_documents
-from kvboost_rag.tool_calls import CallFormat, call_format
 
 DEFAULTS = SimpleNamespace(
     max_new_tokens=64, temperature=0.0, top_p=1.0, repetition_penalty=1.0, seed=None, stop=["\n\n"], reuse=True

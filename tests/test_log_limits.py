@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from kvboost_rag.cache.storage import DiskTier
+from kvboost_rag.cache.storage.disk import SUFFIX
 from kvboost_rag.log_limits import MAX_KINDS, RateLimitedLogger, forget_all
-from kvboost_rag.storage import DiskTier
-from kvboost_rag.storage.disk import SUFFIX
 
 LOGGER = logging.getLogger("kvboost_rag.tests.log_limits")
 
@@ -72,7 +72,7 @@ def test_a_thousand_corrupt_disk_entries_log_a_handful_of_warnings(tmp_path, cap
     tier = DiskTier(tmp_path, max_bytes=10**7)
     for i in range(1000):
         (tmp_path / f"k{i}{SUFFIX}").write_bytes(b"not an entry %d" % i)
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage"):
         assert all(tier.get(f"k{i}") is None for i in range(1000))
     assert not list(tmp_path.glob(f"*{SUFFIX}"))  # every one deleted
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]

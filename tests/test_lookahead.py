@@ -10,12 +10,12 @@ from pydantic import ValidationError
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoostSettings
-from kvboost_rag import prefill as prefill_module
-from kvboost_rag.blend import select_highest
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.prefill import prefiller as prefill_module
 from kvboost_rag.repair.lookahead import look_ahead
 from kvboost_rag.repair.probe import attention_scores, run_probe
-from kvboost_rag.testing import tiny_model
+from kvboost_rag.repair.selection import select_highest
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ another CPU kernel path or GPU picks either token with or without reuse
 
 import pytest
 import torch
-
-from kvboost_rag import KVBoost
-from kvboost_rag.attention import BACKENDS, use_backend
-from kvboost_rag.testing import ROPE_FAMILIES, tiny_model
-
 from decoding_checks import check_against_full_prefill
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+from kvboost_rag import KVBoost
+from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
+from kvboost_rag.hf.sparse_attention import BACKENDS, use_backend
 
 DTYPES = [torch.bfloat16, torch.float16]
 #: Logit tolerance relative to the largest logit magnitude (bfloat16 keeps 8 mantissa bits).

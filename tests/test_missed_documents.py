@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-import kvboost_rag.lifecycle as engine_module
+import kvboost_rag.generation.lifecycle as engine_module
+from kvboost_rag.diagnosis.missed_documents import explain_missed_documents, unescape
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.missed_documents import explain_missed_documents, unescape
-from kvboost_rag.segments import DocumentRegistry
+from kvboost_rag.request.documents import DocumentRegistry
 
 LEAD = "Answer from the documents below.\n\n"
 

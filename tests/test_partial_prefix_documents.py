@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
-from kvboost_rag import plan as plan_module
+from kvboost_rag.request import plan as plan_module
 
 CONTEXT = "The garden keeps its apples in a cold cellar through the winter months until spring. " * 3
 SHARED_START = "The river carries boats past the old mill and the bridge near the northern town. " * 3

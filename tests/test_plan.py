@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from kvboost_rag.hashing import prefix_hash, root_hash
-from kvboost_rag.plan import PromptTokens, build_plan
-from kvboost_rag.segments import DocumentRegistry, make_record
-from kvboost_rag.storage.memory import MemoryTier
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
+
+from kvboost_rag.cache.storage.memory import MemoryTier
+from kvboost_rag.request.documents import DocumentRegistry, make_record
+from kvboost_rag.request.hashing import prefix_hash, root_hash
+from kvboost_rag.request.plan import PromptTokens, build_plan
 
 ROOT = root_hash("fp")
 
@@ -145,19 +145,19 @@ def test_generate_flows_one_way(make_engine, docs):
     finally:
         sys.setprofile(None)
     assert result.content_hit_tokens > 0 and result.strategy == "attention"
-    back = [c for c in calls if c[1] in ("kvboost_rag.engine", "kvboost_rag.lifecycle") and c[0] != "kvboost_rag.engine"]
+    back = [c for c in calls if c[1] in ("kvboost_rag.engine", "kvboost_rag.generation.lifecycle") and c[0] != "kvboost_rag.engine"]
     assert back == [], f"calls back into the facade or the lifecycle: {sorted(set(back))}"
 
     entries = {
-        ("kvboost_rag.text", "prompt"): "text",
-        ("kvboost_rag.plan", "plan"): "plan",
-        ("kvboost_rag.prefill", "run"): "prefill",
-        ("kvboost_rag.cache_manager", "match_prefix"): "lookup",
-        ("kvboost_rag.cache_manager", "load"): "lookup",
-        ("kvboost_rag.stitch", "stitch_documents"): "stitch",
+        ("kvboost_rag.request.text", "prompt"): "text",
+        ("kvboost_rag.request.plan", "plan"): "plan",
+        ("kvboost_rag.prefill.prefiller", "run"): "prefill",
+        ("kvboost_rag.cache.manager", "match_prefix"): "lookup",
+        ("kvboost_rag.cache.manager", "load"): "lookup",
+        ("kvboost_rag.prefill.stitch", "stitch_documents"): "stitch",
         ("kvboost_rag.repair.attention", "choose"): "repair",
-        ("kvboost_rag.batch_decode", "choose"): "decode",
-        ("kvboost_rag.cache_manager", "write_back"): "write-back",
+        ("kvboost_rag.decode.step", "choose"): "decode",
+        ("kvboost_rag.cache.manager", "write_back"): "write-back",
     }
     flow: list[str] = []
     for _, callee, name in calls:
@@ -182,7 +182,7 @@ def test_document_warm_goes_through_prefill_and_hits_next_prompt(make_engine, do
 def test_adaptive_budget_recomputes_until_the_deviation_left_is_small():
     import torch
 
-    from kvboost_rag.blend import adaptive_budget
+    from kvboost_rag.repair.selection import adaptive_budget
 
     deviation = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     scale = torch.ones(8)
@@ -200,7 +200,7 @@ def test_adaptive_budget_recomputes_until_the_deviation_left_is_small():
 def test_budget_for_left_recomputes_until_the_attention_left_is_small():
     import torch
 
-    from kvboost_rag.blend import budget_for_left
+    from kvboost_rag.repair.selection import budget_for_left
 
     attention = torch.tensor([0.0, 0.05, 0.2, 0.1, 0.05, 0.1])  # 0.5 of the attention on cached tokens
     assert budget_for_left(attention, 0.5, low=0, high=6) == 0

@@ -7,9 +7,9 @@ import torch
 from pydantic import ValidationError
 
 from kvboost_rag import KVBoostSettings
+from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.repair.probe import attention_scores, run_probe
-from kvboost_rag.testing import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag import quant
-from kvboost_rag.kv_codec import KVBlock, decode_block, encode_block
+from kvboost_rag.cache import quant
+from kvboost_rag.cache.codec import KVBlock, decode_block, encode_block
 
 # SmolLM2-135M layout: 30 layers, 3 K/V heads, head_dim 64.
 SMOL_LAYOUT = (30, 3, 64)

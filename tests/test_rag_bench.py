@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
+from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 

@@ -21,7 +21,7 @@ def test_every_replica_hits_the_documents_the_warm_job_stored():
         from ray import serve  # noqa: F401
     except ImportError:
         pytest.skip("Ray Serve is not installed: pip install 'kvboost-rag[ray]'")
-    from kvboost_rag.redis_local import RedisNotAvailableError, find_binary
+    from kvboost_rag.dev.redis_local import RedisNotAvailableError, find_binary
 
     try:
         find_binary("redis-server"), find_binary("redis-cli")

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvboost_rag import InvalidInputError
-from kvboost_rag.react import (
+from kvboost_rag.decode.react import (
     ACTION,
     ANSWER,
     ANY_STEP,

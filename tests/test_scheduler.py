@@ -10,8 +10,8 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.scheduler import DecodeScheduler, ModelTurns
 
 
 def _prompts(docs: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 import pytest
 
-from kvboost_rag.segments import (
+from kvboost_rag.request.documents import (
     ANCHOR_CHARS,
     DocumentOccurrence,
     DocumentRecord,
@@ -132,9 +132,9 @@ def test_vectorized_alignment_equals_token_by_token(tokenizer, prefix, monkeypat
     """Real documents (some with multi-byte characters) after prefixes that merge or do not
     merge with their first token, and cut short: the fast path gives the same pairs, and it is
     the path taken for documents of one token per character span."""
-    from kvboost_rag import segments
     from kvboost_rag.corpus import python_reference_documents
-    from kvboost_rag.segments import _align_one_by_one
+    from kvboost_rag.request import documents as segments
+    from kvboost_rag.request.documents import _align_one_by_one
 
     fallbacks: list[str] = []
     monkeypatch.setattr(segments, "_align_one_by_one", lambda occ, *a: fallbacks.append(occ.record.text) or _align_one_by_one(occ, *a))
@@ -168,7 +168,7 @@ def _spans(tokenizer, text: str) -> tuple:
 def test_window_anchors_equal_the_anchor_of_each_window():
     import random
 
-    from kvboost_rag.hashing import anchor_hash, window_anchors
+    from kvboost_rag.request.hashing import anchor_hash, window_anchors
 
     rng = random.Random(3)
     text = "".join(rng.choice("ab cdé\n🙂\U0010fffd\ud800") for _ in range(2000))

@@ -17,7 +17,7 @@ import pytest
 
 from kvboost_rag.cli import build_parser, main
 
-FACTORY = "kvboost_rag.testing:tiny_engine"
+FACTORY = "kvboost_rag.dev.testing:tiny_engine"
 
 
 def _free_port() -> int:

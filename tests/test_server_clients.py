@@ -19,7 +19,14 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
-from server_helpers import MODEL, SEARCH_TOOL, SETTINGS, engine, rag_messages, sse_payloads  # noqa: F401 - fixture
+from server_helpers import (  # noqa: F401 - fixture
+    MODEL,
+    SEARCH_TOOL,
+    SETTINGS,
+    engine,
+    rag_messages,
+    sse_payloads,
+)
 
 from kvboost_rag.server import BackgroundServer
 from kvboost_rag.server.warm_client import warm_through_server

@@ -7,7 +7,14 @@ import json
 
 import pytest
 from langchain_kvboost import ChatKVBoost, KVBoostLLM
-from server_helpers import MODEL, SEARCH_TOOL, client, engine, rag_messages, sse_payloads  # noqa: F401 - fixtures
+from server_helpers import (  # noqa: F401 - fixtures
+    MODEL,
+    SEARCH_TOOL,
+    client,
+    engine,
+    rag_messages,
+    sse_payloads,
+)
 
 
 def chat(client, **body):

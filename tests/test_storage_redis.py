@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.kv_codec import KVBlock, decode_block, encode_block
-from kvboost_rag.storage import (
+from kvboost_rag.cache.codec import KVBlock, decode_block, encode_block
+from kvboost_rag.cache.storage import (
     MemoryTier,
     StoredEntry,
     TieredStore,
@@ -31,7 +30,8 @@ from kvboost_rag.storage import (
     deserialize_entry,
     serialize_entry,
 )
-from kvboost_rag.storage.redis_tier import RedisTier
+from kvboost_rag.cache.storage.redis_tier import RedisTier
+from kvboost_rag.config import KVBoostSettings
 
 redis = pytest.importorskip("redis", reason="the 'redis' client is not installed: pip install 'kvboost-rag[redis]'")
 
@@ -205,7 +205,7 @@ def test_corrupt_value_is_a_miss_and_is_deleted(tier, raw, caplog, damage):
     else:
         data = bytearray(serialize_entry(_block_entry(), key="k2"))
     raw.set(name, bytes(data))
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         assert tier.get("k1") is None
     assert "corrupt entry" in caplog.text
     assert raw.exists(name) == 0
@@ -283,7 +283,7 @@ def test_a_thousand_corrupt_values_log_a_handful_of_warnings(tier, raw, caplog):
     for i in range(1000):
         pipe.set(tier.redis_name(f"k{i}"), b"garbage %d" % i)
     pipe.execute()
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         assert all(tier.get(f"k{i}") is None for i in range(1000))
     assert list(tier.keys()) == []
     assert 1 <= len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 3
@@ -296,7 +296,7 @@ def test_server_going_away_and_coming_back(caplog):
         tier.put("k1", _entry(1.0))
         assert tier.get("k1") is not None
         server.stop()
-        with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+        with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
             assert tier.get("k1") is None
             assert tier.put("k2", _entry(2.0)) == []
         assert tier.errors >= 2 and "unavailable" in caplog.text
@@ -323,7 +323,7 @@ def dead_url() -> str:
 
 def test_connection_errors_are_misses_never_exceptions(dead_url, caplog):
     tier = RedisTier(dead_url, socket_timeout=0.5)
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         start = time.perf_counter()
         for _ in range(50):
             assert tier.get("k1") is None
@@ -343,7 +343,7 @@ def test_connection_errors_are_misses_never_exceptions(dead_url, caplog):
 
 def test_warning_is_repeated_after_the_interval_with_a_count(dead_url, caplog):
     tier = RedisTier(dead_url, backoff_seconds=0.0, warn_interval_seconds=0.2)
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         for _ in range(5):
             tier.get("k")
         time.sleep(0.25)
@@ -355,7 +355,7 @@ def test_warning_is_repeated_after_the_interval_with_a_count(dead_url, caplog):
 def test_credentials_are_not_logged(caplog):
     port = _free_port()
     tier = RedisTier(f"redis://user:s3cret@127.0.0.1:{port}/0")
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         tier.get("k")
     assert "s3cret" not in caplog.text and f"127.0.0.1:{port}" in caplog.text
 
@@ -412,7 +412,7 @@ def test_second_engine_reuses_documents_another_engine_stored_in_redis(make_engi
 def test_engine_with_redis_down_still_answers(make_engine, docs, dead_url, one_thread, caplog):
     engine = make_engine(redis_url=dead_url)
     prompt = _prompt(docs[:2])
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         engine.warm_documents(docs[:2])
         result = engine.generate(prompt, max_new_tokens=6)
     assert "unavailable" in caplog.text
@@ -436,9 +436,8 @@ def test_fresh_engine_over_the_same_redis_finds_stored_documents(make_engine, do
 
 def test_a_corpus_larger_than_memory_stays_whole_in_redis(make_engine, redis_url):
     """Documents worth 3x the memory tier: memory evicts them whole, Redis keeps every one."""
-    from test_corpus_eviction import DOCS, _budgeted, check_agreement
-
     from rag_prompts import SYSTEM_PROMPT, rag_prompt
+    from test_corpus_eviction import DOCS, _budgeted, check_agreement
 
     engine = _budgeted(make_engine, 3, disk_cache_dir=None, redis_url=redis_url)
     try:

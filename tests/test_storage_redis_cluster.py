@@ -1,6 +1,6 @@
 """Redis tier against a real 3-master Redis Cluster on loopback ports.
 
-The cluster is started by :mod:`kvboost_rag.redis_local` (``redis-server`` in cluster mode and
+The cluster is started by :mod:`kvboost_rag.dev.redis_local` (``redis-server`` in cluster mode and
 ``redis-cli --cluster create``; ``.ci/install-redis.sh`` installs both). Tests that lose a
 shard start a cluster of their own.
 """
@@ -20,10 +20,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvboost_rag.cache.storage import StoredEntry, build_store, deserialize_entry
+from kvboost_rag.cache.storage.redis_tier import RedisTier
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.redis_local import LocalCluster, RedisNotAvailableError, start_cluster, start_server
-from kvboost_rag.storage import StoredEntry, build_store, deserialize_entry
-from kvboost_rag.storage.redis_tier import RedisTier
+from kvboost_rag.dev.redis_local import (
+    LocalCluster,
+    RedisNotAvailableError,
+    start_cluster,
+    start_server,
+)
 
 redis = pytest.importorskip("redis", reason="the 'redis' client is not installed: pip install 'kvboost-rag[redis]'")
 
@@ -107,7 +112,7 @@ def test_a_missing_part_is_a_miss_and_the_entry_goes(cluster, prefix, caplog):
     tier.put("big", _entry(0.5, tokens=200))
     name = tier.redis_name("big") + ":2"
     _node_clients(cluster)[_holder(cluster, name)].delete(name)  # as maxmemory eviction would
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
         assert tier.get("big") is None
     assert "corrupt entry" in caplog.text and list(tier.keys()) == []
 
@@ -177,7 +182,7 @@ def test_losing_a_shard_turns_its_entries_into_misses_and_hits_resume(prefix, ca
         assert 0 < len(on_lost) < len(keys)
 
         lost.kill(2)
-        with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.redis_tier"):
+        with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.redis_tier"):
             start = time.perf_counter()
             for _ in range(3):
                 found = {key for key in keys if tier.get(key) is not None}
@@ -207,7 +212,7 @@ _WRITER = textwrap.dedent(
     torch.set_num_threads(1)
     from kvboost_rag import KVBoost
     from kvboost_rag.corpus import python_reference_documents
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
     engine = KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), chunk_size=32, show_progress=False,
                                 disk_cache_dir=None, redis_url=sys.argv[1])
     docs = python_reference_documents(max_chars=400)[:12]
@@ -259,7 +264,7 @@ def test_build_store_passes_the_cluster_flag(cluster):
 def test_a_master_through_sentinel(prefix, tmp_path):
     """``redis+sentinel://`` finds the master a Sentinel watches (Sentinel runs as
     ``redis-server <config> --sentinel``, from the same Debian package)."""
-    from kvboost_rag.redis_local import find_binary, free_port
+    from kvboost_rag.dev.redis_local import find_binary, free_port
 
     try:
         master = start_server()

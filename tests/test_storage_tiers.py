@@ -14,9 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.kv_codec import CorruptEntryError, KVBlock, decode_block, encode_block
-from kvboost_rag.storage import (
+from kvboost_rag.cache.codec import (
+    CorruptEntryError,
+    KVBlock,
+    decode_block,
+    encode_block,
+)
+from kvboost_rag.cache.storage import (
     CorruptPayloadError,
     DiskTier,
     MemoryTier,
@@ -26,9 +30,10 @@ from kvboost_rag.storage import (
     deserialize_entry,
     serialize_entry,
 )
-from kvboost_rag.storage import disk as disk_module
-from kvboost_rag.storage.disk import SUFFIX, TEMP_PREFIX
-from kvboost_rag.storage.serialization import HEADER_SIZE
+from kvboost_rag.cache.storage import disk as disk_module
+from kvboost_rag.cache.storage.disk import SUFFIX, TEMP_PREFIX
+from kvboost_rag.cache.storage.serialization import HEADER_SIZE
+from kvboost_rag.config import KVBoostSettings
 
 LAYOUT = (2, 2, 8)  # layers, kv_heads, head_dim
 
@@ -188,7 +193,7 @@ def test_corrupt_disk_file_is_a_miss_and_is_deleted(tmp_path, caplog, damage):
     tier.put("aa", _block_entry())
     tier.put("bb", _block_entry(tokens=9))
     damage(_file(tier, "aa"))
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.disk"):
         assert tier.get("aa") is None
     assert "corrupt entry aa" in caplog.text
     assert not _file(tier, "aa").exists() and "aa" not in tier
@@ -270,7 +275,7 @@ def test_disk_budget_full_of_pinned_entries_stores_nothing(tmp_path, caplog):
     tier.put("p0", _entry(0.0))
     tier.put("p1", _entry(1.0))
     assert tier.pin("p0") and tier.pin("p1")
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.disk"):
         assert tier.put("p2", _entry(2.0)) == []
     assert "pinned" in caplog.text and "p2" not in tier and sorted(tier.keys()) == ["p0", "p1"]
 
@@ -335,7 +340,7 @@ def _two_process_worker(directory: str, worker: int, rounds: int, barrier, resul
             if "corrupt" in record.getMessage():
                 corrupt += 1
 
-    logging.getLogger("kvboost_rag.storage.disk").addHandler(_Count(level=logging.WARNING))
+    logging.getLogger("kvboost_rag.cache.storage.disk").addHandler(_Count(level=logging.WARNING))
     tier = DiskTier(directory, max_bytes=10**9)
     stats = {"consistent": 0, "inconsistent": 0, "missing": 0}
     other = 1 - worker
@@ -498,7 +503,7 @@ def test_engine_answers_from_full_prefill_when_every_stored_file_is_corrupt(make
         _corrupt_flip(path)
 
     fresh = make_engine(disk_cache_dir=tmp_path, warm_context_documents=0)
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.disk"):
         fresh.warm_documents(docs[:3])
         result = fresh.generate(prompt, max_new_tokens=6)
     assert "corrupt entry" in caplog.text
@@ -510,7 +515,7 @@ def test_engine_answers_from_full_prefill_when_every_stored_file_is_corrupt(make
     # lead-in the documents were warmed behind: the first warm that starts with it reads it.
     fresh.warm(fresh.document_context)
     disk = DiskTier(tmp_path, max_bytes=10**9)
-    with caplog.at_level(logging.WARNING, logger="kvboost_rag.storage.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage.disk"):
         caplog.clear()
         assert all(disk.get(key) is not None for key in disk.keys())
     assert "corrupt" not in caplog.text

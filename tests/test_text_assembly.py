@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.sampling import TextAssembler
+from kvboost_rag.decode.sampling import TextAssembler
 
 
 class CountingTokenizer:

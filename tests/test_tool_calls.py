@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvboost_rag import InvalidInputError, tool_calls
-from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.tool_calls import (
+from kvboost_rag import InvalidInputError
+from kvboost_rag.decode import tool_calls
+from kvboost_rag.decode.tool_calls import (
     AUTO,
     NONE,
     REQUIRED,
@@ -23,6 +23,7 @@ from kvboost_rag.tool_calls import (
     tool_specs,
     with_system_text,
 )
+from kvboost_rag.log_limits import RateLimitedLogger
 
 pytest.importorskip("llguidance", reason="constrained decoding is the optional extra kvboost-rag[constrained]")
 

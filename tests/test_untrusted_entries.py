@@ -9,9 +9,20 @@ import random
 import pytest
 import torch
 
-from kvboost_rag.kv_codec import MAX_ABS_KV, CorruptEntryError, KVBlock, decode_block, encode_block
-from kvboost_rag.storage import DiskTier, StoredEntry, deserialize_entry, serialize_entry
-from kvboost_rag.storage.disk import SUFFIX
+from kvboost_rag.cache.codec import (
+    MAX_ABS_KV,
+    CorruptEntryError,
+    KVBlock,
+    decode_block,
+    encode_block,
+)
+from kvboost_rag.cache.storage import (
+    DiskTier,
+    StoredEntry,
+    deserialize_entry,
+    serialize_entry,
+)
+from kvboost_rag.cache.storage.disk import SUFFIX
 
 LAYOUT = (2, 2, 8)
 
@@ -173,7 +184,7 @@ def test_a_corrupt_entry_error_is_a_value_error():
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_entries_are_dequantized_on_the_target_device(monkeypatch, bits):
-    from kvboost_rag import quant
+    from kvboost_rag.cache import quant
 
     seen: list[torch.device] = []
     dequantize = quant.dequantize_kv

@@ -1,6 +1,6 @@
 """The warm job: sources, one-process runs, the command line, and Ray runs on a Redis Cluster.
 
-Engines are the tiny random-weight llama (``kvboost_rag.testing:tiny_engine``), so a few
+Engines are the tiny random-weight llama (``kvboost_rag.dev.testing:tiny_engine``), so a few
 hundred documents warm in seconds; the Ray tests start a local Ray instance with 2 workers.
 """
 
@@ -12,18 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kvboost_rag.corpus import python_reference_topics
+from kvboost_rag.dev.testing import tiny_engine
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.testing import tiny_engine
-from kvboost_rag.warm_job import EngineSpec, SourceDocument, read_source, warm_corpus
+from kvboost_rag.warming.job import EngineSpec, SourceDocument, read_source, warm_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-FACTORY = "kvboost_rag.testing:tiny_engine"
+FACTORY = "kvboost_rag.dev.testing:tiny_engine"
 
 
 def _corpus(count: int, chars: int = 300) -> list[dict[str, str]]:
@@ -158,7 +158,7 @@ def ray_available() -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from kvboost_rag.redis_local import RedisNotAvailableError, start_cluster
+    from kvboost_rag.dev.redis_local import RedisNotAvailableError, start_cluster
 
     try:
         started = start_cluster(3, persistent=False)

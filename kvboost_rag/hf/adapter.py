@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvboost_rag.attention import ATTENTION_NAME, query_positions
+from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.errors import UnsupportedModelError
-from kvboost_rag.fingerprint import model_fingerprint
 from kvboost_rag.hf.attention_switch import AttentionSwitch
 from kvboost_rag.hf.caches import (
     BufferedCache,
@@ -27,13 +26,14 @@ from kvboost_rag.hf.caches import (
     cache_keyword,
     cache_tensors,
 )
+from kvboost_rag.hf.fingerprint import model_fingerprint
 from kvboost_rag.hf.layers import DecoderLayers, StopForward
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
+from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION
 from kvboost_rag.hf.rope import find_rope
+from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, query_positions
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
-from kvboost_rag.kv_codec import KVLayout
-from kvboost_rag.ragged import RAGGED_ATTENTION
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class ModelAdapter:
 
     def fingerprint(self, extra: list[str]) -> str:
         """Fingerprint of the model (config, every weight and buffer), dtype, tokenizer and
-        ``extra`` settings; see :func:`kvboost_rag.fingerprint.model_fingerprint`."""
+        ``extra`` settings; see :func:`kvboost_rag.hf.fingerprint.model_fingerprint`."""
         return model_fingerprint(self.model, self.tokenizer, self.dtype, extra)
 
     # ----------------------------------------------------------------- forward passes
@@ -129,7 +129,7 @@ class ModelAdapter:
             cache: The cache to attend to and extend.
             sparse_queries: The tokens sit at scattered positions of an armed
                 :class:`BufferedCache` that holds every prompt position; attention is made
-                causal by position (:mod:`kvboost_rag.attention`).
+                causal by position (:mod:`kvboost_rag.hf.sparse_attention`).
 
         Returns:
             Logits of the last input token, ``[vocab]`` float32.
@@ -155,7 +155,7 @@ class ModelAdapter:
 
         Row ``b`` runs token ``input_ids[b]`` at ``position_ids[b]`` over ``caches[b]``, which
         must hold exactly positions ``0..position_ids[b] - 1``; its K/V is appended there.
-        Attention runs per row over the row's own cache (:mod:`kvboost_rag.ragged`), so
+        Attention runs per row over the row's own cache (:mod:`kvboost_rag.hf.ragged_attention`), so
         sequences of any lengths share the step without padding.
 
         Args:

@@ -1,8 +1,8 @@
 """The engine's attention functions, registered with transformers, and the switch to them.
 
 Two attention functions run inside a model call: the sparse causal attention of blend passes
-and prefix hits (:mod:`kvboost_rag.attention`) and the per-row attention of a batched decode
-step (:mod:`kvboost_rag.ragged`). Each is registered under its name with transformers'
+and prefix hits (:mod:`kvboost_rag.hf.sparse_attention`) and the per-row attention of a batched decode
+step (:mod:`kvboost_rag.hf.ragged_attention`). Each is registered under its name with transformers'
 ``AttentionInterface``, together with a mask function that builds no mask (both functions
 derive causality from positions themselves), so transformers never spends time on a mask
 they would ignore. :class:`AttentionSwitch` selects one of them for the duration of a block,
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 
-from kvboost_rag.attention import ATTENTION_NAME, sparse_causal_attention
-from kvboost_rag.ragged import RAGGED_ATTENTION, ragged_decode_attention
+from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION, ragged_decode_attention
+from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, sparse_causal_attention
 
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
@@ -55,8 +55,8 @@ class AttentionSwitch:
         """Within the block every attention layer calls the function registered as ``name``.
 
         Args:
-            name: :data:`~kvboost_rag.attention.ATTENTION_NAME` or
-                :data:`~kvboost_rag.ragged.RAGGED_ATTENTION`.
+            name: :data:`~kvboost_rag.hf.sparse_attention.ATTENTION_NAME` or
+                :data:`~kvboost_rag.hf.ragged_attention.RAGGED_ATTENTION`.
         """
         previous = [config._attn_implementation for config in self._configs]
         for config in self._configs:

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvboost_rag.ragged import set_rows
+from kvboost_rag.hf.ragged_attention import set_rows
 
 #: The cache type every forward call of the engine receives and returns.
 ModelCache = DynamicCache

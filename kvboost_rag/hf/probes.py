@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from kvboost_rag.attention import last_query_attention
+from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hf.caches import cache_keyword
-from kvboost_rag.kv_codec import KVLayout
-from kvboost_rag.ragged import attention_calls
+from kvboost_rag.hf.ragged_attention import attention_calls
+from kvboost_rag.hf.sparse_attention import last_query_attention
 
 if TYPE_CHECKING:
     from kvboost_rag.hf.adapter import ModelAdapter

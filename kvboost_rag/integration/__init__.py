@@ -6,7 +6,7 @@
 - :mod:`~kvboost_rag.integration.usage`: the token usage and the reuse and timing figures of
   a ``GenerationResult``, as plain dicts.
 - :mod:`~kvboost_rag.integration.tool_arguments`: a call's tool and output-format keywords
-  to a :class:`~kvboost_rag.tool_calls.CallFormat`.
+  to a :class:`~kvboost_rag.decode.tool_calls.CallFormat`.
 - :mod:`~kvboost_rag.integration.tool_stream`: which streamed pieces are shown as text and
   which are held back as a tool call.
 - :mod:`~kvboost_rag.integration.prewarm`: warming many documents at once, skipping

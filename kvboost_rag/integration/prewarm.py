@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from tqdm.auto import tqdm
 
 from kvboost_rag.errors import KVBoostError, PromptTooLongError
-from kvboost_rag.warm_job.report import DocumentFailure
+from kvboost_rag.warming.job.report import DocumentFailure
 
 if TYPE_CHECKING:
     from kvboost_rag.engine import KVBoost

@@ -4,7 +4,7 @@ LangChain binds ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``respon
 LlamaIndex passes ``tools``, ``tool_choice``, ``tool_required``,
 ``allow_parallel_tool_calls`` and ``response_format``. Both accept all of them:
 :func:`pop_call_format` takes them out of a call's keyword arguments and returns the
-:class:`~kvboost_rag.tool_calls.CallFormat` of the call (tools in the prompt, decoding
+:class:`~kvboost_rag.decode.tool_calls.CallFormat` of the call (tools in the prompt, decoding
 constraint).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvboost_rag.decode.tool_calls import REQUIRED, CallFormat, call_format
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import REQUIRED, CallFormat, call_format
 
 #: The keywords :func:`pop_call_format` takes.
 TOOL_PARAMETERS = (

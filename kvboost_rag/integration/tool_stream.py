@@ -1,6 +1,6 @@
 """Streaming a reply that may be a tool call: text is shown as it decodes, a call is held back.
 
-Under a tool constraint plain text never starts with ``<`` (see :mod:`kvboost_rag.tool_calls`),
+Under a tool constraint plain text never starts with ``<`` (see :mod:`kvboost_rag.decode.tool_calls`),
 so a reply whose first piece starts with ``<`` is a tool call: its pieces are held back and
 read as calls once the stream has ended, so a framework never shows ``<tool_call>`` text as
 content.
@@ -8,7 +8,7 @@ content.
 
 from __future__ import annotations
 
-from kvboost_rag.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
+from kvboost_rag.decode.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
 
 
 class ToolCallHoldBack:

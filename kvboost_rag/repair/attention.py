@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_rag.blend import budget_for_left, select_highest
+from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 from kvboost_rag.repair.probe import attention_scores, run_probe
-from kvboost_rag.stage_times import stage
+from kvboost_rag.repair.selection import budget_for_left, select_highest
 
 
 class AttentionRepair(SelectingRepair):

@@ -7,9 +7,9 @@ from typing import Protocol
 
 import torch
 
-from kvboost_rag.blend import layer_spans, recompute_budget, stage_sizes
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.repair.selection import layer_spans, recompute_budget, stage_sizes
 
 
 @dataclass(frozen=True)

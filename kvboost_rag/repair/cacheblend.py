@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_rag.blend import adaptive_budget, kv_deviation, kv_energy, select_highest
+from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
-from kvboost_rag.stage_times import stage
+from kvboost_rag.repair.selection import (
+    adaptive_budget,
+    kv_deviation,
+    kv_energy,
+    select_highest,
+)
 
 
 class CacheBlendRepair(SelectingRepair):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_rag.blend import select_highest
 from kvboost_rag.hf import BufferedCache, ModelAdapter
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.repair.probe import attention_scores, run_probe
+from kvboost_rag.repair.selection import select_highest
 
 
 def look_ahead(

@@ -2,7 +2,7 @@
 
 The probe runs the live tokens (those computed whatever the repair: question, separators,
 the last token) over the stitched cache as loaded, with no repair, and records the attention
-of the last ``queries`` of them (:func:`~kvboost_rag.attention.last_query_attention`). Its
+of the last ``queries`` of them (:func:`~kvboost_rag.hf.sparse_attention.last_query_attention`). Its
 cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
 live tokens' K/V it writes is overwritten by the blend pass either way).
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvboost_rag.attention import last_query_attention
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.sparse_attention import last_query_attention
 from kvboost_rag.hf.transfer import host_to_device
 
 

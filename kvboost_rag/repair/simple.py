@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvboost_rag.blend import select_document_starts
 from kvboost_rag.repair.base import RepairInputs, Selection
 from kvboost_rag.repair.runs import contiguous_runs
+from kvboost_rag.repair.selection import select_document_starts
 
 
 class SelectiveRepair:

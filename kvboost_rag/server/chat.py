@@ -21,7 +21,13 @@ from kvboost_rag import GenerationStream
 from kvboost_rag.integration import ToolCallHoldBack
 from kvboost_rag.server.admission import Slot
 from kvboost_rag.server.errors import bad_request
-from kvboost_rag.server.generation import CLIENT_CLOSED, check_supported, engine_params, run_to_end, start_stream
+from kvboost_rag.server.generation import (
+    CLIENT_CLOSED,
+    check_supported,
+    engine_params,
+    run_to_end,
+    start_stream,
+)
 from kvboost_rag.server.internals import CallFormat
 from kvboost_rag.server.prompts import call_format, chat_dicts, render
 from kvboost_rag.server.responses import (

@@ -6,7 +6,7 @@ documents in one forward pass: the context's K/V is repeated once per row, the d
 right-padded to one length and run at the positions a one-by-one warm gives them. Attention is
 causal, so a document's tokens never see the padding after them, and each document's K/V is
 the one a one-by-one warm computes (to float rounding: the matrix shapes differ). Each row is
-then handed to :meth:`~kvboost_rag.cache_manager.CacheManager.write_back` with the document's
+then handed to :meth:`~kvboost_rag.cache.manager.CacheManager.write_back` with the document's
 own plan, exactly as a one-by-one warm stores it.
 
 Models whose layers do not all attend globally (sliding windows, interleaved local layers)
@@ -19,10 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvboost_rag.cache_manager import CacheManager
+
+from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.outcome import PrefillOutcome
-from kvboost_rag.plan import PromptPlan
+from kvboost_rag.prefill.outcome import PrefillOutcome
+from kvboost_rag.request.plan import PromptPlan
 
 
 @dataclass(frozen=True)

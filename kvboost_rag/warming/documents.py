@@ -16,15 +16,20 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from kvboost_rag.corpus_fit import kept_summary, summary_line
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.inputs import check_text
+from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.parts import EngineParts
-from kvboost_rag.plan import PromptPlan, PromptTokens
+from kvboost_rag.request.documents import (
+    ANCHOR_CHARS,
+    DocumentOccurrence,
+    DocumentRecord,
+    make_record,
+)
+from kvboost_rag.request.inputs import check_text
+from kvboost_rag.request.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import WarmResult
-from kvboost_rag.segments import ANCHOR_CHARS, DocumentOccurrence, DocumentRecord, make_record
 from kvboost_rag.warming.batch import BatchWarmer, WarmJob, batches
+from kvboost_rag.warming.fit import corpus_fit, kept_summary, summary_line
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -83,6 +88,7 @@ class Warming:
     """
 
     def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
         self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
         self._batch_warmer = BatchWarmer(parts.adapter, parts.cache)
@@ -128,16 +134,8 @@ class Warming:
 
     # ------------------------------------------------------------------ documents
     def document_record(self, text: str, register: bool = True) -> DocumentRecord:
-        """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new
-        one, tokenized, and (with ``register``) stored and registered; a warm registers it
-        once its chunks are stored, as the newest entry of its document."""
-        record = self.cache.find_document(text)
-        if record is None:
-            ids, offsets = self.tokenizing.ids_with_offsets(text)
-            record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
-            if register:
-                self.cache.register(record)
-        return record
+        """See :meth:`~kvboost_rag.generation.parts.EngineParts.document_record`."""
+        return self.parts.document_record(text, register)
 
     def is_document_warm(self, text: str) -> bool:
         """Whether every chunk of ``text`` is cached and its record is stored (reads only)."""
@@ -217,7 +215,8 @@ class Warming:
 
     def _warn_if_corpus_does_not_fit(self, records: Sequence[DocumentRecord]) -> None:
         """Warn (once a minute at most) when the documents' K/V exceed what the tiers keep."""
-        fit = self.cache.corpus_fit(records)
+        tokens = {record.digest: len(record.token_ids) for record in records}
+        fit = corpus_fit(tokens, self.cache.bytes_per_token(), self.cache.tier_budgets())
         if fit is not None and not fit.fits:
             _warnings.warning("corpus-too-large", "%s", fit.warning())
         elif fit is not None and not fit.fits_memory:

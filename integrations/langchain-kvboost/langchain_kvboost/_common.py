@@ -10,8 +10,12 @@ from langchain_core.documents import Document
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvboost_rag.engine_registry import ArgumentNames, resolve_engine
-from kvboost_rag.integration.params import DocumentConverter, call_params, resolve_aliases
+from kvboost_rag.integration.engine_registry import ArgumentNames, resolve_engine
+from kvboost_rag.integration.params import (
+    DocumentConverter,
+    call_params,
+    resolve_aliases,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For corpora that were not prewarmed at ingest: attach ``KVBoostRetrievalWarmer`` to a chain's
 callbacks and every document the retriever returns is queued once the run that retrieved it
-has finished. The queue is a ``kvboost_rag.background_warmer.BackgroundWarmer`` (the one the
+has finished. The queue is a ``kvboost_rag.warming.background.BackgroundWarmer`` (the one the
 LlamaIndex integration uses too): it warms on a worker thread only while no answer this
 handler sees is running, one document at a time, so warming never competes with an answer.
 """
@@ -19,8 +19,8 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
-from kvboost_rag.background_warmer import BackgroundWarmer
 from kvboost_rag.integration.prewarm import texts_to_warm
+from kvboost_rag.warming.background import BackgroundWarmer
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)

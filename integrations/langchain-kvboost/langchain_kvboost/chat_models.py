@@ -10,7 +10,11 @@ from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
 )
-from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models import (
+    BaseChatModel,
+    LangSmithParams,
+    LanguageModelInput,
+)
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -20,15 +24,25 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.dropin import GENERATION_FIELDS, generation_fields
-from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.decode.tool_calls import (
+    CallFormat,
+    normalize_tool_choice,
+    render_chat,
+    tool_specs,
+)
+from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
+from kvboost_rag.integration.dropin import GENERATION_FIELDS, generation_fields
+from kvboost_rag.integration.engine_registry import resolve_engine
 from kvboost_rag.integration.tool_arguments import pop_call_format
 from kvboost_rag.integration.tool_stream import ToolCallHoldBack
 from kvboost_rag.integration.usage import result_figures, usage
-from kvboost_rag.tool_calls import CallFormat, normalize_tool_choice, render_chat, tool_specs
 from langchain_kvboost._common import KVBoostParams
-from langchain_kvboost.tool_calling import ai_message, message_dict, structured_output, tool_call_chunks
+from langchain_kvboost.tool_calling import (
+    ai_message,
+    message_dict,
+    structured_output,
+    tool_call_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +147,7 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
     arguments, or to JSON valid for the schema, closed within ``max_new_tokens`` (needs
     ``kvboost-rag[constrained]``). Tools
     reach the prompt through the chat template's ``tools=`` when the template renders them,
-    else as a "# Tools" section of the system message (see ``kvboost_rag.tool_calls``); the
+    else as a "# Tools" section of the system message (see ``kvboost_rag.decode.tool_calls``); the
     tool text is part of the prompt's cached prefix like any system text.
 
     Instantiate:

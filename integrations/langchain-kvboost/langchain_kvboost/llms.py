@@ -14,9 +14,13 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
+from kvboost_rag.integration.dropin import (
+    device_setting,
+    generation_fields,
+    model_settings,
+)
 from kvboost_rag.integration.usage import result_figures, usage
 from langchain_kvboost._common import KVBoostParams
 

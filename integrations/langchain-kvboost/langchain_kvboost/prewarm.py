@@ -25,7 +25,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
 from langchain_core.vectorstores import VectorStore
 
-from kvboost_rag.engine_registry import engine_of
+from kvboost_rag.integration.engine_registry import engine_of
 from kvboost_rag.integration.prewarm import (
     DEFAULT_BATCH_SIZE,
     PrewarmStats,

@@ -2,7 +2,7 @@
 to a decoding constraint, and generated text back to LangChain tool calls.
 
 The prompt side (tools in the chat template, or the fallback system-message format) and the
-grammar of each ``tool_choice`` live in :mod:`kvboost_rag.tool_calls`; this module only
+grammar of each ``tool_choice`` live in :mod:`kvboost_rag.decode.tool_calls`; this module only
 translates between them and LangChain's types.
 """
 
@@ -16,13 +16,19 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.function_calling import (
+    convert_to_json_schema,
+    convert_to_openai_tool,
+)
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
+from kvboost_rag.decode.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
 
 #: ``with_structured_output`` methods.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")

@@ -15,7 +15,7 @@ from langchain_core.embeddings import Embeddings
 # forward pass up to ~10x slower (threads spinning against each other).
 torch.set_num_threads(1)
 
-# Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
+# Each test's engines spill to a folder of their own (kvboost_rag.dev.pytest_isolation, loaded in addopts).
 
 
 _WORD = re.compile(r"[a-z_][a-z0-9_]+")

@@ -21,14 +21,14 @@ from llama_index.core.instrumentation.events.llm import (
 )
 
 from kvboost_rag import KVBoost
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
+from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
 # One intra-op thread per test process: the suite runs one pytest-xdist worker per core, and
 # the engine's decode worker runs beside the calling thread; more threads than cores make each
 # forward pass up to ~10x slower (threads spinning against each other).
 torch.set_num_threads(1)
 
-# Each test's engines spill to a folder of their own (kvboost_rag.pytest_isolation, loaded in addopts).
+# Each test's engines spill to a folder of their own (kvboost_rag.dev.pytest_isolation, loaded in addopts).
 
 
 def pytest_configure(config: pytest.Config) -> None:

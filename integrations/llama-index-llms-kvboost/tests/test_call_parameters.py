@@ -14,7 +14,7 @@ from llama_index.llms.kvboost import KVBoostLLM, KVBoostPrewarmer, node_prompt_t
 
 from kvboost_rag import InvalidInputError, KVBoost
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.testing import record_calls, refuse_documents
+from kvboost_rag.dev.testing import record_calls, refuse_documents
 
 TEXTS = python_reference_documents(max_chars=240)[:6]
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from llama_index.llms.kvboost import KVBoostLLM
 
+from kvboost_rag.dev.testing import save_tiny_model
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.testing import save_tiny_model
 
 
 @pytest.fixture(scope="module")

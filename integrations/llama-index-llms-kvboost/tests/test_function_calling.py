@@ -20,8 +20,8 @@ from llama_index.llms.kvboost import KVBoostLLM
 from pydantic import BaseModel, Field
 
 from kvboost_rag import InvalidInputError, KVBoost
-from kvboost_rag.testing import record_calls
-from kvboost_rag.tool_calls import call_text
+from kvboost_rag.decode.tool_calls import call_text
+from kvboost_rag.dev.testing import record_calls
 
 pytest.importorskip("llguidance", reason="function calling needs kvboost-rag[constrained]")
 

@@ -13,7 +13,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.llms.kvboost import KVBoostLLM
 
 from kvboost_rag import KVBoost, ModelNotFoundError, PromptTooLongError
-from kvboost_rag.testing import tiny_model, tiny_tokenizer
+from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
 SYSTEM = "You answer questions about the Python language reference in one short sentence."
 

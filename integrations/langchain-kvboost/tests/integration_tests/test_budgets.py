@@ -15,7 +15,7 @@ from langchain_kvboost import ChatKVBoost
 from pydantic import BaseModel
 
 from kvboost_rag import InvalidInputError
-from kvboost_rag.tool_calls import call_format
+from kvboost_rag.decode.tool_calls import call_format
 
 pytest.importorskip("llguidance", reason="tool calling needs kvboost-rag[constrained]")
 

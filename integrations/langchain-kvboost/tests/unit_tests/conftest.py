@@ -14,7 +14,7 @@ TINY_ENGINE_SETTINGS: dict[str, Any] = {"chunk_size": 16, "show_progress": False
 def build_tiny_engine(**settings: Any) -> Any:
     """A kvboost engine over a tiny llama-architecture model and the tiny BPE tokenizer."""
     from kvboost_rag import KVBoost
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
     return KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), **{**TINY_ENGINE_SETTINGS, **settings})
 

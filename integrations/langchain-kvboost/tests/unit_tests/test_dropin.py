@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from langchain_kvboost import ChatKVBoost, KVBoostLLM
 
+from kvboost_rag.dev.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.testing import save_tiny_model, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_kvboost import KVBoostLLM
-from kvboost_rag.integration.usage import RESULT_FIGURES as GENERATION_INFO_FIELDS
 from pydantic import ValidationError
 
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.integration.usage import RESULT_FIGURES as GENERATION_INFO_FIELDS
 
 DOCS = python_reference_documents(max_chars=240)
 SYSTEM = "You answer questions about the Python language reference.\n\n"
@@ -204,7 +204,7 @@ def test_unknown_model_path_raises_model_not_found(tmp_path: Any) -> None:
 def test_model_folder_loads_once_and_is_shared(tmp_path: Any) -> None:
     from langchain_kvboost import ChatKVBoost
 
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

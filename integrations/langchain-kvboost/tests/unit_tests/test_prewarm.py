@@ -17,7 +17,7 @@ from langchain_kvboost import (
 
 from kvboost_rag import InvalidInputError
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.testing import refuse_documents
+from kvboost_rag.dev.testing import refuse_documents
 
 TEXTS = python_reference_documents(max_chars=200)[:8]
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from kvboost_rag import InvalidInputError
 from kvboost_rag.corpus import python_reference_documents
-from kvboost_rag.testing import record_calls
+from kvboost_rag.dev.testing import record_calls
 
 TEXTS = python_reference_documents(max_chars=220)[20:24]
 

@@ -13,7 +13,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 def _shared_tiny_engine() -> Any:
     """One tiny random-weight engine for every model the suite builds."""
     from kvboost_rag import KVBoost
-    from kvboost_rag.testing import tiny_model, tiny_tokenizer
+    from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 
     return KVBoost.from_model(tiny_model("llama"), tiny_tokenizer(), chunk_size=16, show_progress=False)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from kvboost_rag import InvalidInputError
-from kvboost_rag.testing import record_calls
+from kvboost_rag.dev.testing import record_calls
 
 pytest.importorskip("llguidance", reason="tool calling needs kvboost-rag[constrained]")
 

@@ -48,15 +48,15 @@ from llama_index.llms.kvboost.tool_calling import (
     tool_selections,
 )
 
-from kvboost_rag.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.background_warmer import BackgroundWarmer
-from kvboost_rag.engine_registry import resolve_engine
+from kvboost_rag.decode.react import react_call_format
+from kvboost_rag.decode.tool_calls import CallFormat
+from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
+from kvboost_rag.integration.engine_registry import resolve_engine
 from kvboost_rag.integration.params import call_params, resolve_aliases
 from kvboost_rag.integration.tool_arguments import pop_call_format
 from kvboost_rag.integration.tool_stream import ToolCallHoldBack
 from kvboost_rag.integration.usage import result_figures, usage
-from kvboost_rag.react import react_call_format
-from kvboost_rag.tool_calls import CallFormat
+from kvboost_rag.warming.background import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -82,7 +82,7 @@ class KVBoostLLM(PromptRenderingMixin, StructuredOutputMixin, CustomLLM, Functio
     construction: decoding is constrained to a call of a given tool with schema-valid
     arguments, or to JSON valid for the output class (needs ``kvboost-rag[constrained]``).
     Tools reach the prompt through the chat template's ``tools=`` when it renders them, else
-    as a "# Tools" section of the system message (``kvboost_rag.tool_calls``). One tool call
+    as a "# Tools" section of the system message (``kvboost_rag.decode.tool_calls``). One tool call
     per turn, or one or more with ``allow_parallel_tool_calls`` (``FunctionAgent``'s default).
     Calls and structured outputs close within ``max_new_tokens``: a budget below what the
     shortest valid output takes is an ``InvalidInputError`` naming that minimum.

@@ -4,7 +4,7 @@
 fields, ``device_map`` and ``model_kwargs`` become engine settings, ``query_wrapper_prompt``
 becomes the completion formatter. Arguments the engine cannot honour raise
 :class:`kvboost_rag.InvalidInputError` naming the alternative (the shared rules are in
-:mod:`kvboost_rag.dropin`).
+:mod:`kvboost_rag.integration.dropin`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvboost_rag.dropin import device_setting, generation_fields, model_settings
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.integration.dropin import (
+    device_setting,
+    generation_fields,
+    model_settings,
+)
 
 
 @dataclass(frozen=True)

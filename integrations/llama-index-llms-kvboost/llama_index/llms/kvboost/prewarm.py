@@ -17,8 +17,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, TransformComponent
 from llama_index.llms.kvboost.formatting import node_prompt_text
 
-from kvboost_rag.engine_registry import engine_of
 from kvboost_rag.integration import prewarm as core
+from kvboost_rag.integration.engine_registry import engine_of
 
 if TYPE_CHECKING:
     from kvboost_rag import KVBoost

@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.llms.kvboost.formatting import message_dicts
 
+from kvboost_rag.decode.tool_calls import CallFormat, render_chat
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import CallFormat, render_chat
 
 
 class Formatter:

@@ -2,7 +2,7 @@
 generated text back to tool calls (``additional_kwargs["tool_calls"]``).
 
 The per-call tool keywords are read by :mod:`kvboost_rag.integration.tool_arguments`; the
-prompt side and the grammar of each tool choice live in :mod:`kvboost_rag.tool_calls`.
+prompt side and the grammar of each tool choice live in :mod:`kvboost_rag.decode.tool_calls`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms.llm import ToolSelection
 
+from kvboost_rag.decode.tool_calls import REQUIRED, CallFormat, parse_tool_calls
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.tool_calls import REQUIRED, CallFormat, parse_tool_calls
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

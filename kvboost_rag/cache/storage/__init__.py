@@ -1,0 +1,91 @@
+"""Storage tiers for K/V entries (memory, disk, Redis) and the store that stacks them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_rag.cache.storage.base import (
+    HOST_TENSORS,
+    KIND_FIELD,
+    StorageTier,
+    StoredEntry,
+)
+from kvboost_rag.cache.storage.device import DeviceTier, PinnedMemoryTier
+from kvboost_rag.cache.storage.disk import DiskTier
+from kvboost_rag.cache.storage.memory import MemoryTier
+from kvboost_rag.cache.storage.policy import FrequencyRecencyPolicy
+from kvboost_rag.cache.storage.serialization import (
+    CorruptPayloadError,
+    deserialize_entry,
+    serialize_entry,
+)
+from kvboost_rag.cache.storage.tiered import TieredStore
+from kvboost_rag.config import KVBoostSettings
+
+__all__ = [
+    "CorruptPayloadError",
+    "DeviceTier",
+    "DiskTier",
+    "FrequencyRecencyPolicy",
+    "HOST_TENSORS",
+    "KIND_FIELD",
+    "MemoryTier",
+    "PinnedMemoryTier",
+    "StorageTier",
+    "StoredEntry",
+    "TieredStore",
+    "build_store",
+    "deserialize_entry",
+    "serialize_entry",
+]
+
+
+def build_store(settings: KVBoostSettings, device: torch.device | str | None = None) -> TieredStore:
+    """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
+
+    ``disk_cache_dir="auto"`` (the default) adds an overflow disk tier in
+    :func:`~kvboost_rag.default_model.default_kv_cache_dir` that receives only what the memory
+    tier evicts; a folder given explicitly is a write-through tier (every entry is written, so
+    other processes and restarts find it).
+
+    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0)
+    goes on top and the memory tier keeps its tensors in pinned memory
+    (:class:`PinnedMemoryTier`), so promotions to the device are asynchronous copies.
+
+    Args:
+        settings: Uses ``max_cache_bytes``, ``device_cache_bytes``, ``disk_cache_dir``,
+            ``max_disk_bytes``, ``redis_url``, ``redis_cluster``, ``redis_ttl_seconds`` and ``cache_secret_key``
+            (which authenticates disk and Redis entries; the in-process tiers need none).
+        device: The device the model runs on; ``None`` or a CPU device adds no device tier.
+
+    Raises:
+        ImportError: ``redis_url`` is set but the ``redis`` package is missing.
+        InvalidInputError: ``disk_cache_dir`` is an existing file.
+    """
+    secret = settings.cache_secret_key
+    secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
+    accelerator = device is not None and torch.device(device).type == "cuda"
+    tiers: list[StorageTier] = []
+    if accelerator and settings.device_cache_bytes > 0:
+        tiers.append(DeviceTier(settings.device_cache_bytes, device))
+    tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))
+    if settings.disk_cache_dir == "auto":
+        from kvboost_rag.default_model import default_kv_cache_dir
+
+        folder = default_kv_cache_dir()
+        if folder is not None:
+            tiers.append(DiskTier(folder, settings.max_disk_bytes, secret_key=secret_key, spill_only=True))
+    elif settings.disk_cache_dir is not None:
+        tiers.append(DiskTier(settings.disk_cache_dir, settings.max_disk_bytes, secret_key=secret_key))
+    if settings.redis_url is not None:
+        from kvboost_rag.cache.storage.redis_tier import RedisTier
+
+        tiers.append(
+            RedisTier(
+                settings.redis_url,
+                settings.redis_ttl_seconds,
+                cluster=settings.redis_cluster,
+                secret_key=secret_key,
+            )
+        )
+    return TieredStore(tiers)

@@ -1,0 +1,128 @@
+"""What a storage tier stores and the interface every tier implements.
+
+Tiers know tensors and bytes, never models: an entry is a flat ``dict[str, Tensor]`` plus
+string metadata (:class:`StoredEntry`). Turning K/V into a stored entry and back (and
+quantizing on the way) is the codec's job (:mod:`kvboost_rag.cache.codec`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+#: Metadata field naming what an entry that describes rather than holds K/V is (a document
+#: record: ``"document"``). Such entries are host metadata: a tier in device memory never holds
+#: them, whatever their tensors.
+KIND_FIELD = "kind"
+#: Tensors of a K/V entry that the host reads (token ids, compared with prompt tokens): they
+#: stay in host memory when the entry's K/V goes to a device.
+HOST_TENSORS = frozenset({"token_ids"})
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One cache entry as tiers hold it.
+
+    Attributes:
+        tensors: Named tensors (for example ``keys``, ``values``, ``token_ids``).
+        metadata: String metadata (codec name, start position, fingerprint, ...).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def host_only(self) -> bool:
+        """Whether the entry is host metadata (it names a :data:`KIND_FIELD`), never placed
+        in device memory."""
+        return KIND_FIELD in self.metadata
+
+
+class StorageTier(ABC):
+    """A key -> :class:`StoredEntry` store with its own capacity rules.
+
+    Implementations must be safe to call from several threads. ``get`` returns ``None`` for a
+    missing, corrupt or unreadable entry: a broken entry is a miss, never an exception.
+    """
+
+    name: str = "tier"
+    #: An overflow tier: the store writes to it only what the tier above evicts (a spill),
+    #: instead of every entry (write-through).
+    spill_only: bool = False
+
+    @abstractmethod
+    def get(self, key: str) -> StoredEntry | None:
+        """Return the entry stored under ``key``, or ``None``."""
+
+    @abstractmethod
+    def put(self, key: str, entry: StoredEntry) -> list[str]:
+        """Store ``entry`` under ``key`` (a pin on ``key`` is kept).
+
+        Args:
+            key: Hex cache key.
+            entry: What to store.
+
+        Returns:
+            The keys evicted to make room.
+        """
+
+    def pin(self, key: str) -> bool:
+        """Keep ``key`` resident: eviction skips it until :meth:`unpin`. Writes nothing.
+
+        Tiers without eviction of their own (Redis: the server decides) ignore pins.
+
+        Returns:
+            Whether this tier holds ``key`` and pinned it.
+        """
+        return False
+
+    def unpin(self, key: str) -> None:  # noqa: B027 - optional hook
+        """Let ``key`` be evicted again (no-op where pins are ignored)."""
+
+    def put_many(self, items: list[tuple[str, StoredEntry]]) -> list[str]:
+        """Store several entries (tiers that can move them together override this).
+
+        Returns:
+            The keys evicted to make room.
+        """
+        evicted: list[str] = []
+        for key, entry in items:
+            evicted += self.put(key, entry)
+        return evicted
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is stored (without loading it)."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]:
+        """Iterate over stored keys."""
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[str]:
+        """Iterate over stored keys that start with ``prefix`` (tiers that can filter on
+        the server or in a listing override this)."""
+        return iter([key for key in self.keys() if key.startswith(prefix)])
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every entry."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes currently held."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or handles (no-op by default)."""

@@ -1,0 +1,182 @@
+"""A stack of storage tiers: lookups go down the stack and promote hits upward, writes go
+through to every tier except overflow tiers (``spill_only``), which receive what the memory
+tier above them evicts: a memory eviction is then a demotion, not a loss.
+
+Listeners (:meth:`TieredStore.on_gone`) hear of keys that left the whole stack (evicted from
+the last tier holding them, or deleted), so what describes an entry can leave with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+
+from kvboost_rag.cache.storage.base import StorageTier, StoredEntry
+from kvboost_rag.cache.storage.device import DeviceTier
+from kvboost_rag.cache.storage.memory import MemoryTier
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Memory first, then slower tiers.
+
+    Args:
+        tiers: Fastest first (memory, disk, Redis). The first tier is where hits are promoted.
+    """
+
+    def __init__(self, tiers: Sequence[StorageTier]) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self._lock = threading.Lock()
+        self.hits: Counter[str] = Counter()
+        self.misses = 0
+        self.evictions: Counter[str] = Counter()
+        self._listeners: list[Callable[[str], None]] = []
+        for depth, tier in enumerate(self.tiers):
+            below = [t for t in self.tiers[depth + 1 :] if t.spill_only]
+            if below and isinstance(tier, MemoryTier) and not isinstance(tier, DeviceTier):
+                tier.on_evict = partial(self._spill, below)
+
+    @property
+    def memory_tier(self) -> MemoryTier:
+        """The tier in host memory (under any device tier): the one ``max_cache_bytes`` bounds."""
+        return next(t for t in self.tiers if isinstance(t, MemoryTier) and not isinstance(t, DeviceTier))
+
+    def group_by(self, group_of: Callable[[str], str | None]) -> None:
+        """Evict entries from the in-process tiers in groups named by ``group_of(key)``
+        (``None``: the key is a group of its own); see :class:`MemoryTier`."""
+        for tier in self.tiers:
+            if isinstance(tier, MemoryTier):
+                tier.group_of = group_of
+
+    def _spill(self, below: list[StorageTier], evicted: list[tuple[str, StoredEntry]]) -> None:
+        """Write what a memory tier evicted to the overflow tiers below it."""
+        for key, entry in evicted:
+            for tier in below:
+                if key not in tier:
+                    self._count_evictions(tier, tier.put(key, entry))
+
+    def on_gone(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(key)`` for each key no tier holds any more after an eviction or a
+        delete (tiers that evict on their own, like Redis, are not heard: their misses are)."""
+        self._listeners.append(listener)
+
+    def get(self, key: str) -> StoredEntry | None:
+        """Return the entry from the fastest tier holding it, promoting it to faster tiers.
+
+        When a :class:`DeviceTier` took the promoted entry, its device copy is returned.
+        """
+        found = self.fetch(key)
+        return None if found is None else found[0]
+
+    def fetch(self, key: str) -> tuple[StoredEntry, bool] | None:
+        """Like :meth:`get`, and whether the entry came from a tier of this process's own
+        memory (memory or device tier: entries this process wrote, or read from a shared tier
+        and checked then), so its values need no checking again."""
+        for depth, tier in enumerate(self.tiers):
+            entry = tier.get(key)
+            if entry is None:
+                continue
+            with self._lock:
+                self.hits[tier.name] += 1
+            served = entry
+            for upper in self.tiers[:depth]:
+                if isinstance(upper, DeviceTier):
+                    # The entry's whole group (a document's chunks) moves up with it, in one
+                    # copy; the device copy just made is served.
+                    self._count_evictions(upper, upper.put_many(self._with_group(tier, key, entry)))
+                    served = upper.resident(key) or served
+                else:
+                    self._count_evictions(upper, upper.put(key, entry))
+            return served, isinstance(tier, MemoryTier)
+        with self._lock:
+            self.misses += 1
+        return None
+
+    def _with_group(self, tier: StorageTier, key: str, entry: StoredEntry) -> list[tuple[str, StoredEntry]]:
+        """``(key, entry)`` and, when ``tier`` keeps groups in memory, the other members of
+        the key's group it holds (without counting a use)."""
+        items = [(key, entry)]
+        if isinstance(tier, MemoryTier):
+            items += tier.group_entries(key)
+        return items
+
+    def put(self, key: str, entry: StoredEntry) -> None:
+        """Write ``entry`` to every tier but the overflow tiers (they get it when evicted above)."""
+        for tier in self.tiers:
+            if not tier.spill_only:
+                self._count_evictions(tier, tier.put(key, entry))
+
+    def pin(self, key: str) -> bool:
+        """Pin ``key`` in every tier that holds it (writes nothing); whether any did."""
+        pinned = False
+        for tier in self.tiers:
+            pinned = tier.pin(key) or pinned
+        return pinned
+
+    def contains(self, key: str) -> bool:
+        """Whether any tier holds ``key``."""
+        return any(key in tier for tier in self.tiers)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` from every tier."""
+        for tier in self.tiers:
+            tier.delete(key)
+        self._notify([key])
+
+    def reserve(self, owner: str, nbytes: int) -> None:
+        """Count ``nbytes`` that ``owner`` holds in host memory outside the tiers against the
+        memory tier's budget (never a device tier's), evicting entries to make room."""
+        memory = self.memory_tier
+        self._count_evictions(memory, memory.reserve(owner, nbytes))
+
+    def keys_with_prefix(self, prefix: str) -> Iterator[str]:
+        """Keys starting with ``prefix`` held by any tier (each once)."""
+        seen: set[str] = set()
+        for tier in self.tiers:
+            for key in tier.keys_with_prefix(prefix):
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def clear(self) -> None:
+        """Remove every entry from every tier."""
+        for tier in self.tiers:
+            tier.clear()
+
+    def close(self) -> None:
+        """Close every tier."""
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier counters: hits, evictions, bytes used."""
+        with self._lock:
+            return {
+                tier.name: {
+                    "hits": self.hits[tier.name],
+                    "evictions": self.evictions[tier.name],
+                    "used_bytes": tier.used_bytes,
+                }
+                for tier in self.tiers
+            }
+
+    def _count_evictions(self, tier: StorageTier, evicted: list[str]) -> None:
+        if evicted:
+            with self._lock:
+                self.evictions[tier.name] += len(evicted)
+            logger.debug("%s tier evicted %d entries", tier.name, len(evicted))
+            self._notify(evicted)
+
+    def _notify(self, keys: list[str]) -> None:
+        if not self._listeners:
+            return
+        for key in keys:
+            if not self.contains(key):
+                for listener in self._listeners:
+                    listener(key)

@@ -1,0 +1,284 @@
+"""Continuous batching: concurrent requests share every decode step.
+
+Each request prefills in its caller's thread, then hands its sequence to the
+:class:`DecodeScheduler`. One worker thread runs the decode steps: every step feeds all
+running sequences through the model in one forward pass
+(:func:`~kvboost_rag.decode.step.decode_step`); a sequence handed over while others decode
+joins at the next step, and a finished one leaves. Text pieces go back to each request
+through its own queue, so a stream yields per request.
+
+Admission is first come, first served: a request reserves its place before its prefill
+(:meth:`DecodeScheduler.reserve`) and waits while the batch holds ``max_batch_size``
+sequences, or while its K/V buffers would take the sequences' buffers past
+``max_batch_cache_bytes`` (one request is always admitted when none runs, however large). A
+reservation is given back when its sequence leaves the batch.
+
+:class:`ModelTurns` serializes the model between prompt work (prefill, warming) and decode
+steps, and gives prompt work priority: the worker does not take the model for a step while
+a prefill waits for it, so a new request reaches its first token without waiting for the
+running ones to finish.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.decode.step import DecodeSequence, FinishReason, StepResult
+
+
+class ModelTurns:
+    """The model's lock, with priority for prompt work over decode steps.
+
+    Re-entrant for prompt work (a warm inside a warm). Safe to use from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._waiting = threading.Condition(threading.Lock())
+        self._prompt_work = 0
+
+    @contextmanager
+    def prompt_work(self) -> Iterator[None]:
+        """Hold the model for prefill or warming; decode steps wait while this is asked for."""
+        with self._waiting:
+            self._prompt_work += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._waiting:
+                self._prompt_work -= 1
+                self._waiting.notify_all()
+
+    @contextmanager
+    def decode_step(self) -> Iterator[None]:
+        """Hold the model for one decode step, once no prompt work waits for it."""
+        with self._waiting:
+            while self._prompt_work:
+                self._waiting.wait()
+        with self._lock:
+            yield
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A request's place in the batch, held from before its prefill until it leaves.
+
+    Attributes:
+        nbytes: Bytes of the K/V buffers its sequence holds.
+    """
+
+    nbytes: int
+    released: bool = False
+
+
+@dataclass(eq=False)
+class DecodeHandle:
+    """A request's view of its sequence while the worker decodes it."""
+
+    sequence: DecodeSequence
+    reservation: Reservation
+    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def pieces(self) -> Generator[str, None, FinishReason]:
+        """Text pieces as the worker decodes them; returns the finish reason.
+
+        Raises:
+            Exception: What ended this sequence early (a failed step or token choice).
+        """
+        while True:
+            kind, value = self._events.get()
+            if kind == "piece":
+                yield value
+            elif kind == "done":
+                return value
+            else:
+                raise value
+
+    def cancel(self) -> None:
+        """Leave the batch at the next step (no effect once done)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled.is_set()
+
+    def _ends_with(self, result: StepResult) -> bool:
+        """Whether the sequence is over after this step's result."""
+        return result.error is not None or self.sequence.done
+
+    def _deliver(self, result: StepResult) -> None:
+        """Post a step's result to the request."""
+        for piece in result.pieces:
+            self._events.put(("piece", piece))
+        if result.error is not None:
+            self._events.put(("error", result.error))
+        elif self.sequence.done:
+            self._events.put(("done", self.sequence.finish_reason))
+
+
+class DecodeScheduler:
+    """Runs the decode steps of every request in one batch (continuous batching).
+
+    Args:
+        step: Runs one decode step over a list of sequences (:func:`decode_step` bound to
+            the model adapter).
+        turns: The model's lock shared with prefill and warming.
+        settings: Engine settings: ``max_batch_size`` (most sequences admitted at once) and
+            ``max_batch_cache_bytes`` (most bytes of K/V buffers they hold together), read at
+            every admission.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[list[DecodeSequence]], list[StepResult]],
+        turns: ModelTurns,
+        settings: KVBoostSettings,
+    ) -> None:
+        self._step = step
+        self._turns = turns
+        self._settings = settings
+        self._state = threading.Condition()
+        self._waiting: deque[Reservation] = deque()
+        self._admitted = 0
+        self._admitted_bytes = 0
+        self._incoming: list[DecodeHandle] = []
+        self._worker: threading.Thread | None = None
+        #: Largest number of sequences one step has decoded (for tests and benchmarks).
+        self.peak_batch = 0
+
+    @property
+    def admitted(self) -> int:
+        """Requests holding a place now (prefilling or decoding)."""
+        with self._state:
+            return self._admitted
+
+    def reserve(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> Reservation:
+        """Wait, in arrival order, for a place in the batch for a sequence of ``nbytes``.
+
+        Args:
+            nbytes: Bytes of the K/V buffers its prefill allocates.
+            on_wait: Called once (without the scheduler's lock) if there is no place now,
+                before waiting for one (a batch hands over the sequences it holds back).
+        """
+        reservation = Reservation(nbytes)
+        with self._state:
+            self._waiting.append(reservation)
+            ready = self._waiting[0] is reservation and self._fits(nbytes)
+        try:
+            if not ready and on_wait is not None:
+                on_wait()
+            with self._state:
+                while self._waiting[0] is not reservation or not self._fits(nbytes):
+                    self._state.wait()
+        except BaseException:  # interrupted while waiting: leave the line
+            with self._state:
+                self._waiting.remove(reservation)
+                self._state.notify_all()
+            raise
+        with self._state:
+            self._waiting.popleft()
+            self._admitted += 1
+            self._admitted_bytes += nbytes
+            self._state.notify_all()
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Give a place back (once; later calls do nothing)."""
+        with self._state:
+            self._release_locked(reservation)
+
+    def submit_many(self, entries: Sequence[tuple[DecodeSequence, Reservation]]) -> list[DecodeHandle]:
+        """Like :meth:`submit` for several sequences that join the same step."""
+        handles = [DecodeHandle(sequence, reservation) for sequence, reservation in entries]
+        with self._state:
+            self._incoming.extend(handles)
+            if handles and self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="kvboost-decode", daemon=True)
+                self._worker.start()
+        return handles
+
+    def _fits(self, nbytes: int) -> bool:
+        if self._admitted >= self._settings.max_batch_size:
+            return False
+        return self._admitted == 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes
+
+    def _run(self) -> None:
+        """The worker: one step over every running sequence until none is left."""
+        running: list[DecodeHandle] = []
+        try:
+            self._loop(running)
+        except BaseException as exc:  # the worker itself failed: no request may wait forever
+            with self._state:
+                orphans = running + self._incoming
+                self._incoming.clear()
+                for handle in orphans:
+                    self._release_locked(handle.reservation)
+                self._worker = None
+            for handle in orphans:
+                handle._deliver(StepResult(error=exc))
+            raise
+
+    def _loop(self, running: list[DecodeHandle]) -> None:
+        """Admit what was handed over, drop what was cancelled, run one step, deliver; until
+        nothing runs (the worker then exits, and the next hand-over starts a new one)."""
+        while True:
+            with self._state:
+                joining = list(self._incoming)
+                running.extend(joining)
+                self._incoming.clear()
+                for handle in [h for h in running if h.cancelled]:
+                    running.remove(handle)
+                    self._release_locked(handle.reservation)
+                if not running:
+                    self._worker = None
+                    return
+            self._prepare(running, [handle for handle in joining if handle in running])
+            if not running:
+                continue
+            self.peak_batch = max(self.peak_batch, len(running))
+            try:
+                with self._turns.decode_step():
+                    results = self._step([handle.sequence for handle in running])
+            except Exception as exc:  # noqa: BLE001 - the step failed for every sequence in it; each caller re-raises
+                results = [StepResult(error=exc) for _ in running]
+            stepped = list(zip(running, results))
+            finished = [handle for handle, result in stepped if handle._ends_with(result)]
+            if finished:  # places are given back before the requests hear they are done
+                with self._state:
+                    for handle in finished:
+                        running.remove(handle)
+                        self._release_locked(handle.reservation)
+            for handle, result in stepped:
+                handle._deliver(result)
+
+    def _prepare(self, running: list[DecodeHandle], joining: list[DecodeHandle]) -> None:
+        """Run the work each joining sequence asked for before its first step; a sequence
+        whose work fails leaves with the error."""
+        for handle in joining:
+            work, handle.sequence.before_first_step = handle.sequence.before_first_step, None
+            if work is None:
+                continue
+            try:
+                with self._turns.decode_step():
+                    work()
+            except Exception as exc:  # noqa: BLE001 - this request's caller re-raises it
+                with self._state:
+                    running.remove(handle)
+                    self._release_locked(handle.reservation)
+                handle._deliver(StepResult(error=exc))
+
+    def _release_locked(self, reservation: Reservation) -> None:
+        if not reservation.released:
+            reservation.released = True
+            self._admitted -= 1
+            self._admitted_bytes -= reservation.nbytes
+            self._state.notify_all()

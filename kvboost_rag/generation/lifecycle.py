@@ -1,0 +1,410 @@
+"""The request lifecycle: from a prompt's tokens to its result, beside the decode scheduler.
+
+:class:`Requests` runs ``generate``/``stream``/``generate_batch``: plan, prefill (lookup,
+stitch, repair), the first token, hand-over to the decode worker
+(:class:`~kvboost_rag.decode.scheduler.DecodeScheduler`), the result, and the write-back of what the
+prompt taught. Nothing here calls back into the engine facade.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
+
+import torch
+
+from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
+from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
+from kvboost_rag.decode.scheduler import DecodeHandle, DecodeScheduler, Reservation
+from kvboost_rag.decode.step import DecodeSequence
+from kvboost_rag.diagnosis.missed_documents import (
+    explain_evicted_documents,
+    explain_missed_documents,
+)
+from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.errors import InvalidInputError, KVBoostError, UnsupportedModelError
+from kvboost_rag.generation.parts import EngineParts
+from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.prefill.outcome import PrefillOutcome
+from kvboost_rag.request.inputs import check_documents
+from kvboost_rag.request.options import GenerationOptions
+from kvboost_rag.request.plan import PromptPlan, PromptTokens
+from kvboost_rag.results import GenerationResult
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
+
+
+class GenerationStream:
+    """Iterator over generated text pieces; ``result`` is set once it is exhausted."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding early (the result stays ``None``)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
+
+
+@dataclass
+class Request:
+    """One prompt of ``generate``/``stream``/``generate_batch`` from its prefill to its result.
+
+    Attributes:
+        plan: Its plan.
+        options: Its options.
+        start: ``perf_counter`` at the call (TTFT is measured from here).
+        outcome: Its prefill outcome (write-back reads it).
+        sequence: Its decode state.
+        ttft_ms: Wall time from the call to its first token.
+        first_pieces: Text of the first token, not yielded yet.
+        reservation: Its place in the batch while it is not handed to the decode worker yet.
+        handle: Its place in the decode worker's batch once handed over.
+    """
+
+    plan: PromptPlan
+    options: GenerationOptions
+    start: float
+    outcome: PrefillOutcome
+    sequence: DecodeSequence
+    ttft_ms: float
+    first_pieces: list[str]
+    reservation: Reservation | None = None
+    handle: DecodeHandle | None = None
+
+    def submit(self, scheduler: DecodeScheduler) -> None:
+        """Hand the sequence to the decode worker (it joins the batch at the next step)."""
+        submit_together([self], scheduler)
+
+    def close(self, scheduler: DecodeScheduler) -> None:
+        """Give its place back: out of the batch at the next step if it is still decoding."""
+        if self.reservation is not None:
+            scheduler.release(self.reservation)
+            self.reservation = None
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
+    """Hand the sequences of ``requests`` not handed over yet to the decode worker; they join
+    the same step."""
+    pending = [request for request in requests if request.reservation is not None]
+    handles = scheduler.submit_many([(request.sequence, request.reservation) for request in pending])
+    for request, handle in zip(pending, handles):
+        request.handle, request.reservation = handle, None
+
+
+class Requests:
+    """Runs generation requests for one engine.
+
+    Args:
+        parts: The engine's parts.
+        scheduler: The decode worker.
+        constraints: Compiles output constraints.
+        eos_ids: End-of-sequence token ids.
+    """
+
+    def __init__(
+        self,
+        parts: EngineParts,
+        scheduler: DecodeScheduler,
+        constraints: ConstraintCompiler,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
+        self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
+        self.parts, self.scheduler, self.constraints, self.eos_ids = parts, scheduler, constraints, eos_ids
+
+    def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
+        """Validate, then return the stream of one prompt (see :meth:`kvboost_rag.KVBoost.stream`)."""
+        tokens = self.tokenizing.prompt(prompt)
+        check_documents(options.documents)
+        guide = None
+        if options.constraint is not None:
+            guide = self.constraints.compile(options.constraint, self._output_budget(len(tokens), options))
+        stream = GenerationStream(iter(()))
+        stream._pieces = self._run(stream, tokens, options, start, guide)
+        return stream
+
+    def generate_batch(
+        self, prompts: Sequence[str], resolved: GenerationOptions, start: float
+    ) -> list[GenerationResult | Exception]:
+        """Prefill each prompt, decode them together (see :meth:`kvboost_rag.KVBoost.generate_batch`)."""
+        if isinstance(prompts, (str, bytes)):
+            raise InvalidInputError("generate_batch takes a list of prompts, not one string: pass [prompt]")
+        prompts = list(prompts)
+        check_documents(resolved.documents)
+        if resolved.constraint is not None:
+            # Shared by every prompt: a bad one, or too small a budget for it, fails the call.
+            self.constraints.compile(resolved.constraint, resolved.max_new_tokens)
+        outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
+        started: list[tuple[int, Request]] = []
+
+        def submit_all() -> None:
+            # The prefilled prompts join the batch together (and before a prefill waits for
+            # a place, so the places they hold can free up).
+            submit_together([request for _, request in started], self.scheduler)
+
+        tokenized: list[tuple[int, PromptTokens]] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                tokenized.append((i, self.tokenizing.prompt(prompt, f"prompt {i}")))
+            except KVBoostError as error:
+                outputs[i] = error
+        if resolved.reuse:
+            self._store_common_beginning([tokens for _, tokens in tokenized])
+        try:
+            for i, tokens in tokenized:
+                try:
+                    started.append((i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all)))
+                except KVBoostError as error:
+                    outputs[i] = error
+            submit_all()
+            for i, request in started:  # the decode worker runs every started prompt meanwhile
+                follow = self._follow(request, end_at_last_token=True)
+                try:
+                    while True:
+                        next(follow)
+                except StopIteration as stop:
+                    outputs[i] = stop.value
+                except Exception as error:  # noqa: BLE001 - what ended this prompt's decoding ends it alone
+                    outputs[i] = error
+        finally:
+            for _, request in started:
+                request.close(self.scheduler)
+        return cast("list[GenerationResult | Exception]", outputs)  # every entry is set above
+
+    def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
+        """Compute once, and store, the leading tokens several prompts share (at least one
+        chunk), so that each of them reads it as an exact prefix hit instead of computing it;
+        nothing is computed when it is stored already."""
+        if len(prompts) < 2:
+            return
+        first = prompts[0]
+        common = min(len(p) for p in prompts) - 1  # every prompt computes its last token
+        for other in prompts[1:]:
+            common = next((j for j in range(common) if other.ids[j] != first.ids[j]), common)
+        if common < self.settings.chunk_size:
+            return
+        tokens = PromptTokens(first.text[: first.offsets[common - 1][1]], first.ids[:common], first.offsets[:common])
+        plan = self.planner.plan(tokens, find_documents=False, content_reuse=False, lookup_limit=common)
+        with self.turns.prompt_work():
+            outcome = self.prefiller.run(plan)
+        if outcome.logits is not None:  # something was computed: store it
+            self.cache.write_back(plan, outcome, store_documents=False)
+
+    def _run(
+        self,
+        stream: GenerationStream,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        guide: GrammarGuide | None = None,
+    ) -> Iterator[str]:
+        """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order."""
+        request = self._start(tokens, options, start, guide=guide)
+        try:
+            stream.result = yield from self._follow(request, end_at_last_token=False)
+        finally:
+            request.close(self.scheduler)
+
+    def _start(
+        self,
+        tokens: PromptTokens,
+        options: GenerationOptions,
+        start: float,
+        *,
+        hold: bool = False,
+        on_wait: Callable[[], None] | None = None,
+        guide: GrammarGuide | None = None,
+    ) -> Request:
+        """Plan and prefill a prompt and choose its first token, after waiting for a place in
+        the batch.
+
+        Args:
+            tokens: The prompt.
+            options: Its options.
+            start: ``perf_counter`` at the call.
+            hold: Keep the sequence until :meth:`Request.submit` (a batch joins at once);
+                else it is handed to the decode worker now (unless its first token ended it).
+            on_wait: Called once if the request must wait for a place.
+            guide: The state of the output constraint, already compiled (else compiled here
+                from ``options.constraint``, when set: every sequence has its own).
+        """
+        n = len(tokens)
+        budget = self._output_budget(n, options)
+        if guide is None and options.constraint is not None:
+            guide = self.constraints.compile(options.constraint, budget)
+        plan = self._plan_generation(tokens, options, budget)
+        reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
+        try:
+            with self.turns.prompt_work():
+                outcome = self.prefiller.run(plan, reuse=options.reuse)
+            if options.reuse:
+                self.cache.record(plan, outcome)
+                self._warn_if_documents_missed(plan, outcome)
+            sequence = DecodeSequence(
+                cache=outcome.cache,
+                position=n,
+                budget=budget,
+                options=options,
+                sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
+                assembler=TextAssembler(self.adapter.tokenizer, options.stop),
+                eos_ids=self.eos_ids,
+            )
+            first_pieces = sequence.choose(outcome.logits)
+            if outcome.follow_up is not None and not sequence.done:
+                sequence.before_first_step = partial(_look_ahead, outcome, sequence)
+        except BaseException:
+            self.scheduler.release(reservation)
+            raise
+        ttft_ms = (time.perf_counter() - start) * 1000
+        request = Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation)
+        if sequence.done:
+            request.close(self.scheduler)
+        elif not hold:
+            request.submit(self.scheduler)
+        return request
+
+    def _output_budget(self, prompt_tokens: int, options: GenerationOptions) -> int:
+        """Most tokens a prompt of ``prompt_tokens`` may generate: ``max_new_tokens``, or what
+        the context window leaves."""
+        return min(options.max_new_tokens, self.adapter.context_window - prompt_tokens)
+
+    def _follow(self, request: Request, *, end_at_last_token: bool) -> Iterator[str]:
+        """Yield a started request's text pieces as they decode, store what its prompt
+        taught, and return its :class:`GenerationResult`.
+
+        Args:
+            request: From :meth:`_start`.
+            end_at_last_token: ``total_ms`` ends at the last token (a batch) rather than
+                after the write-back (one call).
+        """
+        plan, outcome, options, sequence = request.plan, request.outcome, request.options, request.sequence
+        try:
+            yield from request.first_pieces
+            if request.handle is not None:
+                yield from request.handle.pieces()
+        finally:
+            request.close(self.scheduler)
+            if options.reuse:
+                self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
+        end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
+        guide = sequence.sampling.guide
+        if guide is not None and sequence.finish_reason == "length" and not guide.complete:
+            _warnings.warning(
+                "constraint-cut",
+                "constrained output reached max_new_tokens=%d before its grammar completed; "
+                "raise max_new_tokens (finish_reason='length')",
+                options.max_new_tokens,
+            )
+        token_ids = sequence.assembler.trimmed_token_ids()
+        n = plan.num_tokens
+        # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
+        cached = outcome.prefix_tokens + outcome.content_tokens - outcome.recomputed_tokens
+        return GenerationResult(
+            output_text=sequence.assembler.text,
+            token_ids=token_ids,
+            generated_tokens=len(token_ids),
+            finish_reason=sequence.finish_reason or "length",
+            ttft_ms=request.ttft_ms,
+            total_ms=(end - request.start) * 1000,
+            prompt_tokens=n,
+            cached_tokens=cached,
+            prefix_hit_tokens=outcome.prefix_tokens,
+            content_hit_tokens=outcome.content_tokens,
+            recomputed_tokens=outcome.recomputed_tokens,
+            recompute_ratio=outcome.recompute_ratio,
+            live_tokens=outcome.live_tokens,
+            boundary_merged_tokens=outcome.merged_tokens,
+            documents_found=len(outcome.documents),
+            kv_reuse_ratio=cached / n,
+            strategy=outcome.strategy,
+            first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
+            step_logits=torch.stack(sequence.step_logits) if sequence.step_logits else None,
+        )
+
+    def _kv_bytes(self, tokens: int) -> int:
+        """Bytes of the K and V buffers of ``tokens`` positions."""
+        layout = self.adapter.layout
+        element = torch.empty((), dtype=self.adapter.dtype).element_size()
+        return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
+
+    def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
+        with stage("plan"):
+            if not options.reuse:
+                return self.planner.plan(tokens, find_documents=False, content_reuse=False, reserve=budget)
+            records = [self.parts.document_record(d) for d in options.documents]
+            content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
+            return self.planner.plan(tokens, explicit=records, content_reuse=content, reserve=budget)
+
+    def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
+        """Log (rate-limited) why a prompt with a long computed part held no prewarmed
+        document, or held documents that were warmed and then evicted."""
+        if not plan.content_reuse or outcome.live_tokens < self.settings.chunk_size:
+            return
+        evicted = self.cache.evicted_in(plan.tokens.text)
+        if evicted:
+            _warnings.warning(
+                "documents-evicted",
+                "a prompt of %d tokens (%d computed) holds %d document(s) that were warmed and then evicted "
+                "from the cache: %s",
+                plan.num_tokens,
+                outcome.live_tokens,
+                evicted,
+                explain_evicted_documents(*self.cache.eviction_context()),
+            )
+            return
+        documents = self.cache.document_count
+        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+            return
+        _warnings.warning(
+            "no-documents-found",
+            "%d documents are prewarmed but none was found in a prompt of %d tokens (%d computed): %s",
+            documents,
+            plan.num_tokens,
+            outcome.live_tokens,
+            explain_missed_documents(plan.tokens.text, self.cache.known_documents()),
+        )
+
+    @property
+    def _stores_documents(self) -> bool:
+        return self.settings.store_generated_documents and self.adapter.position_independent
+
+    def _content_reuse_allowed(self, total_tokens: int) -> bool:
+        if not self.adapter.position_independent:
+            return False
+        windows = self.adapter.windows
+        if not windows.fits(total_tokens):
+            message = (
+                f"prompt plus new tokens ({total_tokens}) exceed the sliding window ({windows.prompt_window}); "
+                "documents are not reused at new positions for this prompt"
+            )
+            if self.settings.strict:
+                raise UnsupportedModelError(message)
+            _warnings.warning("window-exceeded", message)
+            return False
+        return True
+
+
+def _look_ahead(outcome: PrefillOutcome, sequence: DecodeSequence) -> None:
+    """Run a prefill's follow-up repair with the sequence's first token and count what it
+    recomputed (those tokens no longer count as read from cache)."""
+    if outcome.follow_up is None or sequence.token is None:
+        return
+    outcome.recomputed_tokens += outcome.follow_up(sequence.token)
+    if outcome.content_tokens:
+        outcome.recompute_ratio = outcome.recomputed_tokens / outcome.content_tokens

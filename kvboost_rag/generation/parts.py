@@ -1,0 +1,49 @@
+"""The parts of one engine that warming and the request lifecycle both work with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvboost_rag.cache.manager import CacheManager
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.decode.scheduler import ModelTurns
+from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.prefill.prefiller import Prefiller
+from kvboost_rag.request.documents import DocumentRecord, make_record
+from kvboost_rag.request.plan import Planner
+from kvboost_rag.request.text import Tokenizing
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What a prompt or a warm goes through, built once by the engine facade.
+
+    Attributes:
+        adapter: The model adapter.
+        cache: The cache manager.
+        settings: Engine settings.
+        tokenizing: Text to tokens.
+        planner: Plans prompts.
+        prefiller: Lookup, stitching, repair.
+        turns: The model lock (prefills, warms and decode steps take turns).
+    """
+
+    adapter: ModelAdapter
+    cache: CacheManager
+    settings: KVBoostSettings
+    tokenizing: Tokenizing
+    planner: Planner
+    prefiller: Prefiller
+    turns: ModelTurns
+
+    def document_record(self, text: str, register: bool = True) -> DocumentRecord:
+        """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new
+        one, tokenized, and (with ``register``) stored and registered; a warm registers it
+        once its chunks are stored, as the newest entry of its document."""
+        record = self.cache.find_document(text)
+        if record is None:
+            ids, offsets = self.tokenizing.ids_with_offsets(text)
+            record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
+            if register:
+                self.cache.register(record)
+        return record

@@ -1,0 +1,132 @@
+"""One decode step for several sequences of different lengths, each over its own cache.
+
+Batched decoding feeds one new token per sequence through the model in one forward pass:
+the projections, MLPs and logits run as one ``[batch, 1, hidden]`` batch, while attention
+runs row by row, each row's query over that row's own K/V. Nothing is padded and no K/V is
+copied into a shared batch tensor: every sequence keeps the
+:class:`~kvboost_rag.hf.caches.BufferedCache` its prefill built (with room reserved for its
+new tokens), so a sequence joins or leaves the batch between two steps at no cost.
+
+:class:`~kvboost_rag.hf.caches.RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
+K/V to sequence ``b``'s layer ``i`` and leaves the per-row K/V where the attention function
+registered by :mod:`kvboost_rag.hf.attention_switch` (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
+is switched to it) reads them. Each row attends causally up to its own position, within the
+layer's sliding window if it has one, with softcapping where the model applies it; it is
+the one-query case of :mod:`kvboost_rag.hf.sparse_attention`'s block loop, so a row sees exactly what a
+one-sequence decode step sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from kvboost_rag.hf.sparse_attention import attend_blocks, thread_setting
+from kvboost_rag.hf.transfer import host_to_device
+
+RAGGED_ATTENTION = "kvboost_ragged_decode"
+#: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it
+#: the rows are attended one by one (a kernel per row instead of a copy of every row's K/V).
+ONE_CALL_MAX_TOKENS = 16384
+_state = threading.local()
+
+
+def ragged_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one query per row over that row's own K/V (left by :func:`set_rows`).
+
+    Args:
+        module: The attention module (unused).
+        query: ``[batch, heads, 1, dim]``.
+        key: The new keys only (the rows' whole K/V come from the cache's update).
+        value: The new values only.
+        attention_mask: Ignored; each row attends to every key it holds (its own position is
+            its last key).
+        scaling: Softmax scale (default ``dim ** -0.5``).
+        dropout: Must be 0 (inference only).
+        **kwargs: ``sliding_window`` and ``softcap`` are honoured.
+
+    Returns:
+        ``([batch, 1, heads, dim], None)`` like transformers' SDPA function.
+    """
+    rows = getattr(_state, "rows", None)
+    if rows is None or len(rows[0]) != query.shape[0] or query.shape[2] != 1:
+        raise RuntimeError("ragged decode attention used outside a RaggedCache decode step")
+    keys, values = rows
+    _state.rows = None
+    _state.calls = getattr(_state, "calls", 0) + 1
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // keys[0].shape[1]
+    one_call = getattr(_state, "one_call", None)
+    if one_call is None:  # by default: on CUDA, when padding copies little
+        one_call = query.device.type == "cuda" and len(keys) * max(k.shape[-2] for k in keys) <= ONE_CALL_MAX_TOKENS
+    if softcap is None and one_call and len(keys) > 1:
+        return _in_one_call(query, keys, values, scale, window, groups).transpose(1, 2).contiguous(), None
+    out = torch.empty_like(query)
+    for b, (k, v) in enumerate(zip(keys, values)):
+        q = query[b : b + 1]
+        if window is None and softcap is None:  # the query is the last position: every key is visible
+            out[b : b + 1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        else:
+            out[b : b + 1] = attend_blocks(q, k, v, [k.shape[-2] - 1], scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _in_one_call(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None, groups: int
+) -> torch.Tensor:
+    """Every row's attention in one SDPA call: the rows' K/V padded to the longest, each row
+    masked to its own keys (and window). Row lengths are shapes, read on the host: no sync."""
+    lengths = [k.shape[-2] for k in keys]
+    longest = max(lengths)
+    batch, kv_heads, dim = len(keys), keys[0].shape[1], keys[0].shape[-1]
+    padded_keys = query.new_zeros((batch, kv_heads, longest, dim))
+    padded_values = query.new_zeros((batch, kv_heads, longest, values[0].shape[-1]))
+    for b, (k, v) in enumerate(zip(keys, values)):
+        padded_keys[b, :, : lengths[b]] = k[0]
+        padded_values[b, :, : lengths[b]] = v[0]
+    index = torch.arange(longest, device=query.device).view(1, -1)
+    length = host_to_device(torch.tensor(lengths), query.device).view(-1, 1)
+    visible = index < length
+    if window is not None:
+        visible &= index >= length - window
+    mask = visible.view(batch, 1, 1, longest)
+    return F.scaled_dot_product_attention(
+        query, padded_keys, padded_values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+    )
+
+
+@contextlib.contextmanager
+def one_call(enabled: bool) -> Iterator[None]:
+    """Within the block (this thread), batched decode steps of several rows compute every
+    row's attention in one call (``True``) or one call per row (``False``); by default one
+    call on CUDA while the padded K/V stays under :data:`ONE_CALL_MAX_TOKENS` rows, per row
+    elsewhere (the per-row calls copy nothing; one row is always attended directly)."""
+    with thread_setting(_state, "one_call", enabled):
+        yield
+
+
+def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Hand every row's whole K/V of the layer being run to the next attention call."""
+    _state.rows = (keys, values)
+
+
+def attention_calls() -> int:
+    """Calls of :func:`ragged_decode_attention` in this thread so far (a model whose attention
+    does not go through transformers' attention interface never calls it)."""
+    return getattr(_state, "calls", 0)
+

@@ -1,0 +1,296 @@
+"""Prefill of a planned prompt: exact prefix hits, re-rotated document hits, CacheBlend repair.
+
+:meth:`Prefiller.run` reads a :class:`~kvboost_rag.request.plan.PromptPlan`, loads what the cache
+holds, runs the model once over the tokens that must be computed, and returns a
+:class:`~kvboost_rag.prefill.outcome.PrefillOutcome` (last logits, a cache ready for decoding, and
+what was reused). It stores nothing: write-back reads the outcome.
+
+- Only prefix hits (or nothing cached): the prefix K/V goes into the buffers and the rest of
+  the prompt is prefilled on top of it. Same logits as full prefill.
+- Document hits: their K/V is re-rotated to the new positions and stitched with the prefix
+  into full-length buffers. The attention strategy runs the tokens that are not cached once
+  over the stitched cache and picks the cached tokens the last token attends to most;
+  CacheBlend runs the non-prefix tokens through the first
+  ``check_layer + 1`` layers into scratch buffers and picks the cached tokens whose K/V
+  deviates most at ``check_layer``; the blend pass then runs only those plus the live tokens
+  over the stitched cache, scattering their K/V into it with attention made causal by
+  position. With ``blend_stages > 1`` the chosen set shrinks between layer spans to the
+  tokens that still deviate most (gradual filtering). No pass over all cached tokens through
+  the whole model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from kvboost_rag.cache.codec import KVBlock
+from kvboost_rag.cache.manager import CacheManager
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.prefill.outcome import PrefillOutcome
+from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
+from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
+from kvboost_rag.repair.blend_pass import filtered_blend
+from kvboost_rag.repair.lookahead import look_ahead
+from kvboost_rag.repair.runs import contiguous_runs
+from kvboost_rag.repair.selection import leading_tokens, recompute_budget
+from kvboost_rag.request.plan import PlacedDocument, PromptPlan
+
+logger = logging.getLogger(__name__)
+
+#: Rows past the prompt and its reserved new tokens in every prefill buffer: attention then
+#: always reads a slice of the buffer, never the whole of it, so compiled attention sees one
+#: stride pattern for the keys (a buffer read whole is a second variant, compiled again).
+SPARE_ROWS = 1
+
+
+@dataclass
+class ContentHits:
+    """Document chunks loaded for one prompt and where their rows go.
+
+    Attributes:
+        keys: Stored keys of the loaded chunks, in load order.
+        blocks: Their blocks, in the same order.
+        runs: Runs of block rows placed at prompt positions.
+    """
+
+    keys: list[str] = field(default_factory=list)
+    blocks: list[KVBlock] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+
+class Prefiller:
+    """Runs prefill with whatever the cache can serve.
+
+    Args:
+        adapter: The model adapter.
+        cache: The cache manager (lookups only; storing is the write-back's job).
+        settings: Engine settings.
+    """
+
+    def __init__(self, adapter: ModelAdapter, cache: CacheManager, settings: KVBoostSettings) -> None:
+        self.adapter = adapter
+        self.cache = cache
+        self.settings = settings
+        self._strategies: dict[str, RepairStrategy] = {}
+
+    @property
+    def repair(self) -> RepairStrategy:
+        """The repair strategy ``settings.recompute_strategy`` names (built once per name by
+        :func:`~kvboost_rag.repair.make_strategy`, with its fallback; settings may change
+        between calls)."""
+        name = self.settings.recompute_strategy
+        strategy = self._strategies.get(name)
+        if strategy is None:
+            strategy = self._strategies[name] = make_strategy(self.adapter, self.settings)
+        return strategy
+
+    def run(self, plan: PromptPlan, *, reuse: bool = True) -> PrefillOutcome:
+        """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
+
+        Args:
+            plan: The prompt's plan.
+            reuse: ``False`` computes every token (the full-prefill baseline) and reads no cache.
+
+        Returns:
+            The outcome. When a warm's whole text was already stored, nothing is computed
+            and ``logits`` is ``None``.
+        """
+        n = plan.num_tokens
+        if not reuse:
+            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
+            return self._exact(plan, keys, values, 0, ())
+        with stage("lookup", self.adapter.device):
+            pieces = self.cache.match_prefix(plan)
+            h = sum(p.length for p in pieces)
+            prefix_keys = tuple(p.key for p in pieces)
+            documents = plan.documents_after(h)
+            if h >= n:
+                return PrefillOutcome(
+                    logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
+                    strategy="exact",
+                )
+            hits = self._content_hits(plan, documents, h) if plan.content_reuse else ContentHits()
+        with stage("stitch", self.adapter.device):
+            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
+            stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
+        if not hits:
+            outcome = self._exact(plan, keys, values, h, prefix_keys)
+        else:
+            outcome = self._blend(plan, keys, values, h, prefix_keys, hits)
+        outcome.documents = documents
+        outcome.merged_tokens = sum(d.merged_tokens for d in documents)
+        return outcome
+
+    # ------------------------------------------------------------------ exact path
+    def _exact(
+        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, prefix_keys: tuple[str, ...]
+    ) -> PrefillOutcome:
+        """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
+        ids = plan.tokens.ids
+        n = len(ids)
+        kv = self.adapter.cache_over(keys, values, h)
+        # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
+        # (measured 35% slower per token than prefill from scratch on CPU); causal attention
+        # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
+        logits = self.adapter.forward(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, sparse_queries=h > 0)
+        return PrefillOutcome(
+            logits=logits,
+            cache=kv,
+            keys=keys,
+            values=values,
+            prefix_tokens=h,
+            prefix_keys=prefix_keys,
+            live_tokens=n - h,
+            strategy="exact" if h else "full",
+        )
+
+    # ------------------------------------------------------------------ document hits
+    def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> ContentHits:
+        """Load the chunks of the documents after the prefix hit and place their rows.
+
+        The plan aligned each document row with a prompt token of the same id; a loaded chunk
+        whose stored tokens differ from the document's (a colliding or tampered entry) is not
+        used. Work is per chunk (bisection into the aligned rows), not per token; token ids
+        are compared as host lists. The last prompt token is always computed (its logits
+        are needed).
+        """
+        last = len(plan.tokens.ids) - 1
+        hits = ContentHits()
+        index: dict[str, int] = {}
+        unusable: set[str] = set()
+        for document in documents:
+            for chunk, first, stop in _chunk_slices(document, h, last):
+                record = document.record
+                key = record.chunk_keys[chunk]
+                if key in unusable:
+                    continue
+                slot = index.get(key)
+                if slot is None:
+                    block = self.cache.load(key)
+                    lo = chunk * record.chunk_size
+                    if block is None or block.token_ids.tolist() != list(record.token_ids[lo : lo + record.chunk_length(chunk)]):
+                        unusable.add(key)
+                        continue
+                    slot = index[key] = len(hits.blocks)
+                    hits.keys.append(key)
+                    hits.blocks.append(block)
+                base = chunk * record.chunk_size
+                for row, position, length in _runs(document.rows, document.positions, first, stop):
+                    hits.runs.append(Run(slot, row - base, position, length))
+        return hits
+
+    def _blend(
+        self,
+        plan: PromptPlan,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        h: int,
+        prefix_keys: tuple[str, ...],
+        hits: ContentHits,
+    ) -> PrefillOutcome:
+        """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
+
+        ``keys``/``values`` are ``[layers, heads, capacity, dim]`` buffers holding the prefix;
+        every other prompt position is written here or by the model call (cached rows below,
+        computed rows by the scatter), so the buffers need no zero-filling.
+        """
+        adapter = self.adapter
+        ids = plan.tokens.ids
+        n = len(ids)
+        cached = torch.zeros(n, dtype=torch.bool)
+        with stage("stitch", adapter.device):
+            cached[stitch_documents(adapter, keys, values, hits.blocks, hits.runs)] = True  # host mask
+        content_positions = cached.nonzero().view(-1)
+        loaded = int(content_positions.numel())
+        ratio = self.settings.recompute_ratio
+        budget = None if ratio == "auto" else recompute_budget(loaded, ratio)
+        live = ~cached  # computed whatever the repair: after the prefix, not loaded, and the last token
+        live[:h] = False
+        live[n - 1] = True
+        repair = self.repair
+        with stage("select", adapter.device):  # the probe inside it is timed apart
+            selection = repair.choose(RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget))
+        recompute, stage_sizes = selection.positions, selection.stage_sizes
+        keep_start = self.settings.keep_document_start
+        keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
+        compute = live.clone()
+        compute[recompute] = True
+        compute[keep] = True
+        positions = compute.nonzero().view(-1)
+
+        stitched = adapter.cache_over(keys, values, n)
+        input_ids = plan.tokens.id_tensor
+        recomputed = float((cached & compute).sum())
+        with stage("blend", adapter.device):
+            if len(stage_sizes) > 1:
+                logits, recomputed = filtered_blend(
+                    adapter, self.settings.blend_stages, input_ids, positions, recompute, keep, stage_sizes, stitched
+                )
+            else:
+                stitched.arm(host_to_device(positions, adapter.device))
+                logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
+        extra = recompute_budget(loaded, self.settings.lookahead_ratio) if repair.name == "attention" else 0
+        follow_up = None
+        if extra:  # after the first token is chosen: it reads the stale tokens it attends to most
+            follow_up = partial(
+                look_ahead, adapter, input_ids=input_ids, keys=keys, values=values, stitched=stitched,
+                stale=cached & ~compute, budget=extra,
+            )
+        recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
+        return PrefillOutcome(
+            logits=logits,
+            cache=stitched,
+            keys=keys,
+            values=values,
+            prefix_tokens=h,
+            prefix_keys=prefix_keys,
+            loaded_chunks=frozenset(hits.keys),
+            content_tokens=loaded,
+            recomputed_tokens=recomputed_tokens,
+            live_tokens=int(live.sum()),
+            strategy=repair.name,
+            recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
+            follow_up=follow_up,
+        )
+
+
+def _chunk_slices(document: PlacedDocument, h: int, last: int) -> Iterator[tuple[int, int, int]]:
+    """``(chunk, first, stop)`` for each chunk of the document with aligned rows at prompt
+    positions in ``[h, last)``: its pairs are ``rows[first:stop]`` / ``positions[first:stop]``
+    (both ascending), found by bisection."""
+    rows, positions = document.rows, document.positions
+    size = document.record.chunk_size
+    begin = bisect.bisect_left(positions, h)
+    end = bisect.bisect_left(positions, last)  # the last prompt token is always computed
+    while begin < end:
+        chunk = rows[begin] // size
+        stop = min(end, bisect.bisect_left(rows, (chunk + 1) * size, begin, end))
+        yield chunk, begin, stop
+        begin = stop
+
+
+def _runs(rows: Sequence[int], positions: Sequence[int], first: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """``(row, position, length)`` runs of ``rows[first:stop]`` / ``positions[first:stop]``
+    where both advance by one (one re-rotation shift per run): the whole slice at once when it
+    is one run (the usual case), else split where either jumps."""
+    count = stop - first
+    if rows[stop - 1] - rows[first] == count - 1 and positions[stop - 1] - positions[first] == count - 1:
+        yield rows[first], positions[first], count
+        return
+    start = first
+    for i in range(first + 1, stop + 1):
+        if i == stop or rows[i] != rows[i - 1] + 1 or positions[i] != positions[i - 1] + 1:
+            yield rows[start], positions[start], i - start
+            start = i
