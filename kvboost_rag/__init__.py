@@ -6,6 +6,7 @@ keys are re-rotated to the new positions and the cross-document attention they m
 repaired by recomputing the few of their tokens the prompt's last token attends to most.
 """
 
+from kvboost_rag import _aliases
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.engine import GenerationStream, KVBoost
 from kvboost_rag.errors import (
@@ -40,3 +41,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_aliases.install()

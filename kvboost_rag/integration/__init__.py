@@ -12,11 +12,28 @@
 - :mod:`~kvboost_rag.integration.prewarm`: warming many documents at once, skipping
   already-warm and oversized ones, in batches, with each failing document isolated.
 
+It is the only engine surface the LangChain and LlamaIndex adapters import (besides the public
+names of ``kvboost_rag``; ``tests/test_integration_boundary.py`` checks it): the tool-call
+format and parsing (:mod:`kvboost_rag.decode.tool_calls`, :mod:`kvboost_rag.decode.react`), the
+background warmer (:mod:`kvboost_rag.warming.background`), the engine registry, the drop-in
+settings and the thread bridges for async callers are re-exported here.
+
 Nothing here imports a framework (LangChain, LlamaIndex); framework objects (LangChain
 ``Document``, LlamaIndex nodes and tools) reach it through small converter callables the
 adapters pass in.
 """
 
+from kvboost_rag.decode.react import react_call_format
+from kvboost_rag.decode.tool_calls import (
+    REQUIRED,
+    CallFormat,
+    ParsedOutput,
+    normalize_tool_choice,
+    parse_tool_calls,
+    render_chat,
+    tool_specs,
+)
+from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
 from kvboost_rag.integration.params import (
     CALL_PARAMETERS,
     UnknownParameterError,
@@ -32,9 +49,21 @@ from kvboost_rag.integration.prewarm import (
 from kvboost_rag.integration.tool_arguments import TOOL_PARAMETERS, pop_call_format
 from kvboost_rag.integration.tool_stream import ToolCallHoldBack
 from kvboost_rag.integration.usage import RESULT_FIGURES, result_figures, usage
+from kvboost_rag.warming.background import BackgroundWarmer
 
 __all__ = [
     "CALL_PARAMETERS",
+    "REQUIRED",
+    "BackgroundWarmer",
+    "CallFormat",
+    "ParsedOutput",
+    "call_in_thread",
+    "iterate_in_thread",
+    "normalize_tool_choice",
+    "parse_tool_calls",
+    "react_call_format",
+    "render_chat",
+    "tool_specs",
     "RESULT_FIGURES",
     "TOOL_PARAMETERS",
     "PrewarmStats",

@@ -6,16 +6,16 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from langchain_core.documents import Document
-from langchain_core.language_models import LangSmithParams
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from kvboost_rag.integration import call_in_thread
 from kvboost_rag.integration.engine_registry import ArgumentNames, resolve_engine
 from kvboost_rag.integration.params import (
     DocumentConverter,
     call_params,
     resolve_aliases,
 )
+from langchain_core.documents import Document
+from langchain_core.language_models import LangSmithParams
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +165,15 @@ class KVBoostParams(BaseModel):
             documents=LANGCHAIN_DOCUMENTS,
             ignored=_CORE_KWARGS,
         )
+
+    async def _agenerate(
+        self,
+        inputs: list[Any],
+        stop: list[str] | None = None,
+        run_manager: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``_generate`` in a worker thread, with the run manager's synchronous twin: the
+        engine decodes concurrent async callers together (both the LLM and the chat model)."""
+        sync_manager = run_manager.get_sync() if run_manager else None
+        return await call_in_thread(self._generate, inputs, stop, sync_manager, **kwargs)

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
+from kvboost_rag.integration import BackgroundWarmer
+from kvboost_rag.integration.prewarm import texts_to_warm
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.prompts import BasePromptTemplate
 
-from kvboost_rag.integration.prewarm import texts_to_warm
-from kvboost_rag.warming.background import BackgroundWarmer
 from langchain_kvboost.prewarm import KVBoostPrewarmer
 
 logger = logging.getLogger(__name__)

@@ -6,6 +6,18 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+from kvboost_rag.integration import (
+    CallFormat,
+    iterate_in_thread,
+    normalize_tool_choice,
+    render_chat,
+    tool_specs,
+)
+from kvboost_rag.integration.dropin import GENERATION_FIELDS, generation_fields
+from kvboost_rag.integration.engine_registry import resolve_engine
+from kvboost_rag.integration.tool_arguments import pop_call_format
+from kvboost_rag.integration.tool_stream import ToolCallHoldBack
+from kvboost_rag.integration.usage import result_figures, usage
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
@@ -24,18 +36,6 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvboost_rag.decode.tool_calls import (
-    CallFormat,
-    normalize_tool_choice,
-    render_chat,
-    tool_specs,
-)
-from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.integration.dropin import GENERATION_FIELDS, generation_fields
-from kvboost_rag.integration.engine_registry import resolve_engine
-from kvboost_rag.integration.tool_arguments import pop_call_format
-from kvboost_rag.integration.tool_stream import ToolCallHoldBack
-from kvboost_rag.integration.usage import result_figures, usage
 from langchain_kvboost._common import KVBoostParams
 from langchain_kvboost.tool_calling import (
     ai_message,
@@ -319,16 +319,6 @@ class ChatKVBoost(KVBoostParams, BaseChatModel):
             generations=[ChatGeneration(message=message, generation_info=info)],
             llm_output={"model_name": self.model_name},
         )
-
-    async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        sync_manager = run_manager.get_sync() if run_manager else None
-        return await call_in_thread(self._generate, messages, stop, sync_manager, **kwargs)
 
     def batch(
         self,

@@ -6,6 +6,14 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
+from kvboost_rag import InvalidInputError
+from kvboost_rag.integration import iterate_in_thread
+from kvboost_rag.integration.dropin import (
+    device_setting,
+    generation_fields,
+    model_settings,
+)
+from kvboost_rag.integration.usage import result_figures, usage
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
@@ -14,14 +22,6 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.integration.dropin import (
-    device_setting,
-    generation_fields,
-    model_settings,
-)
-from kvboost_rag.integration.usage import result_figures, usage
 from langchain_kvboost._common import KVBoostParams
 
 logger = logging.getLogger(__name__)
@@ -203,16 +203,6 @@ class KVBoostLLM(KVBoostParams, BaseLLM):
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=GenerationChunk(text=piece))
         return "".join(pieces), stream.result
-
-    async def _agenerate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
-        sync_manager = run_manager.get_sync() if run_manager else None
-        return await call_in_thread(self._generate, prompts, stop, sync_manager, **kwargs)
 
     def _stream(
         self,

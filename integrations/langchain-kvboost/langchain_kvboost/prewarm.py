@@ -20,11 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.documents import BaseDocumentTransformer, Document
-from langchain_core.embeddings import Embeddings
-from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
-from langchain_core.vectorstores import VectorStore
-
+from kvboost_rag.integration import call_in_thread
 from kvboost_rag.integration.engine_registry import engine_of
 from kvboost_rag.integration.prewarm import (
     DEFAULT_BATCH_SIZE,
@@ -33,6 +29,10 @@ from kvboost_rag.integration.prewarm import (
     default_max_document_tokens,
     prewarm_texts,
 )
+from langchain_core.documents import BaseDocumentTransformer, Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
+from langchain_core.vectorstores import VectorStore
 
 if TYPE_CHECKING:
     from kvboost_rag import WarmResult
@@ -231,17 +231,16 @@ class PrewarmingVectorStore(VectorStore):
         ids: list[str] | None = None,
         **kwargs: Any,
     ) -> list[str]:
-        texts = list(texts)
-        await self.prewarmer.awarm(_documents_from_texts(texts, metadatas))
-        return await self.vectorstore.aadd_texts(texts, metadatas=metadatas, ids=ids, **kwargs)
+        """:meth:`add_texts` in a worker thread (the warm and the store's add, in order)."""
+        return await call_in_thread(self.add_texts, texts, metadatas, ids=ids, **kwargs)
 
     def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
         self.prewarmer.warm(documents)
         return self.vectorstore.add_documents(documents, **kwargs)
 
     async def aadd_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
-        await self.prewarmer.awarm(documents)
-        return await self.vectorstore.aadd_documents(documents, **kwargs)
+        """:meth:`add_documents` in a worker thread."""
+        return await call_in_thread(self.add_documents, documents, **kwargs)
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         return self.vectorstore.delete(ids, **kwargs)

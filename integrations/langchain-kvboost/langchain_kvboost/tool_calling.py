@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any
 
+from kvboost_rag import InvalidInputError
+from kvboost_rag.integration import CallFormat, ParsedOutput, parse_tool_calls
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -26,9 +28,6 @@ from langchain_core.utils.function_calling import (
     convert_to_openai_tool,
 )
 from langchain_core.utils.pydantic import is_basemodel_subclass
-
-from kvboost_rag.decode.tool_calls import CallFormat, ParsedOutput, parse_tool_calls
-from kvboost_rag.errors import InvalidInputError
 
 #: ``with_structured_output`` methods.
 STRUCTURED_METHODS = ("json_schema", "function_calling", "json_mode")

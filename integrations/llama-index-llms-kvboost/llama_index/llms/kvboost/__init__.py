@@ -13,7 +13,7 @@ from llama_index.llms.kvboost.formatting import node_prompt_text
 from llama_index.llms.kvboost.prewarm import KVBoostPrewarmer, PrewarmStats
 from llama_index.llms.kvboost.retrieval import KVBoostRetrievalWarmer
 
-from kvboost_rag.warming.background import BackgroundWarmer
+from kvboost_rag.integration import BackgroundWarmer
 
 __all__ = [
     "BackgroundWarmer",

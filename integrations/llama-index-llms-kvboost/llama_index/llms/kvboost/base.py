@@ -48,15 +48,18 @@ from llama_index.llms.kvboost.tool_calling import (
     tool_selections,
 )
 
-from kvboost_rag.decode.react import react_call_format
-from kvboost_rag.decode.tool_calls import CallFormat
-from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
+from kvboost_rag.integration import (
+    BackgroundWarmer,
+    CallFormat,
+    call_in_thread,
+    iterate_in_thread,
+    react_call_format,
+)
 from kvboost_rag.integration.engine_registry import resolve_engine
 from kvboost_rag.integration.params import call_params, resolve_aliases
 from kvboost_rag.integration.tool_arguments import pop_call_format
 from kvboost_rag.integration.tool_stream import ToolCallHoldBack
 from kvboost_rag.integration.usage import result_figures, usage
-from kvboost_rag.warming.background import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

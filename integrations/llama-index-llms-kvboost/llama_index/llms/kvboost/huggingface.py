@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvboost_rag.errors import InvalidInputError
+from kvboost_rag import InvalidInputError
 from kvboost_rag.integration.dropin import (
     device_setting,
     generation_fields,

@@ -18,8 +18,8 @@ from llama_index.core.base.llms.generic_utils import (
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.llms.kvboost.formatting import message_dicts
 
-from kvboost_rag.decode.tool_calls import CallFormat, render_chat
-from kvboost_rag.errors import InvalidInputError
+from kvboost_rag import InvalidInputError
+from kvboost_rag.integration import CallFormat, render_chat
 
 
 class Formatter:

@@ -19,8 +19,8 @@ from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.llms.kvboost.formatting import node_prompt_text
 
+from kvboost_rag.integration import BackgroundWarmer
 from kvboost_rag.integration.prewarm import texts_to_warm
-from kvboost_rag.warming.background import BackgroundWarmer
 
 if TYPE_CHECKING:
     from llama_index.core.instrumentation.dispatcher import Dispatcher

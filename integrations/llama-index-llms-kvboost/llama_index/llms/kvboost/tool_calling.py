@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms.llm import ToolSelection
 
-from kvboost_rag.decode.tool_calls import REQUIRED, CallFormat, parse_tool_calls
-from kvboost_rag.errors import InvalidInputError
+from kvboost_rag import InvalidInputError
+from kvboost_rag.integration import REQUIRED, CallFormat, parse_tool_calls
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
