@@ -185,14 +185,14 @@ def lookup_times(args: Any, model: Any, tokenizer: Any, sizes: list[int]) -> lis
         engine = make_engine(args, model, tokenizer, max_cache_bytes=4 * 1024**3)
         for text in docs:
             ids, offsets = engine.token_ids_with_offsets(text)
-            engine._cache.register(make_record(text, ids, offsets, engine.fingerprint, engine.settings.chunk_size))
+            engine._cache.index.register(make_record(text, ids, offsets, engine.fingerprint, engine.settings.chunk_size))
         rng = random.Random(size)
         prompts = [prompt_of(rng.sample(docs, args.docs_per_prompt), QUESTIONS[0]) for _ in range(40)]
         find_ms, plan_ms = [], []
         for prompt in prompts:
             tokens = engine._tokenizing.prompt(prompt)
             t0 = time.perf_counter()
-            found = engine._cache.known_documents().find(prompt)
+            found = engine._cache.index.known_documents().find(prompt)
             t1 = time.perf_counter()
             engine._requests.planner.plan(tokens)
             t2 = time.perf_counter()

@@ -79,7 +79,7 @@ class KVBoost:
         self._cache = cache = CacheManager(store, self.fingerprint, adapter.layout, settings, adapter.device, adapter.dtype)
         self._chat = ChatTemplate(tokenizer)
         tokenizing = Tokenizing(tokenizer, adapter)
-        planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.known_documents)
+        planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
         prefiller = Prefiller(adapter, cache, settings)
         turns = ModelTurns()
         self._scheduler = DecodeScheduler(partial(decode_step, adapter), turns, settings)
@@ -208,7 +208,7 @@ class KVBoost:
         disk folder or Redis finds. Documents already cached are registered without reading
         their K/V; one longer than the context window is warmed up to it
         (``WarmResult.skipped_tokens``). Warns when the corpus does not fit the tiers;
-        ``WarmResult.kept_in`` names the tiers that hold each document whole.
+        ``WarmResult.kept_in`` names the tiers that hold each document's entries between them.
 
         Args:
             texts: Document texts, exactly as they will appear in prompts.
@@ -322,7 +322,7 @@ class KVBoost:
     def refresh_documents(self) -> int:
         """Find the documents other processes stored in the shared disk folder or Redis since
         this engine started (reads key names only); returns the number now known."""
-        return self._cache.attach_stored_documents()
+        return self._cache.index.attach_stored_documents()
 
     def cache_stats(self) -> CacheStats:
         """Counters of the cache and its tiers."""

@@ -21,9 +21,10 @@ class WarmResult(BaseModel):
         elapsed_ms: Wall time of the call for this text.
         prefix_hash: Key of the last prefix chunk (prefix kind).
         content_hash: Key of the document's first chunk (document kind).
-        kept_in: Tiers holding the document's record and every one of its chunks when the
-            call returned (``"memory"``, ``"disk"``, ``"redis"``, ``"device"``); empty when it
-            was evicted during the call with no lower tier to keep it.
+        kept_in: Where the document's record and chunks were when the call returned: the
+            tiers (fastest first: ``"device"``, ``"memory"``, ``"disk"``, ``"redis"``) holding
+            them between them (a document partly spilled to disk is ``["memory", "disk"]``);
+            empty when an entry was evicted during the call with no lower tier to keep it.
     """
 
     kind: Literal["prefix", "document"]

@@ -20,7 +20,7 @@ def _documents() -> list[str]:
 
 
 def _stored(engine: KVBoost, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    record = engine._cache.known_documents().lookup(text)
+    record = engine._cache.index.known_documents().lookup(text)
     assert record is not None
     blocks = [engine._cache.load(key) for key in record.chunk_keys]
     assert all(block is not None for block in blocks)

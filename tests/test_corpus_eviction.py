@@ -57,37 +57,37 @@ def check_agreement(engine: KVBoost, memory_only: bool) -> None:
     held = set(memory.keys())
     records = {}
     for key in held:
-        parsed = cache.shelf.parse_key(key)
+        parsed = cache.index.shelf.parse_key(key)
         if parsed is not None:
             records[parsed[1]] = key
-    prefix_keys = set(cache._prefix_index.keys())
+    prefix_keys = set(cache.index.prefixes.keys())
     for key in held:
         if key in records.values():
             continue
-        owners = cache._owners.get(key)
+        owners = cache.index._owners.get(key)
         if owners:
             # A document chunk: some owner's record is held beside it (memory only), or in
             # some tier (a lower tier keeps whole documents; memory holds what prompts load).
             if memory_only:
                 assert any(digest in records for digest in owners), f"orphan chunk {key[:12]}"
             else:
-                stored = [cache.shelf.key_of(cache._documents[d][0], d) for d in owners if d in cache._documents]
+                stored = [cache.index.shelf.key_of(cache.index._documents[d][0], d) for d in owners if d in cache.index._documents]
                 assert any(cache._store.contains(k) for k in stored), f"orphan chunk {key[:12]}"
         else:
             assert key in prefix_keys, f"unindexed entry {key[:12]}"
     for key in prefix_keys:
         assert cache._store.contains(key), f"prefix index holds {key[:12]} that no tier holds"
-    for anchor, digest in cache.known_documents().known():
-        record_key = cache.shelf.key_of(anchor, digest)
+    for anchor, digest in cache.index.known_documents().known():
+        record_key = cache.index.shelf.key_of(anchor, digest)
         assert cache._store.contains(record_key), "registry knows a document whose record is gone"
-        chunks = cache._documents[digest][1]
+        chunks = cache.index._documents[digest][1]
         assert all(cache._store.contains(chunk) for chunk in chunks), "a kept document lost a chunk"
         if memory_only:
             assert all(chunk in held for chunk in chunks), "record held without its chunks"
     for tier in cache._store.tiers:
-        for key in tier.keys_with_prefix(cache.shelf.prefix):
-            anchor, digest = cache.shelf.parse_key(key)
-            assert digest in dict((d, a) for a, d in cache.known_documents().known()), "a stored record the registry forgot"
+        for key in tier.keys_with_prefix(cache.index.shelf.prefix):
+            anchor, digest = cache.index.shelf.parse_key(key)
+            assert digest in dict((d, a) for a, d in cache.index.known_documents().known()), "a stored record the registry forgot"
     assert memory.used_bytes <= memory.max_bytes
 
 
@@ -293,3 +293,43 @@ def test_an_overflow_tier_receives_what_memory_evicts_but_one_off_entries(tmp_pa
     store.put("d", _entry())  # evicts "c", a one-off: dropped, not written to disk
     assert "c" not in disk and "c" not in memory and gone == ["c"]
     assert store.get("a") is not None and "a" in memory
+
+
+def test_rewarming_documents_partly_spilled_to_disk_counts_them_kept(make_engine, tmp_path, caplog):
+    """A process warms a corpus larger than memory (the automatic disk tier takes the
+    overflow, some documents end up split between memory and disk); a new process over the
+    same folder warms it again: every document is reported kept, where its entries are, and
+    every prompt finds it."""
+    first = _budgeted(make_engine, 4)
+    first.warm(SYSTEM_PROMPT + "\n\n")
+    assert all(r.kept_in for r in first.warm_documents(DOCS[:16]))
+    again = _budgeted(make_engine, 4)
+    again.warm(SYSTEM_PROMPT + "\n\n")
+    with caplog.at_level(logging.INFO, logger="kvboost_rag.warming.documents"):
+        results = again.warm_documents(DOCS[:16])
+    assert all(r.kept_in for r in results), [r.kept_in for r in results]
+    assert any(len(r.kept_in) == 2 for r in results) or all(r.kept_in == ["disk"] for r in results[2:])
+    assert all(set(r.kept_in) <= {"memory", "disk"} for r in results)
+    line = next(r.getMessage() for r in caplog.records if "documents kept" in r.getMessage())
+    assert line.startswith("warm_documents: 16 of 16 documents kept") and "evicted" not in line
+    for i in range(2, 14, 4):
+        assert again.generate(rag_prompt(DOCS[i : i + 4]), max_new_tokens=1).documents_found == 4
+
+
+def test_a_document_split_between_memory_and_disk_is_kept_in_both(make_engine, tmp_path):
+    """Its record and first chunk in memory only, its other chunks on disk only: the
+    document is kept (``["memory", "disk"]``), not counted evicted; with one chunk in no tier
+    it is gone."""
+    engine = make_engine("llama", disk_cache_dir=None)
+    [result] = engine.warm_documents([DOCS[5]])
+    index, memory = engine._cache.index, _memory(engine)
+    record = index.find_document(DOCS[5])
+    assert result.kept_in == ["memory"] and len(record.chunk_keys) >= 2
+    disk = DiskTier(tmp_path / "kv", 10**8)
+    engine._cache._store.tiers.append(disk)
+    for key in record.chunk_keys[1:]:
+        disk.put(key, memory.get(key))
+        memory.delete(key)
+    assert index.kept_in(record) == ["memory", "disk"]
+    disk.delete(record.chunk_keys[-1])
+    assert index.kept_in(record) == []

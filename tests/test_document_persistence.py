@@ -47,11 +47,11 @@ def test_registry_and_prefix_index_stay_within_the_memory_budget(make_engine, to
     assert stats.index_bytes > 0
     # Documents are known only while their stored record is: far fewer than were seen.
     assert 0 < stats.documents < len(novel)
-    shelf = engine._cache.shelf
-    assert all(store.contains(shelf.key_of(a, d)) for a, d in engine._cache.known_documents().known())
+    shelf = engine._cache.index.shelf
+    assert all(store.contains(shelf.key_of(a, d)) for a, d in engine._cache.index.known_documents().known())
     # The prefix index describes only stored chunks.
     assert 0 < stats.prefix_index_entries <= stats.entries
-    assert all(store.contains(key) for key in engine._cache._prefix_index.keys())
+    assert all(store.contains(key) for key in engine._cache.index.prefixes.keys())
 
 
 def test_fresh_engine_over_the_same_disk_folder_finds_stored_documents(tokenizer, docs, tmp_path):

@@ -63,7 +63,7 @@ def test_explanations_are_pure_functions_of_prompt_and_registry(make_engine, doc
     assert unescape("a\\nb\\'c\\\\") == "a\nb'c\\"
     engine = make_engine()
     engine.warm_documents(docs[:1])
-    registry = engine._cache.known_documents()
+    registry = engine._cache.index.known_documents()
     assert "escaped" in explain_missed_documents(repr(docs[0]), registry)
     assert "exactly" in explain_missed_documents("unrelated text", registry)
     assert "exactly" in explain_missed_documents(repr(docs[0]), DocumentRegistry())

@@ -1,4 +1,4 @@
-"""Lookup, write-back and counters for cached K/V. Never calls the model.
+"""Lookup, write-back and counters for cached K/V over the tiers. Never calls the model.
 
 Two kinds of entries, both cut into ``chunk_size`` pieces and stored through the tier stack:
 
@@ -9,29 +9,19 @@ Two kinds of entries, both cut into ``chunk_size`` pieces and stored through the
 
 Every key comes from a :class:`~kvboost_rag.request.plan.PromptPlan`; this module hashes nothing.
 
-What finds entries lives within the same budgets as the entries: document records are
-stored in the tiers (:class:`~kvboost_rag.cache.document_records.DocumentShelf`), so a fresh process
-over the same disk folder or Redis finds stored documents; the in-process indexes (the
-registry's anchors and the :class:`~kvboost_rag.cache.prefix_index.PrefixIndex`) count against
-``max_cache_bytes`` and drop what no tier holds any more.
-
-A document is one unit: the memory tier evicts its record and its chunks together (the
-manager names each entry's group, :meth:`CacheManager.group_of`), and when any of them leaves
-every tier (a disk tier's own eviction, a corrupt entry), the rest of the document is deleted
-and the registry forgets it, so no chunk outlives its record and no record points at missing
-chunks. Documents dropped that way are counted and remembered by their anchor, so a prompt
-that holds one is told why it missed.
+What finds entries (document records, the registry, the prefix index) is the
+:class:`~kvboost_rag.cache.index.CacheIndex`: this module reads and writes blocks, the index
+says what they are.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvboost_rag.cache.codec import (
@@ -41,19 +31,14 @@ from kvboost_rag.cache.codec import (
     decode_block,
     encode_block,
 )
-from kvboost_rag.cache.document_records import DocumentShelf
-from kvboost_rag.cache.prefix_index import PrefixIndex
+from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import DeviceTier, DiskTier, TieredStore
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.request.documents import (
-    ANCHOR_CHARS,
     DocumentRecord,
-    DocumentRegistry,
-    anchor_of,
 )
-from kvboost_rag.request.hashing import window_anchors
 from kvboost_rag.request.plan import PromptPlan
 from kvboost_rag.results import CacheStats
 
@@ -62,12 +47,6 @@ _warnings = RateLimitedLogger(logger)
 
 #: Owner name of the indexes' reservation in the memory tier.
 INDEX_RESERVATION = "indexes"
-#: Estimated bytes of one document's entry in the ownership map, besides its chunk keys.
-DOCUMENT_ENTRY_BYTES = 240
-#: Estimated bytes of one chunk key in the ownership maps (key string, set, dict slots).
-OWNED_CHUNK_BYTES = 360
-#: Evicted documents remembered (by anchor) to explain a prompt that misses them.
-MAX_EVICTED_REMEMBERED = 4096
 
 
 @dataclass(frozen=True)
@@ -105,158 +84,29 @@ class CacheManager:
         self.fingerprint = fingerprint
         self.layout = layout
         self.settings = settings
-        self.shelf = DocumentShelf(store, fingerprint, settings.chunk_size)
-        self._registry = DocumentRegistry(self.shelf)
-        self._prefix_index = PrefixIndex()
         self._device, self._dtype = device, dtype
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
-        # digest -> (anchor, chunk keys) of documents seen in this process; chunk -> digests.
-        self._documents: dict[str, tuple[int, tuple[str, ...]]] = {}
-        self._owners: dict[str, set[str]] = {}
-        self._owned_chunks = 0
-        self._evicted: OrderedDict[int, str] = OrderedDict()
-        self._maps_lock = threading.RLock()
         self._bytes_per_token: float | None = None
-        self.shelf.on_record = self.note_document
-        store.group_by(self.group_of)
-        store.on_gone(self._forget)
-        self.attach_stored_documents()
-
-    # ------------------------------------------------------------------ documents
-    def find_document(self, text: str) -> DocumentRecord | None:
-        """The stored record of a document text, if any tier holds it."""
-        return self._registry.lookup(text)
-
-    def known_documents(self) -> DocumentRegistry:
-        """The index of known documents that plans look for in prompts (read-only use; a
-        :class:`~kvboost_rag.request.plan.Planner` calls this at each plan, as clearing the cache
-        replaces the index)."""
-        return self._registry
-
-    @property
-    def document_count(self) -> int:
-        """Documents known (registered and stored)."""
-        return len(self._registry)
+        #: The documents and prefix chunks the tiers hold.
+        self.index = CacheIndex(
+            store, fingerprint, settings.chunk_size, self.charge_indexes, lambda: self._count({"documents_evicted": 1})
+        )
+        self.index.attach_stored_documents()
 
     @property
     def memory_used_bytes(self) -> int:
         """Bytes held by the host memory tier."""
         return self._store.memory_tier.used_bytes
 
-    # ------------------------------------------------------------------ indexes
-    def attach_stored_documents(self) -> int:
-        """Index every document record the tiers hold (written by this process or another);
-        reads key names only.
-
-        Returns:
-            Documents indexed.
-        """
-        for anchor, digest in self.shelf.stored():
-            self._registry.add_known(anchor, digest)
-        self.charge_indexes()
-        return len(self._registry)
-
-    def register(self, record: DocumentRecord) -> None:
-        """Store a document's record and index it."""
-        self._registry.register(record)
-        self.charge_indexes()
-
     @property
     def index_bytes(self) -> int:
         """Estimated bytes of the in-process indexes (counted in the memory budget)."""
-        with self._maps_lock:
-            owned = len(self._documents) * DOCUMENT_ENTRY_BYTES + self._owned_chunks * OWNED_CHUNK_BYTES
-        return self._registry.nbytes + self._prefix_index.nbytes + owned
-
-    # ------------------------------------------------------------------ documents as units
-    def note_document(self, record: DocumentRecord) -> None:
-        """Learn which chunks belong to ``record`` (so they are evicted and dropped with it)."""
-        with self._maps_lock:
-            if record.digest in self._documents:
-                return
-            self._documents[record.digest] = (anchor_of(record.text), record.chunk_keys)
-            for key in record.chunk_keys:
-                self._owners.setdefault(key, set()).add(record.digest)
-            self._owned_chunks += len(record.chunk_keys)
-            self._evicted.pop(anchor_of(record.text), None)
-
-    def group_of(self, key: str) -> str | None:
-        """The eviction group of an entry: its document's digest for a record or a document
-        chunk, ``None`` (a group of its own) for a prefix chunk."""
-        parsed = self.shelf.parse_key(key)
-        if parsed is not None:
-            return parsed[1]
-        with self._maps_lock:
-            owners = self._owners.get(key)
-            return min(owners) if owners else None
-
-    def record_key(self, record: DocumentRecord) -> str:
-        """Key of ``record``'s stored entry."""
-        return self.shelf.key_of(anchor_of(record.text), record.digest)
-
-    def kept_in(self, record: DocumentRecord) -> list[str]:
-        """Names of the tiers holding ``record`` and every one of its chunks."""
-        keys = [self.record_key(record), *record.chunk_keys]
-        return [tier.name for tier in self._store.tiers if all(key in tier for key in keys)]
-
-    def documents_by_tier(self) -> dict[str, int]:
-        """Document records each tier holds (reads key names only)."""
-        return {tier.name: sum(1 for _ in tier.keys_with_prefix(self.shelf.prefix)) for tier in self._store.tiers}
-
-    def evicted_in(self, text: str) -> int:
-        """How many documents that were stored and then evicted start somewhere in ``text``."""
-        with self._maps_lock:
-            if not self._evicted:
-                return 0
-            evicted = set(self._evicted)
-        windows = window_anchors(text, ANCHOR_CHARS)
-        found, i = 0, 0
-        for position in np.flatnonzero(np.isin(windows, np.fromiter(evicted, dtype=np.int64))).tolist():
-            if position >= i:
-                found += 1
-                i = position + ANCHOR_CHARS
-        return found
+        return self.index.nbytes
 
     def charge_indexes(self) -> None:
         """Count the indexes' bytes against the memory budget (evicting entries if needed)."""
-        self._store.reserve(INDEX_RESERVATION, self.index_bytes)
-
-    def _forget(self, key: str) -> None:
-        """A key left every tier: drop what describes it, and the rest of its document."""
-        parsed = self.shelf.parse_key(key)
-        doomed: list[str] = []
-        if parsed is not None:
-            anchor, digest = parsed
-            indexed = self._registry.forget(anchor, digest)
-            with self._maps_lock:
-                known = self._documents.pop(digest, None)
-                if known is not None:
-                    self._owned_chunks -= len(known[1])
-                    for chunk in known[1]:
-                        owners = self._owners.get(chunk)
-                        if owners is not None:
-                            owners.discard(digest)
-                            if not owners:
-                                del self._owners[chunk]
-                                doomed.append(chunk)
-                if indexed or known is not None:
-                    self._evicted[anchor] = digest
-                    self._evicted.move_to_end(anchor)
-                    while len(self._evicted) > MAX_EVICTED_REMEMBERED:
-                        self._evicted.popitem(last=False)
-            if indexed or known is not None:
-                self._count({"documents_evicted": 1})
-        else:
-            self._prefix_index.drop(key)
-            with self._maps_lock:
-                for digest in self._owners.get(key, ()):
-                    known = self._documents.get(digest)
-                    if known is not None:
-                        doomed.append(self.shelf.key_of(known[0], digest))
-        for other in doomed:
-            if self._store.contains(other):
-                self._store.delete(other)
+        self._store.reserve(INDEX_RESERVATION, self.index.nbytes)
 
     # ------------------------------------------------------------------ blocks
     def load(self, key: str) -> KVBlock | None:
@@ -318,7 +168,7 @@ class CacheManager:
         return pieces
 
     def _partial_prefix(self, parent: str, ids: Sequence[int], pos: int, end: int) -> PrefixPiece | None:
-        children = self._prefix_index.children(parent)
+        children = self.index.prefixes.children(parent)
         best: tuple[int, str] | None = None
         for key, tokens in children:
             length = 0
@@ -331,7 +181,7 @@ class CacheManager:
             return None
         block = self.load(best[1])
         if block is None:
-            self._prefix_index.drop(best[1])
+            self.index.prefixes.drop(best[1])
             return None
         return PrefixPiece(best[1], pos, best[0], block)
 
@@ -398,7 +248,7 @@ class CacheManager:
                 )
                 saved += 1
             if self._store.contains(chunk.key):  # not stored when larger than every budget
-                self._prefix_index.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
+                self.index.prefixes.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
             served.append(chunk.key)
         if pin:
             for key in served:
@@ -408,7 +258,7 @@ class CacheManager:
         if store_documents:
             for document in outcome.documents:
                 record = document.record
-                self.note_document(record)
+                self.index.note_document(record)
                 stored_before = len(stored_chunks)
                 for index, key in enumerate(record.chunk_keys):
                     if key in outcome.loaded_chunks or key in stored_chunks or self._store.contains(key):
@@ -429,7 +279,7 @@ class CacheManager:
                     document_tokens += length
                 if len(stored_chunks) > stored_before:
                     # The record goes in after its chunks: the document's newest entry.
-                    self._registry.register(record)
+                    self.index.known_documents().register(record)
         if saved or stored_chunks:
             self._count({"stored_entries": saved + len(stored_chunks)})
         self.charge_indexes()
@@ -456,10 +306,10 @@ class CacheManager:
             entries=len(list(memory.keys())),
             memory_bytes=memory.used_bytes,
             index_bytes=self.index_bytes,
-            prefix_index_entries=len(self._prefix_index),
-            documents=len(self._registry),
+            prefix_index_entries=len(self.index.prefixes),
+            documents=self.index.document_count,
             documents_evicted=self.counters["documents_evicted"],
-            documents_by_tier=self.documents_by_tier(),
+            documents_by_tier=self.index.documents_by_tier(),
             tiers=self._store.stats(),
             misses=self._store.misses,
             counters=dict(self.counters),
@@ -489,12 +339,5 @@ class CacheManager:
     def clear(self) -> None:
         """Drop every entry and index."""
         self._store.clear()
-        self._prefix_index.clear()
-        self.shelf.parsed.clear()
-        self._registry = DocumentRegistry(self.shelf)
-        with self._maps_lock:
-            self._documents.clear()
-            self._owners.clear()
-            self._owned_chunks = 0
-            self._evicted.clear()
+        self.index.clear()
         self.charge_indexes()

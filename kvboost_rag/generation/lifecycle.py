@@ -356,7 +356,7 @@ class Requests:
         document, or held documents that were warmed and then evicted."""
         if not plan.content_reuse or outcome.live_tokens < self.settings.chunk_size:
             return
-        evicted = self.cache.evicted_in(plan.tokens.text)
+        evicted = self.cache.index.evicted_in(plan.tokens.text)
         if evicted:
             _warnings.warning(
                 "documents-evicted",
@@ -368,7 +368,7 @@ class Requests:
                 explain_evicted_documents(*self.cache.eviction_context()),
             )
             return
-        documents = self.cache.document_count
+        documents = self.cache.index.document_count
         if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
             return
         _warnings.warning(
@@ -377,7 +377,7 @@ class Requests:
             documents,
             plan.num_tokens,
             outcome.live_tokens,
-            explain_missed_documents(plan.tokens.text, self.cache.known_documents()),
+            explain_missed_documents(plan.tokens.text, self.cache.index.known_documents()),
         )
 
     @property

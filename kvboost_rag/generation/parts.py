@@ -40,10 +40,10 @@ class EngineParts:
         """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new
         one, tokenized, and (with ``register``) stored and registered; a warm registers it
         once its chunks are stored, as the newest entry of its document."""
-        record = self.cache.find_document(text)
+        record = self.cache.index.find_document(text)
         if record is None:
             ids, offsets = self.tokenizing.ids_with_offsets(text)
             record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
             if register:
-                self.cache.register(record)
+                self.cache.index.register(record)
         return record

@@ -141,7 +141,7 @@ class Warming:
         """Whether every chunk of ``text`` is cached and its record is stored (reads only)."""
         if not isinstance(text, str) or not text:
             return False
-        record = self.cache.find_document(text)
+        record = self.cache.index.find_document(text)
         return record is not None and not self.cache.missing_chunks(record)
 
     def warm_documents(self, texts: Iterable[str], show_progress: bool | None = None) -> list[WarmResult]:
@@ -168,7 +168,7 @@ class Warming:
                 memory_mib = self.cache.memory_used_bytes / 1024**2
                 bar.set_postfix_str(f"{computed_bytes / 1024**2:.0f} MiB K/V, memory {memory_mib:.0f} MiB", refresh=False)
                 bar.update(len(group))
-        kept_in = {record.digest: self.cache.kept_in(record) for record in records}
+        kept_in = {record.digest: self.cache.index.kept_in(record) for record in records}
         results = [warm.result().model_copy(update={"kept_in": kept_in[warm.record.digest]}) for warm in warms]
         kept, by_tier = kept_summary(list(kept_in.values()))
         line = summary_line(len(kept_in), kept, by_tier, computed_bytes)
@@ -191,7 +191,7 @@ class Warming:
                     lead = leads[context] = self._lead_in(context)
             warm = self._plan_document_warm(record, lead)
             if warm.job is None:
-                self.cache.register(record)  # nothing to compute: stored already, or prefix-only
+                self.cache.index.register(record)  # nothing to compute: stored already, or prefix-only
             warms.append(warm)
         first: dict[str, int] = {}
         for i, warm in enumerate(warms):

@@ -96,13 +96,14 @@ class CorpusFit:
 
 
 def kept_summary(kept_in: Sequence[Sequence[str]]) -> tuple[int, dict[str, int]]:
-    """How many documents some tier keeps, and how many each tier holds whole.
+    """How many documents the tiers keep, and how many are where (``"memory"``,
+    ``"disk"``, ``"memory+disk"`` for a document whose entries two tiers hold between them).
 
     Args:
-        kept_in: For each document, the tiers holding its record and all its chunks.
+        kept_in: For each document, the tiers holding its entries (empty: gone).
     """
-    by_tier: Counter[str] = Counter(name for tiers in kept_in for name in tiers)
-    return sum(1 for tiers in kept_in if tiers), dict(by_tier)
+    by_place: Counter[str] = Counter("+".join(tiers) for tiers in kept_in if tiers)
+    return sum(by_place.values()), dict(by_place)
 
 
 def summary_line(total: int, kept: int, by_tier: dict[str, int], computed_bytes: int) -> str:
