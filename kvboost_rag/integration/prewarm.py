@@ -22,11 +22,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
 from tqdm.auto import tqdm
 
 from kvboost_rag.errors import KVBoostError, PromptTooLongError
-from kvboost_rag.warming.job.report import DocumentFailure
+from kvboost_rag.warming.counts import DocumentFailure, WarmCounts
 
 if TYPE_CHECKING:
     from kvboost_rag.engine import KVBoost
@@ -43,45 +42,10 @@ DEFAULT_PROGRESS_MIN_DOCUMENTS = 64
 DEFAULT_SPLIT_HINT = "split documents smaller before prewarming them"
 
 
-class PrewarmStats(BaseModel):
-    """What one prewarm run did.
-
-    Attributes:
-        documents: Documents received.
-        warmed: Distinct texts whose K/V this run computed.
-        already_warm: Distinct texts that were warm before (skipped).
-        duplicates: Documents whose text repeated an earlier one of the same run.
-        empty: Documents with no text (skipped).
-        oversized: Documents longer than ``max_document_tokens``, or too long for the model
-            behind the warm prefix (skipped; see :attr:`failures`).
-        failed: Documents the engine refused for another reason (see :attr:`failures`).
-        new_tokens: Tokens computed.
-        elapsed_ms: Wall time of the run.
-        results: The engine's ``WarmResult`` of each text handed to it, in order.
-        failures: Each document not warmed because it was oversized or refused: its label
-            (``doc_id``) and why (``error``: ``"oversized: ..."``, or the engine error's type
-            and message), as a warm job reports failures.
-    """
-
-    documents: int = 0
-    warmed: int = 0
-    already_warm: int = 0
-    duplicates: int = 0
-    empty: int = 0
-    oversized: int = 0
-    failed: int = 0
-    new_tokens: int = 0
-    elapsed_ms: float = 0.0
-    results: list[Any] = Field(default_factory=list)
-    failures: list[DocumentFailure] = Field(default_factory=list)
-
-    def summary(self) -> str:
-        """One line with every count."""
-        return (
-            f"{self.documents} documents, {self.warmed} warmed ({self.new_tokens} tokens), "
-            f"{self.already_warm} already warm, {self.duplicates} repeated, {self.empty} empty, "
-            f"{self.oversized} oversized, {self.failed} failed in {self.elapsed_ms:.0f} ms"
-        )
+#: What one prewarm run did: the one counts type of every warm path
+#: (:class:`~kvboost_rag.warming.counts.WarmCounts`; ``warmed``, ``already_warm``, ``new_tokens``
+#: and ``elapsed_ms`` read ``computed``, ``skipped``, ``computed_tokens`` and ``seconds``).
+PrewarmStats = WarmCounts
 
 
 def default_max_document_tokens(engine: KVBoost, llm: Any = None) -> int:
@@ -138,7 +102,7 @@ def _select(
             continue
         seen.add(text)
         if engine.is_document_warm(text):
-            stats.already_warm += 1
+            stats.skipped += 1
             continue
         if limit is not None:
             n_tokens = engine.count_tokens(text)
@@ -200,11 +164,12 @@ def _warm_batch(engine: KVBoost, batch: list[tuple[str, str]], stats: PrewarmSta
         return
     for result in results:
         stats.results.append(result)
+        stats.tokens += result.num_tokens
         if result.already_warm:
-            stats.already_warm += 1
+            stats.skipped += 1
         else:
-            stats.warmed += 1
-            stats.new_tokens += result.new_tokens
+            stats.computed += 1
+            stats.computed_tokens += result.new_tokens
 
 
 def prewarm_texts(
@@ -259,6 +224,6 @@ def prewarm_texts(
             batch = chosen[i : i + batch_size]
             _warm_batch(engine, batch, stats)
             bar.update(len(batch))
-    stats.elapsed_ms = (time.perf_counter() - started) * 1000.0
+    stats.seconds = time.perf_counter() - started
     logger.info("prewarm: %s", stats.summary())
     return stats

@@ -82,8 +82,19 @@ async def read_documents(request: Request) -> list[WarmDocument]:
 
 
 def _report(stats: Any) -> dict[str, Any]:
-    counts = stats.model_dump(exclude={"results", "failures"})
+    """The counts of a warm as this endpoint names them (a prewarm run's names)."""
     failures = [{"id": f.doc_id, "error": f.error} for f in stats.failures]
+    counts = {
+        "documents": stats.documents,
+        "warmed": stats.warmed,
+        "already_warm": stats.already_warm,
+        "duplicates": stats.duplicates,
+        "empty": stats.empty,
+        "oversized": stats.oversized,
+        "failed": stats.failed,
+        "new_tokens": stats.new_tokens,
+        "elapsed_ms": stats.elapsed_ms,
+    }
     return {"object": "kvboost.warm", **counts, "failures": failures}
 
 

@@ -23,7 +23,6 @@ from kvboost_rag.request.documents import (
     ANCHOR_CHARS,
     DocumentOccurrence,
     DocumentRecord,
-    make_record,
 )
 from kvboost_rag.request.inputs import check_text
 from kvboost_rag.request.plan import PromptPlan, PromptTokens

@@ -1,59 +1,16 @@
-"""What a warm job did: per-batch outcomes and the job's totals and rates."""
+"""What a warm job did: per-batch outcomes and the job's totals and rates
+(:class:`~kvboost_rag.warming.counts.WarmCounts` with who ran them and how fast)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
+from kvboost_rag.warming.counts import DocumentFailure, WarmCounts
 
-@dataclass(frozen=True)
-class DocumentFailure:
-    """A document the job could not warm.
-
-    Attributes:
-        doc_id: The document's id in its source.
-        error: The exception's type and message.
-    """
-
-    doc_id: str
-    error: str
+__all__ = ["BatchOutcome", "DocumentFailure", "WarmCounts", "WarmReport"]
 
 
-@dataclass
-class WarmCounts:
-    """What warming some documents did (a batch's outcome, or a job's totals).
-
-    Attributes:
-        computed: Documents whose K/V was computed and stored.
-        skipped: Documents stored already (by an earlier run or another worker): only their
-            records were read.
-        tokens: Tokens of the documents warmed or skipped.
-        computed_tokens: Tokens whose K/V was computed.
-        bytes_written: Bytes written to the shared tiers (Redis counts exactly; a disk folder
-            by the growth of its usage).
-        failures: Documents that could not be warmed, with the error.
-        seconds: Wall time.
-    """
-
-    computed: int = 0
-    skipped: int = 0
-    tokens: int = 0
-    computed_tokens: int = 0
-    bytes_written: int = 0
-    failures: list[DocumentFailure] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def add(self, other: WarmCounts) -> None:
-        """Count ``other``'s documents, tokens, bytes and failures in (not its time)."""
-        self.computed += other.computed
-        self.skipped += other.skipped
-        self.tokens += other.tokens
-        self.computed_tokens += other.computed_tokens
-        self.bytes_written += other.bytes_written
-        self.failures.extend(other.failures)
-
-
-@dataclass
 class BatchOutcome(WarmCounts):
     """What one worker did with one batch (:class:`WarmCounts`; ``seconds`` on the worker).
 
@@ -64,7 +21,6 @@ class BatchOutcome(WarmCounts):
     worker: str = ""
 
 
-@dataclass
 class WarmReport(WarmCounts):
     """Totals of a warm job (:class:`WarmCounts`; ``seconds`` is the job's wall time, workers'
     start and model loading included).
@@ -104,7 +60,8 @@ class WarmReport(WarmCounts):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the rates (for JSON output)."""
-        data = asdict(self)
+        data = self.model_dump(exclude={"results"})
+        data["failures"] = [asdict(failure) for failure in self.failures]
         data["documents_per_second"] = self.documents_per_second
         data["tokens_per_second"] = self.tokens_per_second
         return data
