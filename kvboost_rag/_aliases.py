@@ -40,7 +40,7 @@ MOVED: dict[str, str] = {
     "inputs": "request.inputs",
     "kv_codec": "cache.codec",
     "lifecycle": "generation.lifecycle",
-    "missed_documents": "diagnosis.missed_documents",
+    "missed_documents": "generation.missed_documents",
     "options": "request.options",
     "outcome": "prefill.outcome",
     "parts": "generation.parts",

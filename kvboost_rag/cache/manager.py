@@ -21,6 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,11 +36,10 @@ from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import DeviceTier, DiskTier, TieredStore
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.request.documents import (
     DocumentRecord,
 )
-from kvboost_rag.request.plan import PromptPlan
+from kvboost_rag.request.plan import PlacedDocument, PromptPlan
 from kvboost_rag.results import CacheStats
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,22 @@ _warnings = RateLimitedLogger(logger)
 
 #: Owner name of the indexes' reservation in the memory tier.
 INDEX_RESERVATION = "indexes"
+
+
+class Prefilled(Protocol):
+    """What write-back and the counters read of a prompt's prefill (its
+    :class:`~kvboost_rag.prefill.outcome.PrefillOutcome`): the buffers holding the prompt's
+    K/V, what was served from cache, and where its documents sit."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    prefix_tokens: int
+    prefix_keys: tuple[str, ...]
+    documents: list[PlacedDocument]
+    loaded_chunks: frozenset[str]
+    content_tokens: int
+    recomputed_tokens: int
+    merged_tokens: int
 
 
 @dataclass(frozen=True)
@@ -217,7 +233,7 @@ class CacheManager:
         return [i for i in indices if not self._store.contains(record.chunk_keys[i])]
 
     # ------------------------------------------------------------------ write-back
-    def write_back(self, plan: PromptPlan, outcome: PrefillOutcome, *, store_documents: bool, pin: bool = False) -> int:
+    def write_back(self, plan: PromptPlan, outcome: Prefilled, *, store_documents: bool, pin: bool = False) -> int:
         """Store what the prompt taught: its exact leading part as prefix chunks, and the
         chunks of its documents that no tier holds yet, cut from the prompt's own K/V.
 
@@ -286,7 +302,7 @@ class CacheManager:
         return document_tokens
 
     # ------------------------------------------------------------------ counters
-    def record(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
+    def record(self, plan: PromptPlan, outcome: Prefilled) -> None:
         """Add one prompt's reuse figures to the counters."""
         self._count(
             {

@@ -21,18 +21,17 @@ Lark grammars embed JSON schemas, and it installs with no dependencies.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from kvboost_rag.decode.closing import ClosingPlanner
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.request.constraint import OutputConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +41,19 @@ logger = logging.getLogger(__name__)
 JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 _INSTALL_HINT = "constrained decoding needs llguidance: pip install 'kvboost-rag[constrained]'"
+
+
+def llguidance_grammar(constraint: OutputConstraint) -> str:
+    """``constraint`` as an llguidance grammar string (JSON schemas laid out as
+    :data:`JSON_LAYOUT` unless their ``x-guidance`` says otherwise)."""
+    import llguidance
+
+    if constraint.json_schema is not None:
+        schema = dict(constraint.json_schema)
+        schema["x-guidance"] = {**JSON_LAYOUT, **schema.get("x-guidance", {})}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    assert constraint.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
 
 
 _BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
@@ -69,60 +81,6 @@ def masked_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tens
     if allowed.numel() < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
     return logits.masked_fill(~allowed[:vocab], float("-inf"))
-
-
-class OutputConstraint(BaseModel):
-    """What the generated text must match. Set exactly one field.
-
-    Attributes:
-        json_schema: A JSON schema (a dict); the output is one JSON value valid for it.
-        grammar: A Lark grammar in llguidance's dialect; ``%json { schema }`` embeds a JSON
-            schema as a rule.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    json_schema: dict[str, Any] | None = None
-    grammar: str | None = None
-
-    @field_validator("json_schema")
-    @classmethod
-    def _serializable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"json_schema must be JSON-serializable: {exc}") from None
-        return value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> OutputConstraint:
-        if (self.json_schema is None) == (self.grammar is None):
-            raise ValueError("set exactly one of json_schema and grammar")
-        if self.grammar is not None and not self.grammar.strip():
-            raise ValueError("grammar is empty")
-        return self
-
-    @classmethod
-    def from_json_schema(cls, schema: Mapping[str, Any]) -> OutputConstraint:
-        """A constraint to one JSON value valid for ``schema``."""
-        return cls(json_schema=dict(schema))
-
-    @classmethod
-    def any_json_object(cls) -> OutputConstraint:
-        """A constraint to one JSON object of any shape (JSON mode)."""
-        return cls(json_schema={"type": "object"})
-
-    def llguidance_grammar(self) -> str:
-        """This constraint as an llguidance grammar string."""
-        import llguidance
-
-        if self.json_schema is not None:
-            schema = dict(self.json_schema)
-            schema["x-guidance"] = {**JSON_LAYOUT, **schema.get("x-guidance", {})}
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
-        assert self.grammar is not None
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
 
 class GrammarGuide:
@@ -306,7 +264,7 @@ class ConstraintCompiler:
         except ImportError:
             raise InvalidInputError(_INSTALL_HINT) from None
         try:
-            grammar = constraint.llguidance_grammar()
+            grammar = llguidance_grammar(constraint)
         except ValueError as exc:
             raise InvalidInputError(f"invalid output constraint: {exc}") from None
         view = self._tokenizer_view()

@@ -38,14 +38,11 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvboost_rag.decode.constrained import JSON_LAYOUT, OutputConstraint
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.log_limits import RateLimitedLogger
-
-if TYPE_CHECKING:
-    from kvboost_rag.engine import KVBoost
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -384,8 +381,17 @@ def fallback_messages(
     return with_system_text(out, tools_instructions(specs, parallel)) if specs else out
 
 
+class ChatRenderer(Protocol):
+    """What renders a chat (the engine has it)."""
+
+    @property
+    def chat_template_renders_tools(self) -> bool: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str: ...
+
+
 def render_chat(
-    engine: KVBoost,
+    engine: ChatRenderer,
     messages: Sequence[Mapping[str, Any]],
     call_format: CallFormat,
     add_generation_prompt: bool = True,

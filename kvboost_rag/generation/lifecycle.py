@@ -21,12 +21,12 @@ from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
 from kvboost_rag.decode.scheduler import DecodeHandle, DecodeScheduler, Reservation
 from kvboost_rag.decode.step import DecodeSequence
-from kvboost_rag.diagnosis.missed_documents import (
+from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.errors import InvalidInputError, KVBoostError, UnsupportedModelError
+from kvboost_rag.generation.missed_documents import (
     explain_evicted_documents,
     explain_missed_documents,
 )
-from kvboost_rag.diagnosis.stage_times import stage
-from kvboost_rag.errors import InvalidInputError, KVBoostError, UnsupportedModelError
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome

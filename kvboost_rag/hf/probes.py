@@ -8,20 +8,35 @@ fallback that every result then reports (:class:`ModelFeatures`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
 from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.errors import UnsupportedModelError
-from kvboost_rag.hf.caches import cache_keyword
+from kvboost_rag.hf.caches import ModelCache, cache_keyword
 from kvboost_rag.hf.ragged_attention import attention_calls
 from kvboost_rag.hf.sparse_attention import last_query_attention
 
-if TYPE_CHECKING:
-    from kvboost_rag.hf.adapter import ModelAdapter
+
+class ProbedModel(Protocol):
+    """What the feature probes run (the model adapter has it; the probes do not import it)."""
+
+    tokenizer: Any
+    num_layers: int
+
+    def new_cache(self, capacity: int) -> ModelCache: ...
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: ModelCache, sparse_queries: bool = False
+    ) -> torch.Tensor: ...
+
+    def ragged_step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,7 @@ def probe_layout(model: torch.nn.Module, tokenizer, device: torch.device) -> KVL
     return KVLayout(layers=len(cache.layers), kv_heads=heads, head_dim=dim)
 
 
-def probe_features(adapter: ModelAdapter) -> ModelFeatures:
+def probe_features(adapter: ProbedModel) -> ModelFeatures:
     """Probe batched decoding and attention recording on one or two tokens."""
     token = torch.tensor([_probe_token(adapter.tokenizer)])
     cache = adapter.new_cache(3)

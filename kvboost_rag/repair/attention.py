@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 from kvboost_rag.repair.probe import attention_scores, run_probe

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvboost_rag.decode.constrained import OutputConstraint
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.request.constraint import OutputConstraint
 
 
 class GenerationOptions(BaseModel):
@@ -35,7 +35,7 @@ class GenerationOptions(BaseModel):
             stored for next time even if never warmed.
         return_logits: Fill ``GenerationResult.first_token_logits`` and ``step_logits``.
         constraint: What the output must match (a JSON schema or a grammar; see
-            :class:`~kvboost_rag.decode.constrained.OutputConstraint`); a dict is read as its fields.
+            :class:`~kvboost_rag.request.constraint.OutputConstraint`); a dict is read as its fields.
             Decoding masks every token that would leave the match and, as the tokens left
             reach what closing the output takes, allows only tokens that leave room to close
             it, so the output is valid at any ``max_new_tokens`` from the constraint's minimum

@@ -25,10 +25,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvboost_rag.engine import KVBoost
+from kvboost_rag.results import WarmResult
+
+
+class DocumentWarmer(Protocol):
+    """What the background warmer warms with (the engine has it)."""
+
+    def warm_documents(self, texts: Iterable[str], show_progress: bool | None = None) -> list[WarmResult]: ...
+
+    def is_document_warm(self, text: str) -> bool: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +67,7 @@ class BackgroundWarmer:
             warmer.close()
     """
 
-    def __init__(self, engine: KVBoost, idle_seconds: float = 0.5, max_pending: int = 4096) -> None:
+    def __init__(self, engine: DocumentWarmer, idle_seconds: float = 0.5, max_pending: int = 4096) -> None:
         if idle_seconds < 0:
             raise ValueError(f"idle_seconds must be >= 0, got {idle_seconds}")
         if max_pending < 1:
@@ -84,7 +92,7 @@ class BackgroundWarmer:
         """Documents dropped because the queue was full."""
 
     @property
-    def engine(self) -> KVBoost:
+    def engine(self) -> DocumentWarmer:
         """The engine documents are warmed on."""
         return self._engine
 
