@@ -29,6 +29,12 @@ PYTHON="${PYTHON:-python3}"
 WHEELS="${GPU_WHEELS_DIR:-.whl}"
 TOKENIZER="${GPU_TOKENIZER_DIR:-.gpu-tokenizer}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
+if ! compgen -G "$WHEELS/*.whl" >/dev/null || [ ! -f "$TOKENIZER/tokenizer.json" ]; then
+  echo "no wheels in $WHEELS or no tokenizer in $TOKENIZER: run scripts/gpu_wheels.sh where PyPI is" \
+    "reachable and bring both folders along" >&2
+  exit 2
+fi
+
 LOGS="${OUT:-$(mktemp -d -t gpu-check-XXXXXX)}"
 mkdir -p "$LOGS"
 case "$MODE" in
@@ -115,26 +121,31 @@ PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -q -p no:warnings)
 timeout --kill-after=5 "$(within 60 270)" "${PYTEST[@]}" --collect-only --continue-on-collection-errors -m cuda \
   >"$LOGS/collected.tmp" 2>&1
 mapfile -t FILES < <(grep '::' "$LOGS/collected.tmp" | cut -d: -f1 | sort -u)
+COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
 {
-  echo "=== CUDA variants collected: $(grep -c '::' "$LOGS/collected.tmp"), in ${#FILES[@]} files"
+  echo "=== CUDA variants collected: $COLLECTED, in ${#FILES[@]} files"
   grep '^ERROR ' "$LOGS/collected.tmp" | sed 's/^/not importable here (no CUDA variants run from it): /'
 } | tee -a "$TEST_LOG"
 rm -f "$LOGS/collected.tmp"
 step "CUDA tests" "$(within "$TEST_LIMIT" $((2 * BENCH_LIMIT)))" "$TEST_LOG" \
   "${PYTEST[@]}" -rfEs -m cuda -n "$WORKERS" --dist load --durations=5 --junitxml="$XML" "${FILES[@]}"
-step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" <<'EOF'
+step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" "$COLLECTED" <<'EOF'
 import sys
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
-suite = ElementTree.parse(sys.argv[1]).getroot().find("testsuite")
+report, mode, collected = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if not report.exists():
+    sys.exit("no test report: the tests did not finish")
+suite = ElementTree.parse(report).getroot().find("testsuite")
 counts = {name: int(suite.get(name, 0)) for name in ("tests", "failures", "errors", "skipped")}
-print("CUDA variants: " + ", ".join(f"{value} {name}" for name, value in counts.items()))
+print(f"CUDA variants ({collected} collected): " + ", ".join(f"{value} {name}" for name, value in counts.items()))
 ran = counts["tests"] - counts["skipped"]
-if counts["tests"] == 0 or counts["failures"] or counts["errors"]:
+if counts["tests"] != collected or collected == 0 or counts["failures"] or counts["errors"]:
     sys.exit(1)
-if sys.argv[2] == "cuda" and counts["skipped"]:
+if mode == "cuda" and counts["skipped"]:
     sys.exit("a CUDA variant skipped on a machine with CUDA")
-if sys.argv[2] == "cpu" and ran:
+if mode == "cpu" and ran:
     sys.exit("a CUDA variant ran on a machine without CUDA")
 EOF
 if [ "$MODE" = cpu ]; then
