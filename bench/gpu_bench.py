@@ -120,14 +120,18 @@ def build_model(shape: str, layers: int | None, device: torch.device, dtype: tor
 
 
 def load_tokenizer(name: str):
-    """The embedded SmolLM2 tokenizer (``embedded``) or the tests' tiny one (``tiny``)."""
+    """The embedded SmolLM2 tokenizer (``embedded``), the tests' tiny one (``tiny``), or the
+    tokenizer saved in a folder (``tokenizer.json`` and its config: a copy of the embedded
+    one carried to a machine without the embedded model, see ``scripts/gpu_wheels.sh``)."""
     if name == "tiny":
         from kvboost_rag.testing import tiny_tokenizer
 
         return tiny_tokenizer()
-    from kvboost_rag.default_model import default_model_dir
+    if name == "embedded":
+        from kvboost_rag.default_model import default_model_dir
 
-    return AutoTokenizer.from_pretrained(default_model_dir())
+        return AutoTokenizer.from_pretrained(default_model_dir())
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
 def split_documents(tokenizer, doc_tokens: int) -> list[str]:
@@ -363,7 +367,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--doc-tokens", type=int, default=512, help="largest document (RAG splitter piece), tokens")
-    parser.add_argument("--tokenizer", default="embedded", choices=["embedded", "tiny"])
+    parser.add_argument(
+        "--tokenizer", default="embedded", help="embedded (SmolLM2's), tiny (the tests'), or a folder holding a tokenizer"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--attention", default="auto", choices=["auto", *BACKENDS], help="sparse attention backend (auto: per device)"
