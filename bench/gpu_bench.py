@@ -49,6 +49,8 @@ from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.stage_times import record_stages
 
+#: The stages one call's stage times are printed for, in order (kvboost_rag.stage_times).
+STAGES = ("tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below, quote the relevant rule and keep the answer short."
@@ -239,6 +241,7 @@ class Row:
     generate_tps: float
     prefix_ops: RuntimeCounts
     blend_ops: RuntimeCounts
+    stages: dict[str, float]
 
 
 def median_ms(run: Callable[[], float], repeats: int) -> float:
@@ -295,6 +298,8 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
 
     blend = [engine_call(shuffled, blended) for _ in range(args.repeats)]
     blend_ops = counted(engine, shuffled)
+    with record_stages() as stages:  # an untimed call: the device is synchronized at each stage
+        engine.generate(shuffled, max_new_tokens=1)
 
     engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
     generate_tps = generate_decode_rate(model, tokenizer, prompt, args.decode_tokens, device)
@@ -312,6 +317,7 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         generate_tps=generate_tps,
         prefix_ops=prefix_ops,
         blend_ops=blend_ops,
+        stages=dict(stages),
     )
 
 
@@ -404,9 +410,9 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
         f"| prompt tokens | documents | full prefill SDPA ms | prefix repeat ms | x | {repair} ms | x | "
         "tokenize ms | overhead prefix / repair ms | copies prefix / repair | launches prefix / repair | "
         "syncs prefix / repair | memcpys prefix / repair | host reads prefix / repair | decode tok/s engine | "
-        "model.generate | engine / generate |"
+        "model.generate | engine / generate | repair stages ms (tokenize/plan/lookup/stitch/probe/select/blend) |"
     )
-    print("|---" * 17 + "|")
+    print("|---" * 18 + "|")
     rows = []
     for tokens in lengths:
         row = measure(engine, timer, tokens, args, device)
@@ -418,9 +424,12 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
             f"{row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / {row.blend_overhead_ms:.1f} | "
             f"{p.copies} / {b.copies} | {p.launches} / {b.launches} | {p.syncs} / {b.syncs} | "
             f"{p.memcpys} / {b.memcpys} | {p.host_reads} / {b.host_reads} | "
-            f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} |",
+            f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} | "
+            f"{'/'.join(f'{row.stages.get(name, 0.0):.1f}' for name in STAGES)} |",
             flush=True,
         )
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    print(f"compiled graphs (torch.compile, FlexAttention) over the whole run: {graphs}")
     return rows
 
 
