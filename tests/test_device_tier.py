@@ -169,8 +169,10 @@ def test_cuda_tier_layout_holds_nothing_but_kv_through_warms_generates_batches_a
 
 
 def test_a_group_moves_to_the_device_tier_in_one_copy_per_dtype():
-    """Promoting one chunk of a document brings its whole group up in one transfer: the
-    device entries are views of one allocation; the record of the group stays below."""
+    """Promoting one chunk of a document brings its whole group up in one transfer (from
+    pageable memory: packed, then moved; from pinned memory on a GPU each tensor is an
+    asynchronous transfer into its place): the device entries are views of one allocation;
+    the record of the group stays below."""
     from kvboost_rag.dev.op_counts import OpCounter
 
     group = {"c1": "doc", "c2": "doc", "c3": "doc", "record": "doc"}
@@ -183,7 +185,7 @@ def test_a_group_moves_to_the_device_tier_in_one_copy_per_dtype():
     with OpCounter() as counted:
         store.get("c2")
     assert set(device.keys()) == {"c1", "c2", "c3"}  # not the record
-    assert counted.counts.by_name["_to_copy"] == 1  # one transfer for every K/V tensor of the group
+    assert counted.counts.by_name["copy_"] == 1  # one transfer for every K/V tensor of the group
     moved = [device.resident(k).tensors[name] for k in ("c1", "c2", "c3") for name in ("keys", "values")]
     assert all(t._base is not None for t in moved) and len({id(t._base) for t in moved}) == 1  # one allocation
     assert all(device.resident(k).tensors["token_ids"].device.type == "cpu" for k in ("c1", "c2", "c3"))
