@@ -321,6 +321,25 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
     )
 
 
+def profile_one_call(engine: KVBoost, tokens: int, args) -> None:
+    """Print where one document-reuse call of ``tokens`` tokens spends its time, as the
+    profiler sees it: the top operations by time on the host and on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, documents, shuffled = build_prompt(engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
+    engine.warm_documents(documents, show_progress=False)
+    engine.generate(shuffled, max_new_tokens=1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        engine.generate(shuffled, max_new_tokens=1)
+    averages = profiler.key_averages()
+    print(f"profile of one repair call at {tokens} tokens, by host time:")
+    print(averages.table(sort_by="cpu_time_total", row_limit=args.profile))
+    if torch.cuda.is_available():
+        print("by device time:")
+        print(averages.table(sort_by="cuda_time_total", row_limit=args.profile))
+
+
 def counted(engine: KVBoost, prompt: str) -> RuntimeCounts:
     """What one call to the first token does, as the profiler sees it (an untimed call of its
     own): copies, host reads, and on CUDA kernel launches, runtime copies and syncs."""
@@ -373,6 +392,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--doc-tokens", type=int, default=512, help="largest document (RAG splitter piece), tokens")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS",
+        help="after the table, profile one repair call at the longest length and print this many rows",
+    )
     parser.add_argument(
         "--tokenizer", default="embedded", help="embedded (SmolLM2's), tiny (the tests'), or a folder holding a tokenizer"
     )
@@ -428,6 +451,8 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
             f"{'/'.join(f'{row.stages.get(name, 0.0):.1f}' for name in STAGES)} |",
             flush=True,
         )
+    if args.profile:
+        profile_one_call(engine, lengths[-1], args)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"compiled graphs (torch.compile, FlexAttention) over the whole run: {graphs}")
     return rows

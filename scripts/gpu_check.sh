@@ -20,7 +20,8 @@
 # GPU_WHEELS_DIR and GPU_TOKENIZER_DIR (as for scripts/gpu_wheels.sh), GPU_CHECK_SITE (where
 # the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
 # GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT and GPU_CHECK_BENCH_LIMIT (seconds: the whole check,
-# the tests, each bench).
+# the tests, each bench), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
+# length, after each bench's table; 0: none).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -46,7 +47,7 @@ case "$MODE" in
     SHAPES=(Llama-3.1-8B Qwen2.5-7B)
     # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
     declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
-    BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8)
+    BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8 --profile "${GPU_CHECK_PROFILE:-0}")
     ;;
   cpu)
     WORKERS="${GPU_CHECK_WORKERS:-$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
