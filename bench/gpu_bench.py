@@ -49,6 +49,8 @@ from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.diagnosis.stage_times import record_stages
 from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
 
+#: The stages one call's stage times are printed for, in order (kvboost_rag.diagnosis.stage_times).
+STAGES = ("tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below, quote the relevant rule and keep the answer short."
@@ -120,14 +122,18 @@ def build_model(shape: str, layers: int | None, device: torch.device, dtype: tor
 
 
 def load_tokenizer(name: str):
-    """The embedded SmolLM2 tokenizer (``embedded``) or the tests' tiny one (``tiny``)."""
+    """The embedded SmolLM2 tokenizer (``embedded``), the tests' tiny one (``tiny``), or the
+    tokenizer saved in a folder (``tokenizer.json`` and its config: a copy of the embedded
+    one carried to a machine without the embedded model, see ``scripts/gpu_wheels.sh``)."""
     if name == "tiny":
         from kvboost_rag.dev.testing import tiny_tokenizer
 
         return tiny_tokenizer()
-    from kvboost_rag.default_model import default_model_dir
+    if name == "embedded":
+        from kvboost_rag.default_model import default_model_dir
 
-    return AutoTokenizer.from_pretrained(default_model_dir())
+        return AutoTokenizer.from_pretrained(default_model_dir())
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
 
 
 def split_documents(tokenizer, doc_tokens: int) -> list[str]:
@@ -235,6 +241,7 @@ class Row:
     generate_tps: float
     prefix_ops: RuntimeCounts
     blend_ops: RuntimeCounts
+    stages: dict[str, float]
 
 
 def median_ms(run: Callable[[], float], repeats: int) -> float:
@@ -291,6 +298,8 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
 
     blend = [engine_call(shuffled, blended) for _ in range(args.repeats)]
     blend_ops = counted(engine, shuffled)
+    with record_stages() as stages:  # an untimed call: the device is synchronized at each stage
+        engine.generate(shuffled, max_new_tokens=1)
 
     engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
     generate_tps = generate_decode_rate(model, tokenizer, prompt, args.decode_tokens, device)
@@ -308,7 +317,27 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         generate_tps=generate_tps,
         prefix_ops=prefix_ops,
         blend_ops=blend_ops,
+        stages=dict(stages),
     )
+
+
+def profile_one_call(engine: KVBoost, tokens: int, args) -> None:
+    """Print where one document-reuse call of ``tokens`` tokens spends its time, as the
+    profiler sees it: the top operations by time on the host and on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, documents, shuffled = build_prompt(engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
+    engine.warm_documents(documents, show_progress=False)
+    engine.generate(shuffled, max_new_tokens=1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        engine.generate(shuffled, max_new_tokens=1)
+    averages = profiler.key_averages()
+    print(f"profile of one repair call at {tokens} tokens, by host time:")
+    print(averages.table(sort_by="cpu_time_total", row_limit=args.profile))
+    if torch.cuda.is_available():
+        print("by device time:")
+        print(averages.table(sort_by="cuda_time_total", row_limit=args.profile))
 
 
 def counted(engine: KVBoost, prompt: str) -> RuntimeCounts:
@@ -363,7 +392,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--doc-tokens", type=int, default=512, help="largest document (RAG splitter piece), tokens")
-    parser.add_argument("--tokenizer", default="embedded", choices=["embedded", "tiny"])
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS",
+        help="after the table, profile one repair call at the longest length and print this many rows",
+    )
+    parser.add_argument(
+        "--tokenizer", default="embedded", help="embedded (SmolLM2's), tiny (the tests'), or a folder holding a tokenizer"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--attention", default="auto", choices=["auto", *BACKENDS], help="sparse attention backend (auto: per device)"
@@ -398,9 +433,9 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
         f"| prompt tokens | documents | full prefill SDPA ms | prefix repeat ms | x | {repair} ms | x | "
         "tokenize ms | overhead prefix / repair ms | copies prefix / repair | launches prefix / repair | "
         "syncs prefix / repair | memcpys prefix / repair | host reads prefix / repair | decode tok/s engine | "
-        "model.generate | engine / generate |"
+        "model.generate | engine / generate | repair stages ms (tokenize/plan/lookup/stitch/probe/select/blend) |"
     )
-    print("|---" * 17 + "|")
+    print("|---" * 18 + "|")
     rows = []
     for tokens in lengths:
         row = measure(engine, timer, tokens, args, device)
@@ -412,9 +447,14 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
             f"{row.tokenize_ms:.1f} | {row.prefix_overhead_ms:.1f} / {row.blend_overhead_ms:.1f} | "
             f"{p.copies} / {b.copies} | {p.launches} / {b.launches} | {p.syncs} / {b.syncs} | "
             f"{p.memcpys} / {b.memcpys} | {p.host_reads} / {b.host_reads} | "
-            f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} |",
+            f"{row.engine_tps:.1f} | {row.generate_tps:.1f} | {row.engine_tps / row.generate_tps:.2f} | "
+            f"{'/'.join(f'{row.stages.get(name, 0.0):.1f}' for name in STAGES)} |",
             flush=True,
         )
+    if args.profile:
+        profile_one_call(engine, lengths[-1], args)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    print(f"compiled graphs (torch.compile, FlexAttention) over the whole run: {graphs}")
     return rows
 
 

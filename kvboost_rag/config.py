@@ -87,7 +87,11 @@ class KVBoostSettings(BaseModel):
             45k tokens (about 110 documents of 400 tokens).
         device_cache_bytes: Byte budget of the hot tier in GPU memory, above the memory tier,
             used when the model runs on CUDA (the memory tier then keeps entries in pinned
-            memory, so copies to the GPU are asynchronous). 0 disables it; ignored on CPU.
+            memory, so copies to the GPU are asynchronous). ``"auto"`` (default): half the GPU
+            memory free when the engine is built (after the model's weights; the other half is
+            left for prompts' buffers and activations), so the documents of long prompts stay
+            on the GPU (the K/V of a 32k-token prompt of an 8B model is about 4 GiB). A number
+            of bytes sets it; 0 disables it; ignored on CPU.
         disk_cache_dir: Folder of the disk tier. ``"auto"`` (default): an overflow tier in
             ``$KVBOOST_RAG_KV_CACHE``, else ``$KVBOOST_RAG_HOME/kv-cache`` (default
             ``~/.cache/kvboost-rag/kv-cache``), that receives only what the memory tier evicts,
@@ -172,7 +176,7 @@ class KVBoostSettings(BaseModel):
     kv_cache_bits: Literal[4, 8] | None = None
     kv_group_size: int = Field(32, ge=8, le=1024)
     max_cache_bytes: int = Field(2 * 1024**3, gt=0)
-    device_cache_bytes: int = Field(1024**3, ge=0)
+    device_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     disk_cache_dir: Literal["auto"] | Path | None = "auto"
     max_disk_bytes: int = Field(20 * 1024**3, gt=0)
     redis_url: str | None = None

@@ -1,4 +1,5 @@
-"""Shared fixtures: a trained tiny tokenizer, tiny random-weight models, the embedded model."""
+"""Shared fixtures: a trained tiny tokenizer, tiny random-weight models, the embedded model,
+and the device a test runs on (CPU, and CUDA where a test opts in; see :mod:`devices`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from kvboost_rag.log_limits import forget_all
 # tiny models gain nothing from more (threads spinning against each other slow every pass).
 torch.set_num_threads(1)
 
+from devices import DEVICES, engine_device_settings, full_precision_float32
 from rag_prompts import SYSTEM_PROMPT
+
+full_precision_float32()  # CUDA's float32 exactness tests compare in full float32 (devices.py)
+
 
 # Each test's engines spill to a folder of their own (kvboost_rag.dev.pytest_isolation, loaded in addopts).
 
@@ -38,14 +43,25 @@ def docs() -> list[str]:
     return python_reference_documents(max_chars=320)[:6]
 
 
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device a test runs on: ``"cpu"``, and ``"cuda"`` (marked ``cuda``: skipped where
+    no CUDA device exists, selected by ``pytest -m cuda``). A test opts in by naming this
+    fixture (or parametrizing ``device`` itself, :func:`devices.device_params`);
+    ``make_engine`` then builds its engines there."""
+    return request.param
+
+
 @pytest.fixture
-def make_engine(tokenizer):
-    """Factory: a fresh engine over a tiny model of the given family."""
+def make_engine(tokenizer, request: pytest.FixtureRequest):
+    """Factory: a fresh engine over a tiny model of the given family, on the test's device
+    (the ``device`` fixture or parameter, when the test names it; else the CPU as built)."""
+    device = request.getfixturevalue("device") if "device" in request.fixturenames else "cpu"
 
     def build(family: str = "llama", **settings) -> KVBoost:
         settings.setdefault("show_progress", False)
         settings.setdefault("chunk_size", 32)
-        return KVBoost.from_model(tiny_model(family), tokenizer, **settings)
+        return KVBoost.from_model(tiny_model(family), tokenizer, **engine_device_settings(device), **settings)
 
     return build
 

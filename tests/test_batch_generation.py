@@ -1,4 +1,5 @@
-"""generate_batch: every prompt prefilled with its own reuse, all decoded together."""
+"""generate_batch: every prompt prefilled with its own reuse, all decoded together (on the CPU,
+and on CUDA where the rows' attention runs as one padded call)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler
 from kvboost_rag.decode.step import DecodeSequence
 from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
+
+from devices import engine_device_settings
 
 # Llama-style RoPE, Qwen2 (biases), a partial-rotary family, interleaved sliding-window
 # layers, and GPT-2 (no RoPE: prefix-only reuse).
@@ -47,7 +50,7 @@ def _same(alone, batched) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batch_gives_each_prompt_its_greedy_output_alone(make_engine, docs, family):
+def test_batch_gives_each_prompt_its_greedy_output_alone(make_engine, docs, family, device):
     prompts = _prompts(docs)
     # Each prompt alone on an engine in the state the batch starts from (one engine per
     # prompt: a generate stores what its prompt taught, which would change the next one's reuse).
@@ -72,7 +75,7 @@ def test_batch_gives_each_prompt_its_greedy_output_alone(make_engine, docs, fami
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_shared_beginning_is_computed_once_for_the_batch(make_engine, docs, family):
+def test_a_shared_beginning_is_computed_once_for_the_batch(make_engine, docs, family, device):
     beginning = SYSTEM_PROMPT + "\n\n" + docs[4] + "\n\n"  # never warmed
     prompts = [beginning + f"Question: what is a {word}?\nAnswer:" for word in ("list", "tuple", "set")]
     alone = [make_engine(family).generate(p, max_new_tokens=8) for p in prompts]
@@ -96,13 +99,13 @@ def test_ttft_is_from_the_call_and_grows_along_the_batch(make_engine, docs):
     assert all(r.total_ms >= r.ttft_ms for r in results)
 
 
-def test_finished_sequences_leave_the_batch(tokenizer, docs):
+def test_finished_sequences_leave_the_batch(tokenizer, docs, device):
     short = "Question: what is a list?\nAnswer:"
     long = docs[0][:300] + "\n\nQuestion: what?\nAnswer:"
     n_long = len(tokenizer(long)["input_ids"])
     # A context window that leaves the long prompt 6 new tokens; the short one gets 20.
     model = tiny_model("llama", max_position_embeddings=n_long + 6)
-    engine = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=32)
+    engine = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=32, **engine_device_settings(device))
     sizes: list[int] = []
     step = engine._scheduler._step
     engine._scheduler._step = lambda sequences: (sizes.append(len(sequences)), step(sequences))[1]
@@ -113,7 +116,7 @@ def test_finished_sequences_leave_the_batch(tokenizer, docs):
     assert sizes == [2] * 5 + [1] * 14
 
 
-def test_stop_strings_apply_per_sequence(make_engine, docs):
+def test_stop_strings_apply_per_sequence(make_engine, docs, device):
     prompts = _prompts(docs)
     engine = _warmed(make_engine, "llama", docs)
     free = engine.generate_batch(prompts, max_new_tokens=16, reuse=False)
@@ -130,7 +133,7 @@ def test_stop_strings_apply_per_sequence(make_engine, docs):
     assert stopped[0].finish_reason == "stop"
 
 
-def test_bad_prompts_fail_alone(make_engine, docs):
+def test_bad_prompts_fail_alone(make_engine, docs, device):
     engine = _warmed(make_engine, "llama", docs)
     good = _prompts(docs)[:2]
     too_long = "word " * 5000
@@ -211,7 +214,7 @@ def test_decode_sequence_ends_on_eos_stop_and_budget(tokenizer):
 
 
 @pytest.mark.parametrize("one_call", [False, True])
-def test_ragged_step_equals_one_sequence_steps(make_engine, one_call):
+def test_ragged_step_equals_one_sequence_steps(make_engine, one_call, device):
     """One batched forward over caches of different lengths gives each row the logits of
     its own one-sequence step (sliding-window layers included), whether the rows' attention
     runs one call per row (CPU's default) or one padded call for all rows (CUDA's)."""

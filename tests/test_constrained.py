@@ -1,4 +1,5 @@
-"""Constrained decoding: schema-valid output from random weights, errors, reuse untouched."""
+"""Constrained decoding: schema-valid output from random weights, errors, reuse untouched (the
+decoding tests on the CPU and on CUDA, where the token masks apply to logits on the GPU)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def engine(make_engine):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_weights_give_schema_valid_json(make_engine, family, seed):
+def test_random_weights_give_schema_valid_json(make_engine, family, seed, device):
     engine = make_engine(family)
     schema = Lookup.model_json_schema()
     result = engine.generate(
@@ -52,7 +53,7 @@ def test_random_weights_give_schema_valid_json(make_engine, family, seed):
     Lookup.model_validate_json(result.output_text)  # raises if not valid for the schema
 
 
-def test_json_mode_outputs_close_within_the_budget(engine):
+def test_json_mode_outputs_close_within_the_budget(engine, device):
     # Any object is allowed, so random weights would write keys until the budget ends; the
     # output closes in time instead, every time.
     for seed in range(8):
@@ -64,7 +65,7 @@ def test_json_mode_outputs_close_within_the_budget(engine):
         assert isinstance(json.loads(result.output_text), dict)
 
 
-def test_grammar_constraint_limits_output_to_its_language(engine):
+def test_grammar_constraint_limits_output_to_its_language(engine, device):
     grammar = 'start: "yes" | "no" | "maybe later"'
     outputs = {
         engine.generate("Is it?", max_new_tokens=16, temperature=1.0, seed=seed, constraint={"grammar": grammar}).output_text
@@ -74,14 +75,14 @@ def test_grammar_constraint_limits_output_to_its_language(engine):
     assert outputs
 
 
-def test_stream_gives_the_same_text_as_generate(engine):
+def test_stream_gives_the_same_text_as_generate(engine, device):
     options = GenerationOptions(max_new_tokens=64, constraint=OutputConstraint(json_schema=Lookup.model_json_schema()))
     stream = engine.stream("Look something up.", options)
     text = "".join(stream)
     assert text == engine.generate("Look something up.", options).output_text == stream.result.output_text
 
 
-def test_budget_below_the_minimum_is_refused_before_prefill(engine):
+def test_budget_below_the_minimum_is_refused_before_prefill(engine, device):
     schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 40}}, "required": ["text"]}
     with pytest.raises(InvalidInputError, match=r"max_new_tokens=8 is below the (\d+) tokens") as refused:
         engine.stream("Write.", max_new_tokens=8, constraint={"json_schema": schema})
@@ -124,7 +125,7 @@ def test_bad_constraints_are_rejected_before_decoding(engine, constraint, match)
         engine.stream("Hello.", constraint=constraint)
 
 
-def test_constraint_leaves_prefill_and_reuse_untouched(make_engine, docs):
+def test_constraint_leaves_prefill_and_reuse_untouched(make_engine, docs, device):
     # Two engines in the same state: one prompt decoded freely and under a constraint.
     engines = [make_engine("llama"), make_engine("llama")]
     for engine in engines:
@@ -192,7 +193,7 @@ def test_repetition_penalty_is_validated(engine):
     assert engine.generate("Hello.", max_new_tokens=8, repetition_penalty=1.3).generated_tokens <= 8
 
 
-def test_batched_and_concurrent_decoding_apply_each_sequences_constraint(make_engine):
+def test_batched_and_concurrent_decoding_apply_each_sequences_constraint(make_engine, device):
     # Every sequence of a batch decodes under its own constraint state: each output is valid
     # for the schema and equals the same prompt decoded alone.
     engine = make_engine("llama")
@@ -215,7 +216,7 @@ def test_a_bad_constraint_fails_the_whole_batch_before_any_prefill(make_engine):
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])
-def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(vocab):
+def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(vocab, device):
     llguidance_torch = pytest.importorskip("llguidance.torch")
     generator = torch.Generator().manual_seed(vocab)
     allowed = torch.rand(vocab, generator=generator) < 0.3
@@ -225,12 +226,13 @@ def test_bitmask_forbids_exactly_the_tokens_whose_bit_is_clear(vocab):
     for token in allowed.nonzero().flatten().tolist():
         word, bit = divmod(token, 32)
         bitmask[word] = int(bitmask[word]) | (1 << bit) if bit < 31 else int(bitmask[word]) - 2**31
-    logits = torch.randn(vocab, generator=generator, dtype=torch.bfloat16)
-    masked = masked_by_bitmask(logits, bitmask)
-    assert masked.dtype == logits.dtype
+    logits = torch.randn(vocab, generator=generator, dtype=torch.bfloat16).to(device)
+    masked = masked_by_bitmask(logits, bitmask)  # the bitmask stays on the host, as llguidance fills it
+    assert masked.dtype == logits.dtype and masked.device == logits.device
+    allowed = allowed.to(device)
     assert torch.equal(masked[allowed], logits[allowed])
     assert torch.isneginf(masked[~allowed]).all()
-    wider = masked_by_bitmask(torch.zeros(vocab + 5), bitmask)
+    wider = masked_by_bitmask(torch.zeros(vocab + 5, device=device), bitmask)
     assert torch.isneginf(wider[vocab:]).all()
 
 

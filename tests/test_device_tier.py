@@ -1,4 +1,6 @@
-"""The device-resident hot tier: budget, promotion into it, and the stack build_store makes."""
+"""The device-resident hot tier: budget, promotion into it, the stack build_store makes, and
+engines on it: on CUDA the real stack (a device tier in GPU memory over pinned host memory),
+on the CPU the same layout with the device tier in host memory."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from kvboost_rag.cache.storage import (
     build_store,
 )
 from kvboost_rag.config import KVBoostSettings
+
+MiB = 1024**2
 
 LAYOUT = (2, 2, 8)
 
@@ -96,20 +100,36 @@ def test_negative_device_budget_is_rejected():
         KVBoostSettings(device_cache_bytes=-1)
 
 
-def test_cuda_tier_layout_charges_indexes_to_host_memory_only(make_engine, docs, monkeypatch):
-    """The tier stack a CUDA engine builds (device tier above the memory tier), built on CPU:
-    the indexes are charged to the host memory budget, never the device budget, and the
-    stats report the memory tier as memory."""
-    from kvboost_rag import engine as engine_module
+def cuda_layout_on(device: str, monkeypatch: pytest.MonkeyPatch, device_bytes: int, memory_bytes: int) -> dict[str, int]:
+    """Settings for an engine whose store has a CUDA engine's layout: on CUDA what
+    ``build_store`` makes of them; on the CPU the stack ``build_store`` makes there (memory,
+    the automatic disk tier) under a device tier in host memory."""
+    if device == "cpu":
+        from kvboost_rag import engine as engine_module
 
-    def cuda_layout(settings, device=None):
-        return TieredStore([DeviceTier(5 * 1024**2, "cpu"), MemoryTier(64 * 1024**2)])
+        def cuda_layout(settings, device=None):
+            return TieredStore([DeviceTier(settings.device_cache_bytes, "cpu"), *build_store(settings, device).tiers])
 
-    monkeypatch.setattr(engine_module, "build_store", cuda_layout)
-    engine = make_engine("llama")
+        monkeypatch.setattr(engine_module, "build_store", cuda_layout)
+    return {"device_cache_bytes": device_bytes, "max_cache_bytes": memory_bytes}
+
+
+def device_and_memory_tiers(engine, device: str) -> tuple[DeviceTier, MemoryTier]:
+    """The engine's two top tiers, checked to be a device tier on ``device`` over a memory
+    tier (pinned on CUDA)."""
+    device_tier, memory = engine._cache._store.tiers[:2]
+    assert isinstance(device_tier, DeviceTier) and device_tier.device.type == device
+    assert isinstance(memory, PinnedMemoryTier if device == "cuda" else MemoryTier) and not isinstance(memory, DeviceTier)
+    return device_tier, memory
+
+
+def test_cuda_tier_layout_charges_indexes_to_host_memory_only(make_engine, docs, monkeypatch, device):
+    """The tier stack a CUDA engine builds (device tier above the memory tier): the indexes
+    are charged to the host memory budget, never the device budget, and the stats report the
+    memory tier as memory."""
+    engine = make_engine("llama", **cuda_layout_on(device, monkeypatch, 5 * MiB, 64 * MiB))
     engine.warm_documents(docs)
-    device_tier, memory = engine._cache._store.tiers
-    assert isinstance(device_tier, DeviceTier) and not isinstance(memory, DeviceTier)
+    device_tier, memory = device_and_memory_tiers(engine, device)
     assert device_tier.reserved_bytes == 0
     assert memory.reserved_bytes == engine._cache.index_bytes > 0
     stats = engine.cache_stats()
@@ -118,13 +138,12 @@ def test_cuda_tier_layout_charges_indexes_to_host_memory_only(make_engine, docs,
 
 
 def test_cuda_tier_layout_holds_nothing_but_kv_through_warms_generates_batches_and_evictions(
-    make_engine, docs, monkeypatch
+    make_engine, docs, monkeypatch, device
 ):
-    """The tier stack a CUDA engine builds, on CPU, with a device tier small enough to evict:
-    every entry ever placed on the device tier is a K/V block (keys, values and host-side
-    token ids), never a document record or other host metadata, and the engine serves
-    documents from it."""
-    from kvboost_rag import engine as engine_module
+    """The tier stack a CUDA engine builds, with a device tier small enough to evict: every
+    entry ever placed on the device tier is a K/V block (keys and values on the device,
+    token ids on the host), never a document record or other host metadata, and the engine
+    warms, serves documents from it, evicts and decodes."""
     from kvboost_rag.cache.storage import HOST_TENSORS
 
     placed: list[tuple[str, StoredEntry]] = []
@@ -137,29 +156,29 @@ def test_cuda_tier_layout_holds_nothing_but_kv_through_warms_generates_batches_a
 
     monkeypatch.setattr(DeviceTier, "put_many", spying_put_many)
     block_bytes = _entry(tokens=32).nbytes  # about one 32-token chunk of this layout's size
-
-    def cuda_layout(settings, device=None):
-        return TieredStore([DeviceTier(40 * block_bytes, "cpu"), MemoryTier(256 * 1024**2)])
-
-    monkeypatch.setattr(engine_module, "build_store", cuda_layout)
-    engine = make_engine("llama")
+    engine = make_engine("llama", **cuda_layout_on(device, monkeypatch, 40 * block_bytes, 256 * MiB))
+    device_tier, _ = device_and_memory_tiers(engine, device)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs)
     single = engine.generate(rag_prompt([docs[2], docs[0], docs[4]]), max_new_tokens=3)
     batch = engine.generate_batch([rag_prompt([docs[1], docs[3]]), rag_prompt([docs[5], docs[2]])], max_new_tokens=3)
     assert single.content_hit_tokens > 0 and all(r.content_hit_tokens > 0 for r in batch)
-    device_tier = engine._cache._store.tiers[0]
-    assert engine.cache_stats().tiers["device"]["evictions"] > 0  # groups left the device tier
+    assert single.generated_tokens == 3 and all(r.generated_tokens == 3 for r in batch)
+    stats = engine.cache_stats().tiers["device"]
+    assert stats["evictions"] > 0 and stats["hits"] > 0  # groups left the device tier; hits were served there
     assert placed and all(not entry.host_only for _, entry in placed)
     assert all(not key.startswith("doc-") for key, _ in placed)
     for _, entry in placed:
         assert {"keys", "values"} <= set(entry.tensors) and set(entry.tensors) - {"keys", "values"} <= HOST_TENSORS
+        assert all(t.device.type == (device if name not in HOST_TENSORS else "cpu") for name, t in entry.tensors.items())
     assert all(not entry.host_only for key in device_tier.keys() for entry in [device_tier.resident(key)])
 
 
 def test_a_group_moves_to_the_device_tier_in_one_copy_per_dtype():
-    """Promoting one chunk of a document brings its whole group up in one transfer: the
-    device entries are views of one allocation; the record of the group stays below."""
+    """Promoting one chunk of a document brings its whole group up in one transfer (from
+    pageable memory: packed, then moved; from pinned memory on a GPU each tensor is an
+    asynchronous transfer into its place): the device entries are views of one allocation;
+    the record of the group stays below."""
     from kvboost_rag.dev.op_counts import OpCounter
 
     group = {"c1": "doc", "c2": "doc", "c3": "doc", "record": "doc"}
@@ -172,8 +191,30 @@ def test_a_group_moves_to_the_device_tier_in_one_copy_per_dtype():
     with OpCounter() as counted:
         store.get("c2")
     assert set(device.keys()) == {"c1", "c2", "c3"}  # not the record
-    assert counted.counts.by_name["_to_copy"] == 1  # one transfer for every K/V tensor of the group
+    assert counted.counts.by_name["copy_"] == 1  # one transfer for every K/V tensor of the group
     moved = [device.resident(k).tensors[name] for k in ("c1", "c2", "c3") for name in ("keys", "values")]
     assert all(t._base is not None for t in moved) and len({id(t._base) for t in moved}) == 1  # one allocation
     assert all(device.resident(k).tensors["token_ids"].device.type == "cpu" for k in ("c1", "c2", "c3"))
     assert store.get("c1") is device.resident("c1") and store.stats()["device"]["hits"] == 1
+
+
+def test_warmed_documents_are_found_by_the_next_prompt_on_the_engines_device(make_engine, docs, device):
+    """Warm documents, then a prompt holding them in another order, with default settings:
+    on CUDA the documents' K/V are served from the device tier while their records stay on
+    the host (a record copied to the GPU broke the first document hit), and the engine
+    decodes; the same prompt again is served the same way."""
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    prompt = rag_prompt([docs[3], docs[1], docs[0]])
+    for _ in range(2):
+        result = engine.generate(prompt, max_new_tokens=4)
+        assert result.documents_found == 3 and result.content_hit_tokens > 0
+        assert result.generated_tokens == 4
+    tiers = engine.cache_stats().tiers
+    if device == "cuda":
+        device_tier = engine._cache._store.tiers[0]
+        assert isinstance(device_tier, DeviceTier) and tiers["device"]["hits"] > 0
+        assert all(device_tier.resident(key).tensors["keys"].is_cuda for key in device_tier.keys())
+    else:
+        assert "device" not in tiers and tiers["memory"]["hits"] > 0

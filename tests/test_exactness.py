@@ -1,8 +1,11 @@
-"""Exact paths against full prefill, on tiny random-weight models of every supported family."""
+"""Exact paths against full prefill, on tiny random-weight models of every supported family,
+in float32 on the CPU and on CUDA (the ``device`` fixture; float32 on CUDA keeps the CPU's
+tolerance, see ``devices.py``)."""
 
 import pytest
 import torch
 from decoding_checks import check_against_full_prefill
+from devices import engine_device_settings
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import UnsupportedModelError
@@ -17,7 +20,7 @@ def assert_close_logits(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("family", [*ROPE_FAMILIES, "gpt2"])
-def test_prefix_hit_equals_full_prefill(make_engine, docs, family):
+def test_prefix_hit_equals_full_prefill(make_engine, docs, family, device):
     engine = make_engine(family)
     prefix = rag_prompt(docs[:3], question="")[: -len("\nAnswer:")]
     warm = engine.warm(prefix)
@@ -34,7 +37,7 @@ def test_prefix_hit_equals_full_prefill(make_engine, docs, family):
 
 @pytest.mark.parametrize("strategy", ["cacheblend", "attention"])
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, strategy):
+def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, strategy, device):
     engine = make_engine(family, recompute_ratio=1.0, recompute_strategy=strategy)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
@@ -58,7 +61,7 @@ def test_cacheblend_full_ratio_equals_full_prefill(make_engine, docs, family, st
         ("qwen3", {"probe_layers": 2, "probe_weighting": "value_depth"}),
     ],
 )
-def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family, probe):
+def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family, probe, device):
     """The pass that reads the last token's attention writes the live tokens' K/V over a stale
     cache (in the layers it runs); with every cached token recomputed anyway
     (``keep_document_start`` covers them all) the result must still equal full prefill."""
@@ -77,7 +80,7 @@ def test_attention_selection_pass_leaves_no_trace(make_engine, docs, family, pro
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_no_repair_differs_from_full_prefill(make_engine, docs, family):
+def test_no_repair_differs_from_full_prefill(make_engine, docs, family, device):
     """The previous test could not pass by accident: without repair the logits move."""
     engine = make_engine(family, recompute_strategy="none")
     engine.warm_documents(docs[:4])
@@ -89,10 +92,10 @@ def test_no_repair_differs_from_full_prefill(make_engine, docs, family):
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family):
+def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family, device):
     from kvboost_rag.hf import ModelAdapter
 
-    adapter = ModelAdapter(tiny_model(family), tokenizer)
+    adapter = ModelAdapter(tiny_model(family).to(device), tokenizer)
     ids = torch.tensor(tokenizer("def f(x):\n    return x + 1", add_special_tokens=False).input_ids)
     n = ids.numel()
 
@@ -110,7 +113,7 @@ def test_rerotated_keys_equal_fresh_keys_at_layer_zero(tokenizer, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "stablelm"])
-def test_documents_hit_in_any_order(make_engine, docs, family):
+def test_documents_hit_in_any_order(make_engine, docs, family, device):
     engine = make_engine(family)
     engine.warm_documents(docs[:4])
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
@@ -141,7 +144,7 @@ def test_unknown_text_misses(make_engine, docs):
     assert result.content_hit_tokens == 0
 
 
-def test_explicit_documents_are_stored_for_next_time(make_engine, docs):
+def test_explicit_documents_are_stored_for_next_time(make_engine, docs, device):
     engine = make_engine("qwen2")
     first = engine.generate(rag_prompt([docs[0], docs[1]]), max_new_tokens=1, documents=[docs[0], docs[1]])
     assert first.content_hit_tokens == 0 and first.documents_found == 2
@@ -177,31 +180,32 @@ def test_sliding_window_longer_than_prompt_reuses_documents(make_engine, docs):
     assert engine.generate(rag_prompt(docs[1::-1]), max_new_tokens=1).content_hit_tokens > 0
 
 
-def test_sliding_window_shorter_than_prompt_never_reuses_documents(tokenizer, docs):
+def test_sliding_window_shorter_than_prompt_never_reuses_documents(tokenizer, docs, device):
     from kvboost_rag import KVBoost
 
     model = tiny_model("mistral", sliding_window=64)
-    engine = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=32)
+    on_device = engine_device_settings(device)
+    engine = KVBoost.from_model(model, tokenizer, show_progress=False, chunk_size=32, **on_device)
     engine.warm_documents(docs[:2])
     prompt = rag_prompt(docs[1::-1])
     full = engine.generate(prompt, max_new_tokens=3, reuse=False, return_logits=True)
     result = engine.generate(prompt, max_new_tokens=3, return_logits=True)
     assert result.content_hit_tokens == 0
     assert_close_logits(full.first_token_logits, result.first_token_logits)
-    strict = KVBoost.from_model(model, tokenizer, show_progress=False, strict=True)
+    strict = KVBoost.from_model(model, tokenizer, show_progress=False, strict=True, **on_device)
     strict.warm_documents(docs[:2])
     with pytest.raises(UnsupportedModelError, match="sliding window"):
         strict.generate(prompt, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_rerotation_uses_each_layer_types_frequencies(tokenizer, family):
+def test_rerotation_uses_each_layer_types_frequencies(tokenizer, family, device):
     """Local and global layers of Gemma 3 rotate with different bases: every layer's keys
     move to the new position exactly, and a document is served at new positions even when
     the prompt is longer than the local layers' window."""
     from kvboost_rag.hf import ModelAdapter
 
-    model = tiny_model(family)
+    model = tiny_model(family).to(device)
     adapter = ModelAdapter(model, tokenizer)
     assert adapter.position_independent and adapter.windows.prompt_window is None
     ids = torch.tensor(tokenizer("def f(x):\n    return x + 1", add_special_tokens=False).input_ids)

@@ -54,3 +54,14 @@ def test_prompt_has_about_the_requested_length():
     assert 900 <= n <= 1000 and len(documents) >= 2
     assert shuffled != prompt and sorted(shuffled) == sorted(prompt)  # same text, documents reordered
     assert len(tokenizer(shuffled, add_special_tokens=False).input_ids) == pytest.approx(n, abs=8)
+
+
+def test_tokenizer_from_a_folder(tmp_path):
+    """A folder holding only a tokenizer's files (what ``scripts/gpu_wheels.sh`` carries to a
+    GPU machine that lacks the embedded model) loads as the tokenizer saved there."""
+    from kvboost_rag.dev.testing import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+    text = "def f(x):\n    return x + 1"
+    assert gpu_bench.load_tokenizer(str(tmp_path))(text).input_ids == tiny_tokenizer()(text).input_ids

@@ -1,4 +1,5 @@
-"""Exact paths in bfloat16 and float16 (the dtypes GPU users run), on tiny models on CPU.
+"""Exact paths in bfloat16 and float16 (the dtypes GPU users run), on tiny models on the CPU,
+and in bfloat16 on CUDA (the dtype ``from_pretrained`` picks there).
 
 In 16-bit the prefix-hit path and full prefill round differently (attention over a cached
 prefix versus one causal call), so logits agree only to 16-bit tolerance. Every decoding
@@ -11,6 +12,7 @@ another CPU kernel path or GPU picks either token with or without reuse
 import pytest
 import torch
 from decoding_checks import check_against_full_prefill
+from devices import device_params, engine_device_settings
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
@@ -18,14 +20,16 @@ from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
 from kvboost_rag.hf.sparse_attention import BACKENDS, use_backend
 
 DTYPES = [torch.bfloat16, torch.float16]
+#: ``(device, dtype)``: both 16-bit dtypes on the CPU, bfloat16 on CUDA.
+DEVICE_DTYPES = device_params(cpu=DTYPES, cuda=[torch.bfloat16])
 #: Logit tolerance relative to the largest logit magnitude (bfloat16 keeps 8 mantissa bits).
 RELATIVE_TOL = {torch.bfloat16: 0.05, torch.float16: 0.01}
 
 
-def engine_in(tokenizer, family: str, dtype: torch.dtype, **settings) -> KVBoost:
+def engine_in(tokenizer, family: str, dtype: torch.dtype, device: str = "cpu", **settings) -> KVBoost:
     settings.setdefault("show_progress", False)
     settings.setdefault("chunk_size", 32)
-    return KVBoost.from_model(tiny_model(family, dtype=dtype), tokenizer, **settings)
+    return KVBoost.from_model(tiny_model(family, dtype=dtype), tokenizer, **engine_device_settings(device), **settings)
 
 
 def assert_close_16bit(full: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> None:
@@ -34,11 +38,11 @@ def assert_close_16bit(full: torch.Tensor, other: torch.Tensor, dtype: torch.dty
     assert diff <= RELATIVE_TOL[dtype] * scale, f"max diff {diff:.3g} of max logit {scale:.3g}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
 @pytest.mark.parametrize("family", [*ROPE_FAMILIES, "gpt2"])
-def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
-    engine = engine_in(tokenizer, family, dtype)
-    assert engine.model.dtype == dtype
+def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, device, dtype):
+    engine = engine_in(tokenizer, family, dtype, device)
+    assert engine.model.dtype == dtype and engine.model.device.type == device
     prefix = rag_prompt(docs[:3], question="")[: -len("\nAnswer:")]
     warm = engine.warm(prefix)
     prompt = prefix + "What is described first?\nAnswer:"
@@ -49,11 +53,11 @@ def test_prefix_hit_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype):
         assert_close_16bit(full.first_token_logits, hit.first_token_logits, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
 @pytest.mark.parametrize("strategy", ["cacheblend", "attention"])
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, family, dtype, strategy):
-    engine = engine_in(tokenizer, family, dtype, recompute_ratio=1.0, recompute_strategy=strategy)
+def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, family, device, dtype, strategy):
+    engine = engine_in(tokenizer, family, dtype, device, recompute_ratio=1.0, recompute_strategy=strategy)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
     prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
@@ -67,9 +71,10 @@ def test_cacheblend_full_ratio_same_greedy_tokens_in_16bit(tokenizer, docs, fami
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_every_attention_backend_keeps_exact_paths_exact(make_engine, docs, family, backend):
+def test_every_attention_backend_keeps_exact_paths_exact(make_engine, docs, family, backend, device):
     """Ratio 1.0 and a prefix hit equal full prefill (float32, tight tolerance) whichever
-    backend runs the sparse attention; Gemma 2 adds sliding-window layers and softcapping."""
+    backend runs the sparse attention (on CUDA, FlexAttention compiled); Gemma 2 adds
+    sliding-window layers and softcapping."""
     blend_engine = make_engine(family, recompute_ratio=1.0)
     blend_engine.warm(SYSTEM_PROMPT)
     blend_engine.warm_documents(docs[:3])

@@ -24,7 +24,8 @@ key up to the last position, and equal on prefix hits; eager FlexAttention 5-10x
 On CUDA ``flex`` (one compiled, block-sparse call per layer, no Python loop) where
 FlexAttention is available, else ``masked_sdpa``; the first call compiles the kernel, and if
 compiling fails the call is answered by ``masked_sdpa`` with a logged warning and
-``masked_sdpa`` is the default from then on. :func:`use_backend` overrides the choice.
+inputs of that kind (dtype, head size, grouping, window, softcap) use ``masked_sdpa`` from
+then on (:func:`flex_failures`). :func:`use_backend` overrides the choice.
 
 Within :func:`last_query_attention` every call also records the attention weights of its
 last query (the prompt's last token), which the attention repair uses to choose the cached
@@ -145,7 +146,7 @@ def default_backend(device: torch.device) -> Backend:
     """The backend for ``device``: ``flex`` on CUDA when FlexAttention is available (else
     ``masked_sdpa``), ``blocks`` elsewhere (fastest on CPU as measured)."""
     if device.type == "cuda":
-        return "flex" if _flex_functions() is not None and not _flex_failed.is_set() else "masked_sdpa"
+        return "flex" if _flex_functions() is not None else "masked_sdpa"
     return "blocks"
 
 
@@ -261,7 +262,17 @@ def _masked(query, key, value, positions: QueryPositions, scale: float, window: 
 
 
 # ---------------------------------------------------------------------- FlexAttention
-_flex_failed = threading.Event()
+_flex_lock = threading.Lock()
+#: Inputs compiled FlexAttention could not be built for (dtype, head size, query heads per key
+#: head, windowed, softcapped, device type): those calls use one masked SDPA call instead.
+_flex_failed: set[tuple] = set()
+
+
+def flex_failures() -> frozenset[tuple]:
+    """The input kinds compiled FlexAttention failed to build for in this process (each then
+    answered by one masked SDPA call per layer)."""
+    with _flex_lock:
+        return frozenset(_flex_failed)
 #: Compiled graphs of the FlexAttention call allowed before torch falls back to eager: prompt
 #: lengths are dynamic, so the variants are few (query and key block counts of one or more,
 #: dtype, window, softcap), well under this.
@@ -339,20 +350,23 @@ def _flex(
     call = dict(score_mod=_softcap_score(softcap), block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
     if compiled is None or not _flex_uses_compiled(device):
         return eager(query, k, v, **call)
-    if _flex_failed.is_set():
-        return None
-    if _get_current_dispatch_mode() is not None:
-        return None  # a dispatch mode (an op counter) is active: torch.compile cannot run under it
+    signature = (query.dtype, query.shape[-1], groups, window is not None, softcap is not None, device.type)
+    with _flex_lock:
+        failed_before = signature in _flex_failed
+    if failed_before or _get_current_dispatch_mode() is not None:
+        return None  # a known failure, or a dispatch mode (an op counter) torch.compile cannot run under
     try:
         with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: FLEX_RECOMPILE_LIMIT}):
             return compiled(query, k, v, **call)
     except torch.OutOfMemoryError:
         raise
-    except (RuntimeError, ImportError) as exc:  # compilation failed (no Triton, unsupported shape...)
-        _flex_failed.set()
+    except (RuntimeError, ImportError) as exc:  # compilation failed (no Triton, no kernel for the shape...)
+        with _flex_lock:
+            _flex_failed.add(signature)
         _warnings.warning(
-            "flex-compile", "compiled FlexAttention failed (%s: %s); using one masked SDPA call per layer instead",
-            type(exc).__name__, exc,
+            f"flex-compile-{signature}",
+            "compiled FlexAttention failed for %s (%s: %s); those calls use one masked SDPA call per layer",
+            signature, type(exc).__name__, str(exc).splitlines()[0][:300],
         )
         return None
 

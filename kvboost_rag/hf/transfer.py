@@ -21,4 +21,5 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    # contiguous(): an expanded view (one element behind several indexes) cannot be pinned.
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)

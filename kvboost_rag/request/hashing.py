@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -106,17 +107,34 @@ def window_anchors(text: str, width: int) -> np.ndarray:
     count = len(codes) - width + 1
     if count <= 0 or width <= 0:
         return np.empty(0, dtype=np.int64)
+    powers, inverses = _anchor_powers(len(codes))
     with np.errstate(over="ignore"):
-        powers = np.full(len(codes), _ANCHOR_BASE, dtype=np.uint64)
-        powers[0] = 1
-        powers = np.cumprod(powers, dtype=np.uint64)
         sums = np.zeros(len(codes) + 1, dtype=np.uint64)
-        np.cumsum(codes * powers, dtype=np.uint64, out=sums[1:])
-        inverses = np.full(count, _ANCHOR_BASE_INVERSE, dtype=np.uint64)
-        inverses[0] = 1
-        inverses = np.cumprod(inverses, dtype=np.uint64)
-        windows = (sums[width:] - sums[:-width]) * inverses
+        np.cumsum(codes * powers[: len(codes)], dtype=np.uint64, out=sums[1:])
+        windows = (sums[width:] - sums[:-width]) * inverses[:count]
     return (windows >> np.uint64(32)).astype(np.int64)
+
+
+_powers_lock = threading.Lock()
+_powers: tuple[np.ndarray, np.ndarray] = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
+
+
+def _anchor_powers(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``B**i`` and ``B**-i`` modulo ``2**64`` for ``i < length`` (at least), computed once for
+    the longest text seen (doubling), then shared."""
+    global _powers
+    powers, inverses = _powers
+    if len(powers) >= length:
+        return powers, inverses
+    with _powers_lock:
+        size = max(length, 2 * len(_powers[0]))
+        with np.errstate(over="ignore"):
+            powers = np.full(size, _ANCHOR_BASE, dtype=np.uint64)
+            powers[0] = 1
+            inverses = np.full(size, _ANCHOR_BASE_INVERSE, dtype=np.uint64)
+            inverses[0] = 1
+            _powers = (np.cumprod(powers, dtype=np.uint64), np.cumprod(inverses, dtype=np.uint64))
+        return _powers
 
 
 def fingerprint_of(parts: Iterable[str | bytes]) -> str:

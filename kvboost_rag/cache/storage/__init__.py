@@ -40,6 +40,24 @@ __all__ = [
 ]
 
 
+#: Share of the GPU memory free at build time that ``device_cache_bytes="auto"`` takes.
+DEVICE_CACHE_SHARE = 0.5
+#: ``device_cache_bytes="auto"`` where the free memory cannot be read (no CUDA runtime).
+DEVICE_CACHE_FALLBACK = 1024**3
+
+
+def device_budget(setting: int | str, device: torch.device | str) -> int:
+    """Bytes of the device tier: the setting, or for ``"auto"`` :data:`DEVICE_CACHE_SHARE` of
+    the device's free memory now (:data:`DEVICE_CACHE_FALLBACK` when it cannot be read)."""
+    if setting != "auto":
+        return int(setting)
+    try:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+    except (RuntimeError, AssertionError, ValueError):
+        return DEVICE_CACHE_FALLBACK
+    return int(free * DEVICE_CACHE_SHARE)
+
+
 def build_store(settings: KVBoostSettings, device: torch.device | str | None = None) -> TieredStore:
     """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
 
@@ -48,7 +66,8 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
     tier evicts; a folder given explicitly is a write-through tier (every entry is written, so
     other processes and restarts find it).
 
-    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0)
+    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0;
+    ``"auto"``: :func:`device_budget`)
     goes on top and the memory tier keeps its tensors in pinned memory
     (:class:`PinnedMemoryTier`), so promotions to the device are asynchronous copies.
 
@@ -66,8 +85,9 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
     secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
     accelerator = device is not None and torch.device(device).type == "cuda"
     tiers: list[StorageTier] = []
-    if accelerator and settings.device_cache_bytes > 0:
-        tiers.append(DeviceTier(settings.device_cache_bytes, device))
+    device_bytes = device_budget(settings.device_cache_bytes, device) if accelerator else 0
+    if device_bytes > 0:
+        tiers.append(DeviceTier(device_bytes, device))
     tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))
     if settings.disk_cache_dir == "auto":
         from kvboost_rag.default_model import default_kv_cache_dir

@@ -77,8 +77,8 @@ class DeviceTier(MemoryTier):
 
     def on_device(self, entries: list[StoredEntry]) -> list[StoredEntry]:
         """``entries`` with every K/V tensor on this tier's device: the tensors of each dtype
-        not there yet are packed into one buffer (page-locked when the target is a GPU) and
-        moved in one copy; each entry's tensors are views of the moved buffer."""
+        not there yet go into one device allocation (:func:`_move_together`); each entry's
+        tensors are views of it."""
         moving: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
         for entry in entries:
             for name, tensor in entry.tensors.items():
@@ -100,16 +100,24 @@ class DeviceTier(MemoryTier):
 
 
 def _move_together(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies of same-dtype host ``tensors`` on ``device`` made by one transfer: packed into one
-    flat buffer (one host copy), moved, and split into views of the moved buffer."""
+    """Copies of same-dtype host ``tensors`` on ``device`` in one device allocation: tensors in
+    page-locked memory are copied straight into their places (asynchronous transfers, no host
+    copy); others are packed into one page-locked buffer first (one host copy, one transfer).
+    Each copy is a view of the allocation."""
     if any(t.device.type != "cpu" for t in tensors):  # from another device: one by one
         return [t.to(device) for t in tensors]
     sizes = [t.numel() for t in tensors]
-    pin = device.type == "cuda"
-    packed = torch.empty(sum(sizes), dtype=tensors[0].dtype, pin_memory=pin)
+    on_device = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=device)  # [total]
+    parts = [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors)]
+    gpu = device.type == "cuda"
+    if gpu and all(t.is_pinned() for t in tensors):
+        for part, tensor in zip(parts, tensors):
+            part.copy_(tensor, non_blocking=True)
+        return parts
+    packed = torch.empty(sum(sizes), dtype=tensors[0].dtype, pin_memory=gpu)
     torch.cat([t.reshape(-1) for t in tensors], out=packed)  # [total]
-    on_device = packed.to(device, non_blocking=pin)
-    return [part.view(t.shape) for part, t in zip(on_device.split(sizes), tensors)]
+    on_device.copy_(packed, non_blocking=gpu)
+    return parts
 
 
 class PinnedMemoryTier(MemoryTier):

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# The prepared GPU check (docs/gpu.md), run from the repository root on a GPU machine that has
+# Python, torch, numpy, pytest and pytest-xdist but no package registry and no network, with
+# the folders scripts/gpu_wheels.sh made (.whl, .gpu-tokenizer) carried along:
+#   1. install the wheels into a folder put first on PYTHONPATH (the repository root follows:
+#      the package is imported from the checkout, not installed);
+#   2. print the versions and the GPU;
+#   3. the CUDA tests (pytest -m cuda: every CUDA variant, none may skip);
+#   4. bench/gpu_bench.py at the Llama-3.1-8B and Qwen2.5-7B shapes in bfloat16 at about 2k,
+#      8k and 32k prompt tokens (random weights, the carried tokenizer).
+# Each step has a time limit, and the limits are cut to keep the whole check inside
+# GPU_CHECK_BUDGET seconds (default 345: under 6 minutes; the tests keep 3 minutes for the
+# benches, the first bench 90 s for the second); a failed step does not stop the next. Logs go
+# to stdout and to files in $OUT when it is set (at most 6 files), else in a temporary folder.
+# Exits non-zero when any step failed.
+#
+# GPU_CHECK_DEVICE=cpu is a dry run on a machine without a GPU: the same steps, the CUDA
+# tests collected (they skip) and the CPU variants of the same tests run in their place, the
+# bench at the tiny shape with short prompts. Other settings: PYTHON (default python3),
+# GPU_WHEELS_DIR and GPU_TOKENIZER_DIR (as for scripts/gpu_wheels.sh), GPU_CHECK_SITE (where
+# the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
+# GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT and GPU_CHECK_BENCH_LIMIT (seconds: the whole check,
+# the tests, each bench), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
+# length, after each bench's table; 0: none).
+set -u
+cd "$(dirname "$0")/.."
+
+MODE="${GPU_CHECK_DEVICE:-cuda}"
+PYTHON="${PYTHON:-python3}"
+WHEELS="${GPU_WHEELS_DIR:-.whl}"
+TOKENIZER="${GPU_TOKENIZER_DIR:-.gpu-tokenizer}"
+SITE="${GPU_CHECK_SITE:-/tmp/site}"
+if ! compgen -G "$WHEELS/*.whl" >/dev/null || [ ! -f "$TOKENIZER/tokenizer.json" ]; then
+  echo "no wheels in $WHEELS or no tokenizer in $TOKENIZER: run scripts/gpu_wheels.sh where PyPI is" \
+    "reachable and bring both folders along" >&2
+  exit 2
+fi
+
+LOGS="${OUT:-$(mktemp -d -t gpu-check-XXXXXX)}"
+mkdir -p "$LOGS"
+case "$MODE" in
+  cuda)
+    WORKERS="${GPU_CHECK_WORKERS:-6}"
+    BUDGET="${GPU_CHECK_BUDGET:-345}"
+    TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-150}"
+    BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-90}"
+    SHAPES=(Llama-3.1-8B Qwen2.5-7B)
+    # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
+    declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
+    BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8 --profile "${GPU_CHECK_PROFILE:-0}")
+    ;;
+  cpu)
+    WORKERS="${GPU_CHECK_WORKERS:-$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+    BUDGET="${GPU_CHECK_BUDGET:-3600}"
+    TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-600}"
+    BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-300}"
+    SHAPES=(tiny)
+    declare -A LENGTHS=([tiny]=512,1024)
+    BENCH_ARGS=(--device cpu --dtype bfloat16 --repeats 1 --decode-tokens 4 --chunk-size 32)
+    ;;
+  *)
+    echo "GPU_CHECK_DEVICE must be cuda or cpu, got $MODE" >&2
+    exit 2
+    ;;
+esac
+
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+SUMMARY=()
+
+# within LIMIT RESERVE: LIMIT, or less so that RESERVE seconds of the budget stay for later steps.
+within() {
+  local left=$((BUDGET - SECONDS - $2))
+  echo $((left < $1 ? (left > 10 ? left : 10) : $1))
+}
+
+# step NAME LIMIT LOG COMMAND...: run COMMAND under LIMIT seconds, its output to stdout and LOG.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  echo "=== $name (limit ${limit} s)" | tee -a "$log"
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "=== $name: stopped at its limit of ${limit} s" | tee -a "$log"
+  SUMMARY+=("$name: exit $rc, $((SECONDS - start)) s")
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+ENV_LOG="$LOGS/environment.log"
+step "install wheels" "$(within 60 270)" "$ENV_LOG" \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+
+step "versions and device" "$(within 60 270)" "$ENV_LOG" "$PYTHON" - "$MODE" "$SITE" <<'EOF' || exit 1
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from kvboost_rag.dev.environment import main
+
+mode, site = sys.argv[1], Path(sys.argv[2]).resolve()
+main()
+print(f"transformers from: {Path(transformers.__file__).parent}")
+print(f"torch cuda build: {torch.version.cuda}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"gpu: {props.name}, {props.total_memory / 1024**3:.0f} GiB, compute capability {props.major}.{props.minor}")
+if Path(transformers.__file__).resolve().parent.parent != site:
+    sys.exit(f"transformers does not come from the carried wheels in {site}")
+if mode == "cuda" and not torch.cuda.is_available():
+    sys.exit("no CUDA device: the CUDA tests would only skip")
+EOF
+
+# The CUDA tests, from the test files that hold CUDA variants (modules that import what this
+# machine lacks, a bench's plotting library say, hold none and are left out).
+TEST_LOG="$LOGS/cuda-tests.log"
+XML="$LOGS/cuda-tests.xml"
+PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -q -p no:warnings)
+timeout --kill-after=5 "$(within 60 270)" "${PYTEST[@]}" --collect-only --continue-on-collection-errors -m cuda \
+  >"$LOGS/collected.tmp" 2>&1
+mapfile -t FILES < <(grep '::' "$LOGS/collected.tmp" | cut -d: -f1 | sort -u)
+COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
+{
+  echo "=== CUDA variants collected: $COLLECTED, in ${#FILES[@]} files"
+  grep '^ERROR ' "$LOGS/collected.tmp" | sed 's/^/not importable here (no CUDA variants run from it): /'
+} | tee -a "$TEST_LOG"
+rm -f "$LOGS/collected.tmp"
+step "CUDA tests" "$(within "$TEST_LIMIT" $((2 * BENCH_LIMIT)))" "$TEST_LOG" \
+  "${PYTEST[@]}" -rfEs -m cuda -n "$WORKERS" --dist load --durations=5 --junitxml="$XML" "${FILES[@]}"
+step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" "$COLLECTED" <<'EOF'
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+report, mode, collected = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if not report.exists():
+    sys.exit("no test report: the tests did not finish")
+suite = ElementTree.parse(report).getroot().find("testsuite")
+counts = {name: int(suite.get(name, 0)) for name in ("tests", "failures", "errors", "skipped")}
+print(f"CUDA variants ({collected} collected): " + ", ".join(f"{value} {name}" for name, value in counts.items()))
+ran = counts["tests"] - counts["skipped"]
+if counts["tests"] != collected or collected == 0 or counts["failures"] or counts["errors"]:
+    sys.exit(1)
+if mode == "cuda" and counts["skipped"]:
+    sys.exit("a CUDA variant skipped on a machine with CUDA")
+if mode == "cpu" and ran:
+    sys.exit("a CUDA variant ran on a machine without CUDA")
+EOF
+if [ "$MODE" = cpu ]; then
+  # No GPU: the CPU variants of the same tests run in their place.
+  step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((2 * BENCH_LIMIT)))" "$TEST_LOG" \
+    "${PYTEST[@]}" -rfEs -m "not cuda" -k cpu -n "$WORKERS" --dist load "${FILES[@]}"
+fi
+
+for i in "${!SHAPES[@]}"; do
+  shape=${SHAPES[$i]}
+  later=$(((${#SHAPES[@]} - i - 1) * BENCH_LIMIT))
+  step "gpu_bench $shape" "$(within "$BENCH_LIMIT" "$later")" "$LOGS/bench-$shape.log" \
+    "$PYTHON" bench/gpu_bench.py --shape "$shape" --lengths "${LENGTHS[$shape]}" --tokenizer "$TOKENIZER" "${BENCH_ARGS[@]}"
+done
+
+{
+  echo "=== summary ($MODE, logs in $LOGS)"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo "total: $SECONDS s, $([ $status -eq 0 ] && echo passed || echo FAILED)"
+} | tee "$LOGS/summary.log"
+exit $status
