@@ -101,8 +101,8 @@ def encode_block(block: KVBlock, *, fingerprint: str, bits: int | None = None, g
     }
     tensors: dict[str, torch.Tensor] = {"token_ids": block.token_ids.detach().to("cpu", torch.int64).contiguous()}
     if bits is None:
-        tensors["keys"] = block.keys.detach().to("cpu").contiguous()
-        tensors["values"] = block.values.detach().to("cpu").contiguous()
+        tensors["keys"] = block.keys.detach().to("cpu").contiguous()  # [L, H, tokens, D]
+        tensors["values"] = block.values.detach().to("cpu").contiguous()  # [L, H, tokens, D]
     else:
         tensors.update(quant.quantize_kv(block.keys.detach().cpu(), block.values.detach().cpu(), bits, group_size))
         metadata["group_size"] = str(group_size)
@@ -145,7 +145,7 @@ def decode_block(
     try:
         if trusted:
             return _decode_trusted(entry, fingerprint, expected_layout, device, dtype)
-        return _decode(entry, fingerprint, expected_layout, device, dtype, trusted)
+        return _decode(entry, fingerprint, expected_layout, device, dtype)
     except CorruptEntryError:
         raise
     except (MemoryError, torch.OutOfMemoryError):
@@ -160,11 +160,38 @@ def _decode(
     expected_layout: tuple[int, int, int],
     device: torch.device | str,
     dtype: torch.dtype | None,
-    trusted: bool,
 ) -> KVBlock:
+    """Decode an untrusted entry: every metadata field, tensor dtype, shape and value checked."""
     meta = entry.metadata
     if not isinstance(meta, dict) or not isinstance(entry.tensors, dict):
         raise CorruptEntryError("entry metadata and tensors must be mappings")
+    bits, stored_dtype, start, shape = _checked_metadata(meta, fingerprint, expected_layout)
+    names = {"token_ids", "keys", "values"} if bits == 0 else {"token_ids", *quant.TENSOR_NAMES}
+    if set(entry.tensors) != names or not all(isinstance(t, torch.Tensor) for t in entry.tensors.values()):
+        raise CorruptEntryError(f"entry tensors {sorted(entry.tensors)} differ from {sorted(names)}")
+    token_ids = entry.tensors["token_ids"]  # [tokens] int64
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        raise CorruptEntryError(f"token_ids must be a 1-D int64 tensor, got {token_ids.dtype} {tuple(token_ids.shape)}")
+    if token_ids.shape[0] != shape[2]:
+        raise CorruptEntryError("token_ids length does not match the K/V length")
+    if token_ids.numel() and int(token_ids.min()) < 0:
+        raise CorruptEntryError("token_ids must not be negative")
+    keys, values = _kv_on_device(entry, meta, bits, shape, stored_dtype, device)  # [L, H, tokens, D] each
+    if keys.numel():
+        # One reduction pass per tensor and one device sync for both (NaN propagates to the
+        # bounds and fails the comparison): an order of magnitude cheaper than abs() <= max.
+        bounds = torch.stack([*torch.aminmax(keys), *torch.aminmax(values)]).float().tolist()
+        for name, (low, high) in (("keys", bounds[:2]), ("values", bounds[2:])):
+            if not -MAX_ABS_KV <= low <= high <= MAX_ABS_KV:
+                raise CorruptEntryError(f"{name} hold non-finite values or values beyond +-{MAX_ABS_KV:g}")
+    target = dtype or stored_dtype
+    return KVBlock(keys=keys.to(dtype=target), values=values.to(dtype=target), token_ids=token_ids, start_position=start)
+
+
+def _checked_metadata(
+    meta: dict[str, str], fingerprint: str, expected_layout: tuple[int, int, int]
+) -> tuple[int, torch.dtype, int, tuple[int, int, int, int]]:
+    """``(bits, stored dtype, start position, shape)`` of well-formed metadata for this model."""
     if meta.get("format") != FORMAT_VERSION:
         raise CorruptEntryError(f"unknown entry format {_shown(meta.get('format'))}")
     if meta.get("fingerprint") != fingerprint:
@@ -177,17 +204,19 @@ def _decode(
     if stored_dtype is None:
         raise CorruptEntryError(f"entry dtype {_shown(meta['dtype'])} is not one of {sorted(_STORED_DTYPES)}")
     start = _int_field(meta, "start_position", 0, MAX_POSITION)
-    shape = _shape_field(meta["shape"], expected_layout)
-    names = {"token_ids", "keys", "values"} if bits == 0 else {"token_ids", *quant.TENSOR_NAMES}
-    if set(entry.tensors) != names or not all(isinstance(t, torch.Tensor) for t in entry.tensors.values()):
-        raise CorruptEntryError(f"entry tensors {sorted(entry.tensors)} differ from {sorted(names)}")
-    token_ids = entry.tensors["token_ids"]
-    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
-        raise CorruptEntryError(f"token_ids must be a 1-D int64 tensor, got {token_ids.dtype} {tuple(token_ids.shape)}")
-    if token_ids.shape[0] != shape[2]:
-        raise CorruptEntryError("token_ids length does not match the K/V length")
-    if not trusted and token_ids.numel() and int(token_ids.min()) < 0:
-        raise CorruptEntryError("token_ids must not be negative")
+    return bits, stored_dtype, start, _shape_field(meta["shape"], expected_layout)
+
+
+def _kv_on_device(
+    entry: StoredEntry,
+    meta: dict[str, str],
+    bits: int,
+    shape: tuple[int, int, int, int],
+    stored_dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry's K and V (``shape`` each) on ``device``: checked against the header, or
+    dequantized there."""
     if bits == 0:
         keys, values = entry.tensors["keys"], entry.tensors["values"]
         for name, tensor in (("keys", keys), ("values", values)):
@@ -196,27 +225,13 @@ def _decode(
                     f"{name} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
                     f"header says {meta['dtype']} {shape}"
                 )
-        keys, values = keys.to(device, non_blocking=True), values.to(device, non_blocking=True)
-    else:
-        group_size = _int_field(meta, "group_size", 1, MAX_GROUP_SIZE)
-        on_device = {name: entry.tensors[name].to(device, non_blocking=True) for name in quant.TENSOR_NAMES}
-        keys, values = quant.dequantize_kv(on_device, bits, group_size, shape, stored_dtype)
-        if tuple(keys.shape) != shape or tuple(values.shape) != shape:
-            raise CorruptEntryError(f"dequantized shapes differ from header {shape}")
-    if not trusted and keys.numel():
-        # One reduction pass per tensor and one device sync for both (NaN propagates to the
-        # bounds and fails the comparison): an order of magnitude cheaper than abs() <= max.
-        bounds = torch.stack([*torch.aminmax(keys), *torch.aminmax(values)]).float().tolist()
-        for name, (low, high) in (("keys", bounds[:2]), ("values", bounds[2:])):
-            if not -MAX_ABS_KV <= low <= high <= MAX_ABS_KV:
-                raise CorruptEntryError(f"{name} hold non-finite values or values beyond +-{MAX_ABS_KV:g}")
-    target = dtype or stored_dtype
-    return KVBlock(
-        keys=keys.to(dtype=target),
-        values=values.to(dtype=target),
-        token_ids=token_ids,
-        start_position=start,
-    )
+        return keys.to(device, non_blocking=True), values.to(device, non_blocking=True)
+    group_size = _int_field(meta, "group_size", 1, MAX_GROUP_SIZE)
+    on_device = {name: entry.tensors[name].to(device, non_blocking=True) for name in quant.TENSOR_NAMES}
+    keys, values = quant.dequantize_kv(on_device, bits, group_size, shape, stored_dtype)  # [L, H, tokens, D]
+    if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+        raise CorruptEntryError(f"dequantized shapes differ from header {shape}")
+    return keys, values
 
 
 def _decode_trusted(
@@ -242,7 +257,7 @@ def _decode_trusted(
         on_device = {name: entry.tensors[name].to(device, non_blocking=True) for name in quant.TENSOR_NAMES}
         keys, values = quant.dequantize_kv(on_device, bits, int(meta["group_size"]), shape, stored_dtype)
     layers, heads, head_dim = expected_layout
-    token_ids = entry.tensors["token_ids"]
+    token_ids = entry.tensors["token_ids"]  # [tokens] int64, on the host
     if keys.dim() != 4 or (keys.shape[0], keys.shape[1], keys.shape[3]) != (layers, heads, head_dim):
         raise CorruptEntryError(f"entry shape {tuple(keys.shape)} does not fit layout {expected_layout}")
     if values.shape != keys.shape or token_ids.shape != (keys.shape[2],):

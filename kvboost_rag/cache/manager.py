@@ -247,59 +247,61 @@ class CacheManager:
         Returns:
             Document tokens newly stored.
         """
-        ids = plan.tokens.ids
-        h = outcome.prefix_tokens
-        saved = 0
-        served = list(outcome.prefix_keys)
-        for chunk in plan.stored_prefix:
-            if chunk.stop <= h:
-                continue  # served by the chunks that hit
-            if not self._store.contains(chunk.key):
-                self._save(
-                    chunk.key,
-                    outcome.keys[:, :, chunk.start : chunk.stop].clone(),
-                    outcome.values[:, :, chunk.start : chunk.stop].clone(),
-                    ids[chunk.start : chunk.stop],
-                    chunk.start,
-                )
-                saved += 1
-            if self._store.contains(chunk.key):  # not stored when larger than every budget
-                self.index.prefixes.add(chunk.parent, chunk.key, ids[chunk.start : chunk.stop])
-            served.append(chunk.key)
-        if pin:
-            for key in served:
-                self._store.pin(key)
+        saved = self._store_prefix(plan, outcome, pin)
         stored_chunks: list[str] = []
         document_tokens = 0
         if store_documents:
             for document in outcome.documents:
-                record = document.record
-                self.index.note_document(record)
-                stored_before = len(stored_chunks)
-                for index, key in enumerate(record.chunk_keys):
-                    if key in outcome.loaded_chunks or key in stored_chunks or self._store.contains(key):
-                        continue
-                    first = document.chunk_span(index)
-                    if first is None:
-                        continue  # not wholly in this prompt, or split by a boundary merge
-                    lo = index * record.chunk_size
-                    length = record.chunk_length(index)
-                    self._save(
-                        key,
-                        outcome.keys[:, :, first : first + length].clone(),
-                        outcome.values[:, :, first : first + length].clone(),
-                        record.token_ids[lo : lo + length],
-                        first,
-                    )
-                    stored_chunks.append(key)
-                    document_tokens += length
-                if len(stored_chunks) > stored_before:
-                    # The record goes in after its chunks: the document's newest entry.
-                    self.index.known_documents().register(record)
+                document_tokens += self._store_document(document, outcome, stored_chunks)
         if saved or stored_chunks:
             self._count({"stored_entries": saved + len(stored_chunks)})
         self.charge_indexes()
         return document_tokens
+
+    def _store_prefix(self, plan: PromptPlan, outcome: Prefilled, pin: bool) -> int:
+        """Store the chunks of the prompt's leading part the prefix hit did not serve, index
+        them, pin them all with ``pin``; returns how many were written."""
+        ids = plan.tokens.ids
+        saved = 0
+        served = list(outcome.prefix_keys)
+        for chunk in plan.stored_prefix:
+            if chunk.stop <= outcome.prefix_tokens:
+                continue  # served by the chunks that hit
+            rows = slice(chunk.start, chunk.stop)
+            if not self._store.contains(chunk.key):
+                self._save(chunk.key, outcome.keys[:, :, rows].clone(), outcome.values[:, :, rows].clone(), ids[rows], chunk.start)
+                saved += 1
+            if self._store.contains(chunk.key):  # not stored when larger than every budget
+                self.index.prefixes.add(chunk.parent, chunk.key, ids[rows])
+            served.append(chunk.key)
+        if pin:
+            for key in served:
+                self._store.pin(key)
+        return saved
+
+    def _store_document(self, document: PlacedDocument, outcome: Prefilled, stored_chunks: list[str]) -> int:
+        """Store the chunks of ``document`` that no tier holds and that sit whole in the prompt
+        (appending their keys to ``stored_chunks``), then its record; returns the tokens stored."""
+        record = document.record
+        self.index.note_document(record)
+        tokens = 0
+        for index, key in enumerate(record.chunk_keys):
+            if key in outcome.loaded_chunks or key in stored_chunks or self._store.contains(key):
+                continue
+            first = document.chunk_span(index)
+            if first is None:
+                continue  # not wholly in this prompt, or split by a boundary merge
+            lo, length = index * record.chunk_size, record.chunk_length(index)
+            rows = slice(first, first + length)  # the chunk's rows in the prompt's buffers
+            self._save(
+                key, outcome.keys[:, :, rows].clone(), outcome.values[:, :, rows].clone(),
+                record.token_ids[lo : lo + length], first,
+            )
+            stored_chunks.append(key)
+            tokens += length
+        if tokens:  # the record goes in after its chunks: the document's newest entry
+            self.index.known_documents().register(record)
+        return tokens
 
     # ------------------------------------------------------------------ counters
     def record(self, plan: PromptPlan, outcome: Prefilled) -> None:

@@ -67,6 +67,53 @@ def tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast
     return tokenizer
 
 
+#: Fields every tiny model shares (GPT-2 names its own).
+_COMMON_FIELDS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    # Wide initialization: attention is peaked and each token's output depends strongly
+    # on its context, so a wrong or missing cross-document attention shows in the logits.
+    "initializer_range": 0.2,
+}
+#: What each architecture adds to (or, for GPT-2, uses instead of) the common fields.
+_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 16},
+    # Interleaved local (sliding, small window so prompts exceed it) and global layers;
+    # Gemma 3 gives each layer type its own RoPE base.
+    "gemma2": {
+        "head_dim": 16,
+        "sliding_window": 48,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 48,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    },
+    "qwen3": {"head_dim": 16},
+    "stablelm": {"partial_rotary_factor": 0.25},
+    "phi3": {"partial_rotary_factor": 0.5},
+    "mistral": {"sliding_window": None},
+    "gpt2": {
+        "n_embd": 64,
+        "n_layer": 3,
+        "n_head": 4,
+        "n_positions": 4096,
+    },
+}
+
 def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any) -> PretrainedConfig:
     """Config of a 2-layer model of the given architecture.
 
@@ -77,55 +124,10 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any
     """
     from transformers import AutoConfig
 
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "tie_word_embeddings": False,
-        # Wide initialization: attention is peaked and each token's output depends strongly
-        # on its context, so a wrong or missing cross-document attention shows in the logits.
-        "initializer_range": 0.2,
-    }
-    per_family: dict[str, dict[str, Any]] = {
-        "gemma": {"head_dim": 16},
-        # Interleaved local (sliding, small window so prompts exceed it) and global layers;
-        # Gemma 3 gives each layer type its own RoPE base.
-        "gemma2": {
-            "head_dim": 16,
-            "sliding_window": 48,
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        },
-        "gemma3_text": {
-            "head_dim": 16,
-            "sliding_window": 48,
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            },
-        },
-        "qwen3": {"head_dim": 16},
-        "stablelm": {"partial_rotary_factor": 0.25},
-        "phi3": {"partial_rotary_factor": 0.5},
-        "mistral": {"sliding_window": None},
-        "gpt2": {
-            "n_embd": 64,
-            "n_layer": 3,
-            "n_head": 4,
-            "n_positions": 4096,
-        },
-    }
     if family == "gpt2":
-        fields = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, **per_family["gpt2"]}
+        fields = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2, **_FAMILY_FIELDS["gpt2"]}
     else:
-        fields = {**common, **per_family.get(family, {})}
+        fields = {**_COMMON_FIELDS, "vocab_size": vocab_size, **_FAMILY_FIELDS.get(family, {})}
     fields.update(overrides)
     return AutoConfig.for_model(family, **fields)
 

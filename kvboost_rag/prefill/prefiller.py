@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -33,11 +33,12 @@ from kvboost_rag.cache.codec import KVBlock
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.diagnosis.stage_times import stage
-from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf import BufferedCache, ModelAdapter
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
+from kvboost_rag.repair.base import Selection
 from kvboost_rag.repair.blend_pass import filtered_blend
 from kvboost_rag.repair.lookahead import look_ahead
 from kvboost_rag.repair.runs import contiguous_runs
@@ -206,48 +207,19 @@ class Prefiller:
         every other prompt position is written here or by the model call (cached rows below,
         computed rows by the scatter), so the buffers need no zero-filling.
         """
-        adapter = self.adapter
-        ids = plan.tokens.ids
-        n = len(ids)
-        cached = torch.zeros(n, dtype=torch.bool)
-        with stage("stitch", adapter.device):
-            cached[stitch_documents(adapter, keys, values, hits.blocks, hits.runs)] = True  # host mask
-        content_positions = cached.nonzero().view(-1)
-        loaded = int(content_positions.numel())
-        ratio = self.settings.recompute_ratio
-        budget = None if ratio == "auto" else recompute_budget(loaded, ratio)
-        live = ~cached  # computed whatever the repair: after the prefix, not loaded, and the last token
-        live[:h] = False
-        live[n - 1] = True
-        repair = self.repair
-        with stage("select", adapter.device):  # the probe inside it is timed apart
-            selection = repair.choose(RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget))
-        recompute, stage_sizes = selection.positions, selection.stage_sizes
-        keep_start = self.settings.keep_document_start
-        keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
-        compute = live.clone()
-        compute[recompute] = True
+        n = plan.num_tokens
+        cached = torch.zeros(n, dtype=torch.bool)  # [n] host mask of the positions loaded
+        with stage("stitch", self.adapter.device):
+            cached[stitch_documents(self.adapter, keys, values, hits.blocks, hits.runs)] = True
+        live, selection, keep = self._choose(plan, keys, values, h, cached)
+        compute = live.clone()  # [n] bool: every position the blend pass runs
+        compute[selection.positions] = True
         compute[keep] = True
-        positions = compute.nonzero().view(-1)
-
-        stitched = adapter.cache_over(keys, values, n)
-        input_ids = plan.tokens.id_tensor
-        recomputed = float((cached & compute).sum())
-        with stage("blend", adapter.device):
-            if len(stage_sizes) > 1:
-                logits, recomputed = filtered_blend(
-                    adapter, self.settings.blend_stages, input_ids, positions, recompute, keep, stage_sizes, stitched
-                )
-            else:
-                stitched.arm(host_to_device(positions, adapter.device))
-                logits = adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True)
-        extra = recompute_budget(loaded, self.settings.lookahead_ratio) if repair.name == "attention" else 0
-        follow_up = None
-        if extra:  # after the first token is chosen: it reads the stale tokens it attends to most
-            follow_up = partial(
-                look_ahead, adapter, input_ids=input_ids, keys=keys, values=values, stitched=stitched,
-                stale=cached & ~compute, budget=extra,
-            )
+        stitched = self.adapter.cache_over(keys, values, n)
+        logits, recomputed = self._blend_pass(plan, stitched, compute, selection, keep)
+        if not selection.stage_sizes[1:]:
+            recomputed = float((cached & compute).sum())
+        loaded = int(cached.sum())
         recomputed_tokens = round(recomputed)  # with gradual filtering: the mean per layer
         return PrefillOutcome(
             logits=logits,
@@ -260,9 +232,65 @@ class Prefiller:
             content_tokens=loaded,
             recomputed_tokens=recomputed_tokens,
             live_tokens=int(live.sum()),
-            strategy=repair.name,
+            strategy=self.repair.name,
             recompute_ratio=recomputed_tokens / loaded if loaded else 0.0,
-            follow_up=follow_up,
+            follow_up=self._lookahead(plan, keys, values, stitched, cached & ~compute, loaded),
+        )
+
+    def _choose(
+        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, cached: torch.Tensor
+    ) -> tuple[torch.Tensor, Selection, torch.Tensor]:
+        """``(live, selection, keep)``: the positions computed whatever the repair (after the
+        prefix, not loaded, and the last token), the cached ones the repair recomputes, and
+        the first tokens of each document kept fresh (``keep_document_start``)."""
+        n = plan.num_tokens
+        content_positions = cached.nonzero().view(-1)  # [loaded] sorted
+        ratio = self.settings.recompute_ratio
+        budget = None if ratio == "auto" else recompute_budget(int(content_positions.numel()), ratio)
+        live = ~cached  # [n] bool
+        live[:h] = False
+        live[n - 1] = True
+        with stage("select", self.adapter.device):  # the probe inside it is timed apart
+            inputs = RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget)
+            selection = self.repair.choose(inputs)
+        keep_start = self.settings.keep_document_start
+        keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
+        return live, selection, keep
+
+    def _blend_pass(
+        self, plan: PromptPlan, stitched: BufferedCache, compute: torch.Tensor, selection: Selection, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """Run the positions of ``compute`` over the stitched cache (in stages with gradual
+        filtering); returns the last logits and, for gradual filtering, the tokens recomputed
+        per layer on average."""
+        adapter, input_ids = self.adapter, plan.tokens.id_tensor
+        positions = compute.nonzero().view(-1)  # [computed] sorted
+        with stage("blend", adapter.device):
+            if len(selection.stage_sizes) > 1:
+                return filtered_blend(
+                    adapter, self.settings.blend_stages, input_ids, positions, selection.positions, keep,
+                    selection.stage_sizes, stitched,
+                )
+            stitched.arm(host_to_device(positions, adapter.device))
+            return adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True), 0.0
+
+    def _lookahead(
+        self,
+        plan: PromptPlan,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        stitched: BufferedCache,
+        stale: torch.Tensor,
+        loaded: int,
+    ) -> Callable[[int], int] | None:
+        """The lookahead repair to run once the first token is chosen (it reads the stale tokens
+        it attends to most), or ``None`` without ``lookahead_ratio``."""
+        extra = recompute_budget(loaded, self.settings.lookahead_ratio) if self.repair.name == "attention" else 0
+        if not extra:
+            return None
+        return partial(
+            look_ahead, self.adapter, input_ids=plan.tokens.id_tensor, keys=keys, values=values, stitched=stitched,
+            stale=stale, budget=extra,
         )
 
 

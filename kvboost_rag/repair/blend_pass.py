@@ -46,9 +46,9 @@ def filtered_blend(
     Returns:
         Last logits and the mean number of cached tokens recomputed per layer.
     """
-    keys, values = adapter.cache_tensors(stitched)
+    keys, values = adapter.cache_tensors(stitched)  # [L, H, n, D] each, views of the stitched buffers
     spans = layer_spans(adapter.num_layers, blend_stages)
-    current = chosen[~torch.isin(chosen, keep)]
+    current = chosen[~torch.isin(chosen, keep)]  # [c] cached positions still being recomputed
     token_layers = float(keep.numel() * adapter.num_layers)
     hidden: torch.Tensor | None = None
     for k, (low, high) in enumerate(spans):
@@ -57,18 +57,18 @@ def filtered_blend(
         if k == len(spans) - 1:
             logits = adapter.forward_from_layer(input_ids[positions], positions, stitched, low, hidden)
             break
-        rows = host_to_device(current, adapter.device)
-        saved_keys = keys[low : high + 1][:, :, rows].clone()
-        saved_values = values[low : high + 1][:, :, rows].clone()
-        hidden = adapter.hidden_through_layers(input_ids[positions], positions, stitched, low, high, hidden)
-        deviation = kv_deviation(keys[high][:, rows], values[high][:, rows], saved_keys[-1], saved_values[-1])
-        goes_on = torch.zeros(current.numel(), dtype=torch.bool)
+        rows = host_to_device(current, adapter.device)  # [c]
+        saved_keys = keys[low : high + 1][:, :, rows].clone()  # [span, H, c, D] cached K of the span
+        saved_values = values[low : high + 1][:, :, rows].clone()  # [span, H, c, D]
+        hidden = adapter.hidden_through_layers(input_ids[positions], positions, stitched, low, high, hidden)  # [1, p, hidden]
+        deviation = kv_deviation(keys[high][:, rows], values[high][:, rows], saved_keys[-1], saved_values[-1])  # [c]
+        goes_on = torch.zeros(current.numel(), dtype=torch.bool)  # [c] host mask
         goes_on[torch.topk(deviation.cpu(), k=min(sizes[k + 1], current.numel())).indices] = True
-        leaving = host_to_device(~goes_on, adapter.device)
-        keys[low : high + 1][:, :, rows[leaving]] = saved_keys[:, :, leaving]
+        leaving = host_to_device(~goes_on, adapter.device)  # [c]
+        keys[low : high + 1][:, :, rows[leaving]] = saved_keys[:, :, leaving]  # [span, H, left, D] restored
         values[low : high + 1][:, :, rows[leaving]] = saved_values[:, :, leaving]
-        stays = ~torch.isin(positions, current[~goes_on])
+        stays = ~torch.isin(positions, current[~goes_on])  # [p] host mask of the positions going on
         positions = positions[stays]
-        hidden = hidden[:, host_to_device(stays, adapter.device)]
+        hidden = hidden[:, host_to_device(stays, adapter.device)]  # [1, p', hidden]
         current = current[goes_on]
     return logits, token_layers / adapter.num_layers

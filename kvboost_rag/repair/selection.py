@@ -71,7 +71,7 @@ def kv_deviation(
     Returns:
         ``[tokens]`` float32 deviation.
     """
-    dk = (fresh_keys.float() - cached_keys.float()).pow(2).sum(dim=(0, 2))
+    dk = (fresh_keys.float() - cached_keys.float()).pow(2).sum(dim=(0, 2))  # [tokens]
     dv = (fresh_values.float() - cached_values.float()).pow(2).sum(dim=(0, 2))
     return dk + dv
 
@@ -86,7 +86,7 @@ def select_highest(positions: torch.Tensor, scores: torch.Tensor, budget: int) -
     deviation, the attention strategy by the last token's attention."""
     if budget <= 0 or positions.numel() == 0:
         return positions[:0]
-    top = torch.topk(scores, k=min(budget, positions.numel())).indices
+    top = torch.topk(scores, k=min(budget, positions.numel())).indices  # [budget] indexes into positions
     return positions[top].sort().values
 
 

@@ -27,6 +27,38 @@ ProgressCallback = Callable[[WarmReport], None]
 IN_FLIGHT_PER_WORKER = 2
 
 
+def _checked_job(settings: dict[str, Any], source: Any, text_field: str, workers: int, batch_size: int) -> list[SourceDocument]:
+    """The source's documents, after checking the job can run: a shared store, sizes of at
+    least 1, at least one document."""
+    disk = settings.get("disk_cache_dir")
+    if not settings.get("redis_url") and (disk is None or disk == "auto"):
+        raise InvalidInputError("a warm job writes to a shared store: set redis_url, or disk_cache_dir to a folder")
+    if workers < 1 or batch_size < 1:
+        raise InvalidInputError(f"workers and batch_size must be at least 1, got {workers} and {batch_size}")
+    docs = read_source(source, text_field)
+    if not docs:
+        raise InvalidInputError("the source holds no documents")
+    return docs
+
+
+def _report_keeping(
+    report: WarmReport, start: float, on_progress: ProgressCallback | None
+) -> tuple[Callable[[BatchOutcome], None], Callable[[], None]]:
+    """``(count, ready)``: add a batch's outcome to ``report`` (and tell ``on_progress``), and
+    note when the workers were ready."""
+
+    def count(outcome: BatchOutcome) -> None:
+        report.add(outcome)
+        report.seconds = time.perf_counter() - start
+        if on_progress is not None:
+            on_progress(report)
+
+    def ready() -> None:
+        report.startup_seconds = time.perf_counter() - start
+
+    return count, ready
+
+
 def warm_corpus(
     source: Any,
     spec: EngineSpec | None = None,
@@ -64,29 +96,13 @@ def warm_corpus(
     """
     spec = spec or EngineSpec()
     settings = spec.settings
-    disk = settings.get("disk_cache_dir")
-    if not settings.get("redis_url") and (disk is None or disk == "auto"):
-        raise InvalidInputError("a warm job writes to a shared store: set redis_url, or disk_cache_dir to a folder")
-    if workers < 1 or batch_size < 1:
-        raise InvalidInputError(f"workers and batch_size must be at least 1, got {workers} and {batch_size}")
-    docs = read_source(source, text_field)
-    if not docs:
-        raise InvalidInputError("the source holds no documents")
+    docs = _checked_job(settings, source, text_field, workers, batch_size)
     batches = [docs[i : i + batch_size] for i in range(0, len(docs), batch_size)]
     context = [doc.text for doc in docs[: int(settings.get("warm_context_documents", 1)) + 1]]
     use_ray = _use_ray(backend, workers, ray_address)
     report = WarmReport(documents=len(docs), workers=workers if use_ray else 1, backend="ray" if use_ray else "local")
     start = time.perf_counter()
-
-    def count(outcome: BatchOutcome) -> None:
-        report.add(outcome)
-        report.seconds = time.perf_counter() - start
-        if on_progress is not None:
-            on_progress(report)
-
-    def ready() -> None:
-        report.startup_seconds = time.perf_counter() - start
-
+    count, ready = _report_keeping(report, start, on_progress)
     if use_ray:
         _run_on_ray(batches, spec, context, workers, ray_address, count, ready)
     else:
