@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag.cache.storage.memory import MemoryTier
@@ -231,3 +234,61 @@ def test_auto_ratio_grows_with_a_tighter_target(make_engine, docs, strategy, tar
         assert 0.0 <= result.recompute_ratio <= 0.5 + 1e-9
         budgets.append(result.recomputed_tokens)
     assert budgets[0] <= budgets[1] <= budgets[2] and budgets[0] < budgets[2]
+
+
+STAGE_PACKAGES = ("request", "cache", "prefill", "repair", "decode")
+ROOT_DIR = Path(__file__).resolve().parents[1] / "kvboost_rag"
+
+
+def _handoffs(engine, prompt: str) -> tuple[list[str], list[str]]:
+    """The stage packages the lifecycle (or the facade) hands one ``generate`` to, and those
+    prefill hands its prompt to, in order, consecutive repeats (the decode loop) collapsed.
+    Calls into the model boundary (``hf``), diagnosis and the top-level modules are services,
+    not stages; reading a data product (a method of a dataclass or a pydantic model: a plan, a
+    record, options) is not a hand-off."""
+    orchestrated: list[str] = []
+    by_prefill: list[str] = []
+
+    def package(frame) -> str:
+        """``request`` for ``kvboost_rag.request`` and its modules; ``""`` for a top-level
+        module (the facade and the services); ``"-"`` outside the engine."""
+        parts = frame.f_globals.get("__name__", "").split(".")
+        if parts[0] != "kvboost_rag":
+            return "-"
+        return parts[1] if len(parts) > 1 and (ROOT_DIR / parts[1]).is_dir() else ""
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = package(frame), package(frame.f_back)
+        me = frame.f_locals.get("self")
+        if callee not in STAGE_PACKAGES or callee == caller:
+            return
+        if me is not None and (dataclasses.is_dataclass(me) or isinstance(me, BaseModel)):
+            return
+        walk = orchestrated if caller in ("generation", "") else by_prefill if caller == "prefill" else None
+        if walk is not None and (not walk or walk[-1] != callee):
+            walk.append(callee)
+
+    sys.setprofile(profile)
+    try:
+        result = engine.generate(prompt, max_new_tokens=4)
+    finally:
+        sys.setprofile(None)
+    assert result.content_hit_tokens > 0 and result.generated_tokens == 4
+    return orchestrated, by_prefill
+
+
+def test_one_prompt_enters_each_stage_package_once(make_engine, docs):
+    """Handed from stage to stage, one prompt enters each stage package once, in order:
+    request (options, tokens, plan), the decode worker's admission (a place in its batch is
+    reserved before the prefill, which bounds memory), prefill, decoding (its loop one stage),
+    then the cache (counters and write-back, after the answer). Prefill hands the prompt to the
+    cache once (lookup, every chunk in one pass) and then to the repair. No package is entered
+    again after the walk left it."""
+    engine = make_engine("llama")
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:3])
+    orchestrated, by_prefill = _handoffs(engine, rag_prompt([docs[2], docs[0], docs[1]]))
+    assert orchestrated == ["request", "decode", "prefill", "decode", "cache"]
+    assert by_prefill == ["cache", "repair"]

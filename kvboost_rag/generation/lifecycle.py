@@ -95,7 +95,8 @@ class Request:
             scheduler.release(self.reservation)
             self.reservation = None
         if self.handle is not None:
-            self.handle.cancel()
+            handle, self.handle = self.handle, None
+            handle.cancel()
 
 
 def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
@@ -253,9 +254,6 @@ class Requests:
         try:
             with self.turns.prompt_work():
                 outcome = self.prefiller.run(plan, reuse=options.reuse)
-            if options.reuse:
-                self.cache.record(plan, outcome)
-                self._warn_if_documents_missed(plan, outcome)
             sequence = DecodeSequence(
                 cache=outcome.cache,
                 position=n,
@@ -298,28 +296,23 @@ class Requests:
             yield from request.first_pieces
             if request.handle is not None:
                 yield from request.handle.pieces()
+            decoded = _decoded(sequence, options)  # what decoding produced, read once it is over
         finally:
             request.close(self.scheduler)
-            if options.reuse:
+            if options.reuse:  # off the path to the first token: counters, write-back, diagnosis
+                self.cache.record(plan, outcome)
                 self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
+                self._warn_if_documents_missed(plan, outcome)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
-        guide = sequence.sampling.guide
-        if guide is not None and sequence.finish_reason == "length" and not guide.complete:
-            _warnings.warning(
-                "constraint-cut",
-                "constrained output reached max_new_tokens=%d before its grammar completed; "
-                "raise max_new_tokens (finish_reason='length')",
-                options.max_new_tokens,
-            )
-        token_ids = sequence.assembler.trimmed_token_ids()
+        token_ids, text, finish_reason, step_logits = decoded
         n = plan.num_tokens
         # Only K/V that was loaded and kept counts: tokens the repair recomputed were computed here.
         cached = outcome.prefix_tokens + outcome.content_tokens - outcome.recomputed_tokens
         return GenerationResult(
-            output_text=sequence.assembler.text,
+            output_text=text,
             token_ids=token_ids,
             generated_tokens=len(token_ids),
-            finish_reason=sequence.finish_reason or "length",
+            finish_reason=finish_reason,
             ttft_ms=request.ttft_ms,
             total_ms=(end - request.start) * 1000,
             prompt_tokens=n,
@@ -334,7 +327,7 @@ class Requests:
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
-            step_logits=torch.stack(sequence.step_logits) if sequence.step_logits else None,
+            step_logits=step_logits,
         )
 
     def _kv_bytes(self, tokens: int) -> int:
@@ -408,3 +401,18 @@ def _look_ahead(outcome: PrefillOutcome, sequence: DecodeSequence) -> None:
     outcome.recomputed_tokens += outcome.follow_up(sequence.token)
     if outcome.content_tokens:
         outcome.recompute_ratio = outcome.recomputed_tokens / outcome.content_tokens
+
+
+def _decoded(sequence: DecodeSequence, options: GenerationOptions) -> tuple[list[int], str, str, torch.Tensor | None]:
+    """``(token ids, text, finish reason, step logits)`` of a sequence that finished decoding
+    (a constrained output cut by the budget is warned about)."""
+    guide = sequence.sampling.guide
+    if guide is not None and sequence.finish_reason == "length" and not guide.complete:
+        _warnings.warning(
+            "constraint-cut",
+            "constrained output reached max_new_tokens=%d before its grammar completed; "
+            "raise max_new_tokens (finish_reason='length')",
+            options.max_new_tokens,
+        )
+    step_logits = torch.stack(sequence.step_logits) if sequence.step_logits else None
+    return sequence.assembler.trimmed_token_ids(), sequence.assembler.text, sequence.finish_reason or "length", step_logits
