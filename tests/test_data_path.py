@@ -127,6 +127,7 @@ def test_compiled_attention_compiles_a_bounded_number_of_times_for_every_prompt_
     of one query, one block of queries or of keys, several), none after the first prompts, and
     no fall-back to the masked path."""
     torch._dynamo.reset()
+    counters.clear()  # dynamo's reset keeps its counters; earlier tests in this process compiled too
     docs = python_reference_documents(max_chars=600)[:12]
     engine = make_engine("llama", chunk_size=32)
     engine.warm(SYSTEM_PROMPT)
