@@ -273,6 +273,8 @@ def flex_failures() -> frozenset[tuple]:
     answered by one masked SDPA call per layer)."""
     with _flex_lock:
         return frozenset(_flex_failed)
+
+
 #: Compiled graphs of the FlexAttention call allowed before torch falls back to eager: prompt
 #: lengths are dynamic, so the variants are few (query and key block counts of one or more,
 #: dtype, window, softcap), well under this.
