@@ -20,6 +20,7 @@ from kvboost_rag.dev.op_counts import OpCounter, OpCounts
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf import sparse_attention as attention
+from kvboost_rag.prefill import stitch as stitch_module
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 
 
@@ -77,14 +78,23 @@ def _blocks(layers: int, heads: int, dim: int, sizes: list[int], seed: int = 0) 
     ]
 
 
+@pytest.mark.parametrize("one_layer_at_a_time", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
-def test_stitch_writes_what_rotating_each_run_alone_writes(tokenizer, family):
-    """Runs of several blocks, some rows skipped, gaps between runs: the keys equal each run
-    rotated on its own by the adapter's reference rotation, the values are copied, the rows
-    outside the runs are left as they were."""
-    adapter = ModelAdapter(tiny_model(family), tokenizer)
+def test_stitch_writes_what_rotating_each_run_alone_writes(tokenizer, family, dtype, one_layer_at_a_time, monkeypatch):
+    """Runs of several blocks, some rows skipped, gaps between runs: the keys are bit for bit
+    each run rotated on its own by the adapter's reference rotation (float32 math, 16-bit keys
+    rounded once), whether the layers are rotated together or one slice at a time (as the
+    keys of long prompts are), the values are copied, the rows outside the runs are left as
+    they were."""
+    if one_layer_at_a_time:
+        monkeypatch.setattr(stitch_module, "ROTATION_SLICE_BYTES", 1)
+    adapter = ModelAdapter(tiny_model(family).to(dtype), tokenizer)
     layers, heads, dim = adapter.layout.as_tuple()
-    blocks = _blocks(layers, heads, dim, [20, 9, 33, 5])
+    blocks = [
+        KVBlock(keys=b.keys.to(dtype), values=b.values.to(dtype), token_ids=b.token_ids, start_position=b.start_position)
+        for b in _blocks(layers, heads, dim, [20, 9, 33, 5])
+    ]
     runs = [Run(1, 0, 3, 9), Run(0, 2, 14, 10), Run(0, 13, 26, 7), Run(2, 0, 40, 33), Run(3, 1, 80, 4)]
     keys, values = adapter.buffers(100)
     keys.fill_(0.5)
@@ -94,7 +104,7 @@ def test_stitch_writes_what_rotating_each_run_alone_writes(tokenizer, family):
     for run in runs:
         block, rows, target = blocks[run.block], slice(run.row, run.row + run.length), slice(run.position, run.position + run.length)
         expected = adapter.rotate_keys(block.keys[:, :, rows], run.position - (block.start_position + run.row))
-        torch.testing.assert_close(keys[:, :, target], expected, rtol=1e-6, atol=1e-6)
+        assert keys.dtype == dtype and torch.equal(keys[:, :, target], expected)
         assert torch.equal(values[:, :, target], block.values[:, :, rows])
     untouched = torch.ones(100, dtype=torch.bool)
     untouched[written] = False
