@@ -122,7 +122,7 @@ def _expand(firsts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
 #: Bytes of float32 keys rotated at once: the rotation works on a slice of layers at a time, so
 #: its temporaries (a float32 copy of the slice and its rotate-half partner) stay near twice
 #: this whatever the prompt length (the keys of a 32k-token prompt of an 8B model are 4 GiB in
-#: float32; all layers at once would need three times that on the device).
+#: float32; all layers at once would need twice that on the device).
 ROTATION_SLICE_BYTES = 128 * 2**20
 
 
