@@ -19,8 +19,8 @@ from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import OpCounter, OpCounts
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf import adapter as adapter_module
 from kvboost_rag.hf import sparse_attention as attention
-from kvboost_rag.prefill import stitch as stitch_module
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 
 
@@ -88,7 +88,7 @@ def test_stitch_writes_what_rotating_each_run_alone_writes(tokenizer, family, dt
     keys of long prompts are), the values are copied, the rows outside the runs are left as
     they were."""
     if one_layer_at_a_time:
-        monkeypatch.setattr(stitch_module, "ROTATION_SLICE_BYTES", 1)
+        monkeypatch.setattr(adapter_module, "ROTATION_SLICE_BYTES", 1)
     adapter = ModelAdapter(tiny_model(family).to(dtype), tokenizer)
     layers, heads, dim = adapter.layout.as_tuple()
     blocks = [

@@ -37,6 +37,11 @@ from kvboost_rag.hf.windows import LayerWindows
 
 logger = logging.getLogger(__name__)
 
+#: Bytes of float32 keys :meth:`ModelAdapter.apply_rotation` rotates at once: its temporaries (a
+#: float32 copy of a slice of layers and its rotate-half partner) stay near twice this whatever
+#: the prompt length (the keys of a 32k-token prompt of an 8B model are 4 GiB in float32).
+ROTATION_SLICE_BYTES = 128 * 2**20
+
 
 class ModelAdapter:
     """Wraps a causal LM and its tokenizer for the engine.
@@ -324,25 +329,39 @@ class ModelAdapter:
         keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Rotate ``keys`` ``[layers, heads, tokens, head_dim]`` by per-token tables
-        ``[1 or layers, tokens or 1, half]`` (from :meth:`rotation`): one pass for every layer
-        and token, the rotation in float32, dimensions past the rotary ones copied as they are.
+        ``[1 or layers, tokens or 1, half]`` (from :meth:`rotation`): the rotation in float32
+        (multiply, then add: no fused multiply-add), 16-bit keys rounded once, dimensions past
+        the rotary ones copied as they are. A slice of layers at a time
+        (:data:`ROTATION_SLICE_BYTES`), so the float32 temporaries stay bounded on long prompts.
 
         Args:
             keys: The keys.
             cos: Cosines.
             sin: Sines.
-            out: Where to write (same shape; may be ``keys`` or a view of a larger tensor); a new
-                tensor when omitted.
+            out: Where to write (same shape; may be ``keys`` itself, rotated in place, or a view
+                of a larger tensor); a new tensor when omitted.
         """
         half = cos.shape[-1]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1 or layers, 1, tokens or 1, half]
-        x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
         dst = out if out is not None else torch.empty_like(keys)
-        first, second = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # [layers, heads, tokens, half]
-        dst[..., :half] = first
-        dst[..., half : 2 * half] = second
         if 2 * half < keys.shape[-1] and dst is not keys:
             dst[..., 2 * half :] = keys[..., 2 * half :]
+        # Full-width tables of the rotate-half form: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [1 or layers, 1, tokens or 1, 2 half]
+        sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
+        layers, heads, tokens, _ = keys.shape
+        step = max(1, ROTATION_SLICE_BYTES // (heads * tokens * 2 * half * 4))
+        for first in range(0, layers, step):
+            rows = slice(first, first + step)
+            source, target = keys[rows, ..., : 2 * half], dst[rows, ..., : 2 * half]  # [step, H, tokens, 2 half]
+            c, s = (cos, sin) if cos.shape[0] == 1 else (cos[rows], sin[rows])
+            x = source.float()  # float32 keys: ``source`` itself
+            in_place = x is source and dst is keys
+            if x is source and not in_place:
+                x = x.clone()  # float32 keys rotated into another tensor: the source stays as it was
+            partner = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [step, H, tokens, 2 half]: x2, x1
+            x.mul_(c).add_(partner.mul_(s))
+            if not in_place:
+                target.copy_(x)
         return dst
 
     def rotate_keys(

@@ -6,8 +6,8 @@ Whatever the number of documents, chunks or layers, the stitch of one prompt is:
   first rows (per K and V);
 - document chunks: one concatenation of the rows the prompt uses, written straight into the
   span of prompt positions they cover (per K and V), then one re-rotation of every key of
-  that span in place (each run of rows by its own position shift), a slice of layers at a
-  time so that its float32 temporaries stay bounded on long prompts.
+  that span in place (each run of rows by its own position shift; the adapter's rotation,
+  a slice of layers at a time so that its float32 temporaries stay bounded).
 
 Everything the host decides (which rows go where, by how many positions each run moves) is
 computed on the host from Python ints, before any tensor work, and sent to the device in one
@@ -119,36 +119,14 @@ def _expand(firsts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     return starts + torch.arange(int(counts.sum()))
 
 
-#: Bytes of float32 keys rotated at once: the rotation works on a slice of layers at a time, so
-#: its temporaries (a float32 copy of the slice and its rotate-half partner) stay near twice
-#: this whatever the prompt length (the keys of a 32k-token prompt of an 8B model are 4 GiB in
-#: float32; all layers at once would need twice that on the device).
-ROTATION_SLICE_BYTES = 128 * 2**20
-
-
 def _rotate_span(
     adapter: ModelAdapter, span: torch.Tensor, runs: Sequence[Run], gaps: Sequence[int], shifts: Sequence[int]
 ) -> None:
     """Rotate ``span`` (``[L, H, tokens, D]``, a view of the K buffer) in place: the rows of
-    run ``i`` by ``shifts[i]``, the rows between runs not at all. Bit for bit what
-    :meth:`ModelAdapter.apply_rotation` gives each run (float32 math, no fused multiply-add,
-    16-bit keys rounded once)."""
+    run ``i`` by ``shifts[i]``, the rows between runs not at all."""
     # Row r of the tables is run r's rotation; the last row (shift 0) is the rows between runs.
     cos, sin = adapter.rotation([*shifts, 0])  # [1 or L, runs + 1, half]
-    half = cos.shape[-1]
-    # Full-width tables for the rotate-half form: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [1 or L, runs + 1, 2 half]
     table_rows = [row for i in range(len(runs)) for row in (i, len(runs))]  # run i, then its gap
     sizes = [size for run, gap in zip(runs, [*gaps, 0]) for size in (run.length, gap)]
     index = host_to_device(torch.repeat_interleave(torch.tensor(table_rows), torch.tensor(sizes)), span.device)
-    cos, sin = cos.index_select(1, index).unsqueeze(1), sin.index_select(1, index).unsqueeze(1)  # [1 or L, 1, tokens, 2 half]
-    layers, heads, tokens, _ = span.shape
-    step = max(1, ROTATION_SLICE_BYTES // (heads * tokens * 2 * half * 4))
-    for first in range(0, layers, step):
-        rotary = span[first : first + step, ..., : 2 * half]  # [step, H, tokens, 2 half] view of the buffer
-        c, s = (cos, sin) if cos.shape[0] == 1 else (cos[first : first + step], sin[first : first + step])
-        x = rotary.float()  # float32 keys: the buffer itself, rotated in place below
-        partner = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [step, H, tokens, 2 half]: x2, x1
-        x.mul_(c).add_(partner.mul_(s))  # multiply, then add: rounded as x1 cos - x2 sin is
-        if x is not rotary:  # 16-bit keys: rounded once, on the way back
-            rotary.copy_(x)
+    adapter.apply_rotation(span, cos.index_select(1, index), sin.index_select(1, index), out=span)  # [., tokens, half] tables
