@@ -78,6 +78,18 @@ def _blocks(layers: int, heads: int, dim: int, sizes: list[int], seed: int = 0) 
     ]
 
 
+def _reference_rotation(adapter: ModelAdapter, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """RoPE re-rotation written out on halves (all layers at once, float32, rounded once):
+    independent of the adapter's own rotation code."""
+    cos, sin = adapter.rotation(delta, 0, keys.shape[0])  # [1 or L, 1, half]
+    cos, sin, half = cos.unsqueeze(1), sin.unsqueeze(1), cos.shape[-1]
+    x1, x2 = keys[..., :half].float(), keys[..., half : 2 * half].float()
+    out = keys.clone()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
+    return out
+
+
 @pytest.mark.parametrize("one_layer_at_a_time", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
@@ -103,7 +115,9 @@ def test_stitch_writes_what_rotating_each_run_alone_writes(tokenizer, family, dt
     assert written.tolist() == [p for run in runs for p in range(run.position, run.position + run.length)]
     for run in runs:
         block, rows, target = blocks[run.block], slice(run.row, run.row + run.length), slice(run.position, run.position + run.length)
-        expected = adapter.rotate_keys(block.keys[:, :, rows], run.position - (block.start_position + run.row))
+        delta = run.position - (block.start_position + run.row)
+        expected = _reference_rotation(adapter, block.keys[:, :, rows], delta)
+        assert torch.equal(adapter.rotate_keys(block.keys[:, :, rows], delta), expected)
         assert keys.dtype == dtype and torch.equal(keys[:, :, target], expected)
         assert torch.equal(values[:, :, target], block.values[:, :, rows])
     untouched = torch.ones(100, dtype=torch.bool)
