@@ -158,6 +158,12 @@ class KVBoostSettings(BaseModel):
         max_batch_cache_bytes: Most bytes of K/V buffers (prompt plus room for its new
             tokens) the requests decoded together may hold; a request that would exceed it
             waits (one request is always admitted when none runs).
+        draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
+            text and the answer so far, and verifies in the same forward pass (greedy output
+            stays what plain decoding gives, sampling keeps its distribution). The length of
+            each draft follows how often drafts were accepted and what a longer step costs on
+            this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
+            drafting off.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -196,6 +202,7 @@ class KVBoostSettings(BaseModel):
     warm_batch_tokens: int = Field(4096, ge=0)
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
+    draft_tokens: int = Field(15, ge=0, le=15)
 
     @field_validator("device")
     @classmethod

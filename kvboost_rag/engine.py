@@ -17,6 +17,7 @@ from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
+from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
@@ -82,7 +83,8 @@ class KVBoost:
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
         prefiller = Prefiller(adapter, cache, settings)
         turns = ModelTurns()
-        self._scheduler = DecodeScheduler(partial(decode_step, adapter), turns, settings)
+        drafts = DraftPolicy(settings, adapter.device.type)
+        self._scheduler = DecodeScheduler(partial(decode_step, adapter, policy=drafts), turns, settings)
         eos_ids = eos_token_ids(self.model, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
         parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)

@@ -46,6 +46,13 @@ class GenerationResult(BaseModel):
         output_text: Decoded new text, cut before the first stop string.
         token_ids: Generated token ids (after the stop cut).
         generated_tokens: Number of generated tokens.
+        drafted_tokens: Generated tokens that were drafted from the prompt's texts or the
+            answer so far and accepted: each came out of a forward pass that also produced
+            another token (only accepted drafts count).
+        draft_steps: Decode steps that carried a draft (``drafted_tokens / draft_steps`` is
+            the tokens accepted per verify step).
+        decode_steps: Forward passes after the first token (a plain step produces one token, a
+            verify step one plus the drafted tokens it accepted).
         finish_reason: ``"stop"`` (stop string), ``"eos"`` or ``"length"``.
         ttft_ms: Wall time from the call to the first token: tokenizing, lookup, loading,
             stitching, re-rotation, repair and prefill included (and, in a batch or under
@@ -79,6 +86,9 @@ class GenerationResult(BaseModel):
     output_text: str
     token_ids: list[int] = Field(default_factory=list)
     generated_tokens: int = 0
+    drafted_tokens: int = 0
+    draft_steps: int = 0
+    decode_steps: int = 0
     finish_reason: Literal["stop", "eos", "length"] = "length"
     ttft_ms: float = 0.0
     total_ms: float = 0.0

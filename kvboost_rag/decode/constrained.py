@@ -162,6 +162,13 @@ class GrammarGuide:
         self._path, self._left = after, self._left - 1
         return True
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, taken in order from the current state, the grammar allows
+        (nothing is consumed): a draft is cut there."""
+        if self._matcher.is_error():
+            return 0
+        return int(self._matcher.validate_tokens(tokens))
+
     def closing_token(self) -> int:
         """A token :meth:`advance` always takes: the next one of the closing path, or the end
         of sequence when the output may end here.

@@ -33,6 +33,10 @@ class TokenGuide(Protocol):
         """Record the token chosen; ``False`` (nothing recorded) refuses it: the output could
         not be completed within the tokens left after it."""
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order from the current state, the constraint allows
+        (nothing is consumed)."""
+
     def closing_token(self) -> int:
         """A token ``advance`` always takes (the next one of the shortest way to close)."""
 

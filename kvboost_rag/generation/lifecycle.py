@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
+from kvboost_rag.decode.drafting import drafter_for
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
 from kvboost_rag.decode.scheduler import DecodeHandle, DecodeScheduler, Reservation
 from kvboost_rag.decode.step import DecodeSequence
@@ -262,6 +263,7 @@ class Requests:
                 sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
                 assembler=TextAssembler(self.adapter.tokenizer, options.stop),
                 eos_ids=self.eos_ids,
+                make_drafter=partial(drafter_for, plan),
             )
             first_pieces = sequence.choose(outcome.logits)
             if outcome.follow_up is not None and not sequence.done:
@@ -312,6 +314,9 @@ class Requests:
             output_text=text,
             token_ids=token_ids,
             generated_tokens=len(token_ids),
+            drafted_tokens=sequence.drafts.drafted_tokens,
+            draft_steps=sequence.drafts.draft_steps,
+            decode_steps=sequence.drafts.decode_steps,
             finish_reason=finish_reason,
             ttft_ms=request.ttft_ms,
             total_ms=(end - request.start) * 1000,

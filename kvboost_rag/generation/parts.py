@@ -44,6 +44,7 @@ class EngineParts:
         if record is None:
             ids, offsets = self.tokenizing.ids_with_offsets(text)
             record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
+            record.ngrams  # noqa: B018 - indexed once, when the document is read: decoding drafts from it
             if register:
                 self.cache.index.register(record)
         return record

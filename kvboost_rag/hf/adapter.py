@@ -125,6 +125,7 @@ class ModelAdapter:
         position_ids: torch.Tensor,
         cache: ModelCache,
         sparse_queries: bool = False,
+        logits_to_keep: int = 1,
     ) -> torch.Tensor:
         """Run ``input_ids`` ``[n]`` at ``position_ids`` ``[n]`` on top of ``cache``.
 
@@ -135,22 +136,25 @@ class ModelAdapter:
             sparse_queries: The tokens sit at scattered positions of an armed
                 :class:`BufferedCache` that holds every prompt position; attention is made
                 causal by position (:mod:`kvboost_rag.hf.sparse_attention`).
+            logits_to_keep: Logits of this many last tokens are returned.
 
         Returns:
-            Logits of the last input token, ``[vocab]`` float32.
+            Logits of the last input token, ``[vocab]`` float32; with ``logits_to_keep > 1``,
+            ``[logits_to_keep, vocab]``.
         """
         call = dict(
             input_ids=host_to_device(input_ids.view(1, -1), self.device),
             position_ids=host_to_device(position_ids.view(1, -1), self.device),
             **{self._cache_keyword: cache},
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=logits_to_keep,
         )
         if not sparse_queries:
-            return self.model(**call).logits[0, -1].float()
-        with self._attention.use(ATTENTION_NAME), query_positions(position_ids, self.device):
-            out = self.model(**call)
-        return out.logits[0, -1].float()
+            logits = self.model(**call).logits
+        else:
+            with self._attention.use(ATTENTION_NAME), query_positions(position_ids, self.device):
+                logits = self.model(**call).logits
+        return logits[0, -1].float() if logits_to_keep == 1 else logits[0, -logits_to_keep:].float()
 
     @torch.inference_mode()
     def forward_ragged(
@@ -171,24 +175,70 @@ class ModelAdapter:
         Returns:
             ``[batch, vocab]`` float32 logits.
         """
-        if not self.features.batched_decoding:
-            rows = [self.forward(input_ids[b : b + 1], position_ids[b : b + 1], cache) for b, cache in enumerate(caches)]
-            return torch.stack(rows)
-        return self.ragged_step(input_ids, position_ids, caches)
+        return self.forward_rows(input_ids.view(-1, 1), position_ids, [1] * len(caches), caches)[:, 0]
 
     @torch.inference_mode()
-    def ragged_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]) -> torch.Tensor:
-        """:meth:`forward_ragged` as one forward pass, whatever the probe found (the probe
-        itself calls it)."""
+    def forward_rows(
+        self, input_ids: torch.Tensor, first_positions: torch.Tensor, counts: Sequence[int], caches: Sequence[ModelCache]
+    ) -> torch.Tensor:
+        """A decode or verify step of several sequences in one forward pass.
+
+        Row ``b`` runs its first ``counts[b]`` tokens of ``input_ids[b]`` at positions
+        ``first_positions[b]`` on over ``caches[b]``, which must hold exactly the positions
+        before; their K/V is appended there. The rest of the row pads it to the step's width:
+        it is neither stored nor attended to.
+
+        Args:
+            input_ids: ``[batch, width]`` host tokens.
+            first_positions: ``[batch]`` position of each row's first token.
+            counts: Real tokens per row (1 to ``width``).
+            caches: One cache per row.
+
+        Returns:
+            ``[batch, width, vocab]`` float32 logits (a padded token's mean nothing).
+        """
+        if not self.features.batched_decoding:
+            return self._rows_one_by_one(input_ids, first_positions, counts, caches)
+        return self.ragged_step(input_ids, first_positions, caches, counts)
+
+    def _rows_one_by_one(
+        self, input_ids: torch.Tensor, first_positions: torch.Tensor, counts: Sequence[int], caches: Sequence[ModelCache]
+    ) -> torch.Tensor:
+        """:meth:`forward_rows` as one forward pass per row (models whose attention the
+        ragged step cannot replace)."""
+        width = input_ids.shape[1]
+        out = torch.zeros((len(caches), width, self.vocab_width), dtype=torch.float32, device=self.device)
+        for b, cache in enumerate(caches):
+            real, first = counts[b], int(first_positions[b])
+            positions = torch.arange(first, first + real)
+            out[b, :real] = self.forward(input_ids[b, :real], positions, cache, logits_to_keep=real)
+        return out
+
+    @torch.inference_mode()
+    def ragged_step(
+        self,
+        input_ids: torch.Tensor,
+        first_positions: torch.Tensor,
+        caches: Sequence[ModelCache],
+        counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward_rows` as one forward pass, whatever the probe found (the probe
+        itself calls it with ``[batch]`` tokens and positions: one token per row, logits
+        ``[batch, vocab]``)."""
+        one_token = input_ids.dim() == 1
+        ids = input_ids.view(-1, 1) if one_token else input_ids
+        width = ids.shape[1]
+        positions = first_positions.view(-1, 1) + torch.arange(width).view(1, -1)
         with self._attention.use(RAGGED_ATTENTION):
             out = self.model(
-                input_ids=host_to_device(input_ids.view(-1, 1), self.device),
-                position_ids=host_to_device(position_ids.view(-1, 1), self.device),
-                **{self._cache_keyword: RaggedCache(caches)},
+                input_ids=host_to_device(ids, self.device),
+                position_ids=host_to_device(positions, self.device),
+                **{self._cache_keyword: RaggedCache(caches, counts)},
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=width,
             )
-        return out.logits[:, -1].float()
+        logits = out.logits[:, -width:].float()
+        return logits[:, 0] if one_token else logits
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BufferedCache) -> None:

@@ -90,6 +90,13 @@ class BufferedLayer(DynamicLayer):
         self._length = end
         return self.keys, self.values
 
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (the rows past them are never read again and
+        are overwritten by the next append)."""
+        if length > self._length:
+            raise ValueError(f"cannot truncate a layer of {self._length} tokens to {length}")
+        self._length = length
+
     def _grow(self, capacity: int) -> None:
         length = self._length
         keys = self._key_buffer.new_empty((*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[-1]))
@@ -136,6 +143,11 @@ class BufferedCache(DynamicCache):
         for layer in self.layers[first_layer:]:
             layer.arm(positions)
 
+    def truncate(self, length: int) -> None:
+        """Keep only each layer's first ``length`` tokens (a verify step's rejected drafts)."""
+        for layer in self.layers:
+            layer.truncate(length)
+
     def shared_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``[layers, heads, tokens, dim]`` views of the tokens held, if the cache was built over
         one sequence's buffers and every layer still writes into them (no layer had to grow)."""
@@ -147,6 +159,15 @@ class BufferedCache(DynamicCache):
                 return None
         length = self.layers[0]._length
         return keys[:, :, :length], values[:, :, :length]
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Keep only the first ``length`` tokens of every layer of ``cache``."""
+    if isinstance(cache, BufferedCache):
+        cache.truncate(length)
+        return
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 
 def cache_tensors(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,25 +190,32 @@ class RaggedLayer(DynamicLayer):
 
     Args:
         rows: Layer ``i`` of each sequence's cache, in batch order.
+        counts: New tokens of each row that are real (the rest pad the row to the step's
+            width and are neither stored nor attended to); ``None``: all of them.
     """
 
-    def __init__(self, rows: Sequence[DynamicLayer]) -> None:
+    def __init__(self, rows: Sequence[DynamicLayer], counts: Sequence[int] | None = None) -> None:
         super().__init__()
         self.rows = list(rows)
+        self.counts = list(counts) if counts is not None else None
         first = self.rows[0]
         self.dtype, self.device = first.dtype, first.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append row ``b`` of ``[batch, kv_heads, 1, dim]`` to sequence ``b``; the rows' whole
-        K/V go to the ragged attention function, the new states are returned unchanged."""
+        """Append row ``b``'s real new tokens of ``[batch, kv_heads, tokens, dim]`` to sequence
+        ``b``; the rows' whole K/V go to the ragged attention function, the new states are
+        returned unchanged."""
+        width = key_states.shape[-2]
+        counts = self.counts or [width] * len(self.rows)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for b, row in enumerate(self.rows):
-            k, v = row.update(key_states[b : b + 1], value_states[b : b + 1])
+            real = counts[b]
+            k, v = row.update(key_states[b : b + 1, :, :real], value_states[b : b + 1, :, :real])
             keys.append(k)
             values.append(v)
-        set_rows(keys, values)
+        set_rows(keys, values, counts if width > 1 else None)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -202,9 +230,12 @@ class RaggedCache(DynamicCache):
 
     Args:
         caches: One cache per row, each with the same number of layers.
+        counts: Real new tokens per row (see :class:`RaggedLayer`); ``None``: all.
     """
 
-    def __init__(self, caches: Sequence[DynamicCache]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache], counts: Sequence[int] | None = None) -> None:
         super().__init__()
         self.layer_class_to_replicate = None  # the layers are set here, not grown by update()
-        self.layers = [RaggedLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
+        self.layers = [
+            RaggedLayer([cache.layers[i] for cache in caches], counts) for i in range(len(caches[0].layers))
+        ]

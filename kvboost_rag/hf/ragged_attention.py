@@ -1,19 +1,21 @@
 """One decode step for several sequences of different lengths, each over its own cache.
 
-Batched decoding feeds one new token per sequence through the model in one forward pass:
-the projections, MLPs and logits run as one ``[batch, 1, hidden]`` batch, while attention
-runs row by row, each row's query over that row's own K/V. Nothing is padded and no K/V is
-copied into a shared batch tensor: every sequence keeps the
+Batched decoding feeds each sequence's new tokens through the model in one forward pass (one
+token per row in a plain step; the pending token and its drafts in a verify step, rows padded
+to one width): the projections, MLPs and logits run as one ``[batch, tokens, hidden]`` batch,
+while attention runs row by row, each row's queries over that row's own K/V. Padded tokens are
+neither stored nor attended to, and no K/V is copied into a shared batch tensor: every sequence
+keeps the
 :class:`~kvboost_rag.hf.caches.BufferedCache` its prefill built (with room reserved for its
 new tokens), so a sequence joins or leaves the batch between two steps at no cost.
 
 :class:`~kvboost_rag.hf.caches.RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
 K/V to sequence ``b``'s layer ``i`` and leaves the per-row K/V where the attention function
 registered by :mod:`kvboost_rag.hf.attention_switch` (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
-is switched to it) reads them. Each row attends causally up to its own position, within the
-layer's sliding window if it has one, with softcapping where the model applies it; it is
-the one-query case of :mod:`kvboost_rag.hf.sparse_attention`'s block loop, so a row sees exactly what a
-one-sequence decode step sees.
+is switched to it) reads them. Each new token attends causally up to its own position, within
+the layer's sliding window if it has one, with softcapping where the model applies it, as in
+:mod:`kvboost_rag.hf.sparse_attention`'s block loop, so a row sees exactly what a one-sequence
+step sees.
 """
 
 from __future__ import annotations
@@ -45,66 +47,84 @@ def ragged_decode_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of one query per row over that row's own K/V (left by :func:`set_rows`).
+    """Attention of each row's new tokens over that row's own K/V (left by :func:`set_rows`).
 
     Args:
         module: The attention module (unused).
-        query: ``[batch, heads, 1, dim]``.
+        query: ``[batch, heads, tokens, dim]``: each row's new tokens (a decode step: one; a
+            verify step: the pending token and its drafts, rows padded to one width).
         key: The new keys only (the rows' whole K/V come from the cache's update).
         value: The new values only.
-        attention_mask: Ignored; each row attends to every key it holds (its own position is
-            its last key).
+        attention_mask: Ignored; a row's new tokens are its last keys, and each attends to the
+            keys up to its own position.
         scaling: Softmax scale (default ``dim ** -0.5``).
         dropout: Must be 0 (inference only).
         **kwargs: ``sliding_window`` and ``softcap`` are honoured.
 
     Returns:
-        ``([batch, 1, heads, dim], None)`` like transformers' SDPA function.
+        ``([batch, tokens, heads, dim], None)`` like transformers' SDPA function; a padded
+        token's output is zero.
     """
     rows = getattr(_state, "rows", None)
-    if rows is None or len(rows[0]) != query.shape[0] or query.shape[2] != 1:
+    if rows is None or len(rows[0]) != query.shape[0]:
         raise RuntimeError("ragged decode attention used outside a RaggedCache decode step")
-    keys, values = rows
+    keys, values, counts = rows
     _state.rows = None
     _state.calls = getattr(_state, "calls", 0) + 1
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     groups = query.shape[1] // keys[0].shape[1]
+    width = query.shape[2]
+    counts = counts or [width] * len(keys)
     one_call = getattr(_state, "one_call", None)
     if one_call is None:  # by default: on CUDA, when padding copies little
         one_call = query.device.type == "cuda" and len(keys) * max(k.shape[-2] for k in keys) <= ONE_CALL_MAX_TOKENS
     if softcap is None and one_call and len(keys) > 1:
-        return _in_one_call(query, keys, values, scale, window, groups).transpose(1, 2).contiguous(), None
-    out = torch.empty_like(query)
+        out = _in_one_call(query, keys, values, counts, scale, window, groups)
+        return out.transpose(1, 2).contiguous(), None
+    out = torch.zeros_like(query) if min(counts) < width else torch.empty_like(query)
     for b, (k, v) in enumerate(zip(keys, values)):
-        q = query[b : b + 1]
-        if window is None and softcap is None:  # the query is the last position: every key is visible
-            out[b : b + 1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        real = counts[b]
+        q = query[b : b + 1, :, :real]
+        if real == 1 and window is None and softcap is None:  # the last position: every key is visible
+            out[b : b + 1, :, :1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
         else:
-            out[b : b + 1] = attend_blocks(q, k, v, [k.shape[-2] - 1], scale, window, softcap)
+            length = k.shape[-2]
+            positions = list(range(length - real, length))
+            out[b : b + 1, :, :real] = attend_blocks(q, k, v, positions, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _in_one_call(
-    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float, window: int | None, groups: int
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    counts: list[int],
+    scale: float,
+    window: int | None,
+    groups: int,
 ) -> torch.Tensor:
-    """Every row's attention in one SDPA call: the rows' K/V padded to the longest, each row
-    masked to its own keys (and window). Row lengths are shapes, read on the host: no sync."""
+    """Every row's attention in one SDPA call: the rows' K/V padded to the longest, each new
+    token masked to its row's keys up to its own position (and window). Row lengths are
+    shapes, read on the host: no sync. A padded token attends like its row's last real one."""
     lengths = [k.shape[-2] for k in keys]
     longest = max(lengths)
     batch, kv_heads, dim = len(keys), keys[0].shape[1], keys[0].shape[-1]
+    width = query.shape[2]
     padded_keys = query.new_zeros((batch, kv_heads, longest, dim))
     padded_values = query.new_zeros((batch, kv_heads, longest, values[0].shape[-1]))
     for b, (k, v) in enumerate(zip(keys, values)):
         padded_keys[b, :, : lengths[b]] = k[0]
         padded_values[b, :, : lengths[b]] = v[0]
-    index = torch.arange(longest, device=query.device).view(1, -1)
-    length = host_to_device(torch.tensor(lengths), query.device).view(-1, 1)
-    visible = index < length
+    # Position of each new token: a row's real tokens are its last keys.
+    ends = [[lengths[b] - counts[b] + min(t, counts[b] - 1) + 1 for t in range(width)] for b in range(batch)]
+    index = torch.arange(longest, device=query.device).view(1, 1, -1)
+    end = host_to_device(torch.tensor(ends), query.device).view(batch, width, 1)
+    visible = index < end
     if window is not None:
-        visible &= index >= length - window
-    mask = visible.view(batch, 1, 1, longest)
+        visible &= index >= end - window
+    mask = visible.view(batch, 1, width, longest)
     return F.scaled_dot_product_attention(
         query, padded_keys, padded_values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
     )
@@ -120,9 +140,10 @@ def one_call(enabled: bool) -> Iterator[None]:
         yield
 
 
-def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """Hand every row's whole K/V of the layer being run to the next attention call."""
-    _state.rows = (keys, values)
+def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor], counts: list[int] | None = None) -> None:
+    """Hand every row's whole K/V of the layer being run, and how many of the step's new
+    tokens of each row are real (``None``: all), to the next attention call."""
+    _state.rows = (keys, values, counts)
 
 
 def attention_calls() -> int:

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvboost_rag.request.ngrams import TokenIndex
 from kvboost_rag.request.hashing import (
     anchor_hash,
     content_hash_chain,
@@ -67,6 +68,12 @@ class DocumentRecord:
         """``(starts, ends, token_ids)`` as int64 arrays (computed once per record)."""
         spans = np.array(self.offsets, dtype=np.int64).reshape(-1, 2)
         return np.ascontiguousarray(spans[:, 0]), np.ascontiguousarray(spans[:, 1]), np.array(self.token_ids, dtype=np.int64)
+
+    @functools.cached_property
+    def ngrams(self) -> TokenIndex:
+        """Where each pair of its neighbouring tokens occurs (what decoding drafts from);
+        built once per record, when the document is read."""
+        return TokenIndex(self.spans[2])
 
     @functools.cached_property
     def shared_spans(self) -> bool:

@@ -1,0 +1,270 @@
+"""The whole answer: decode speed and time to the last token against transformers ``generate``.
+
+Chains, query engines and agents wait for the whole answer, so this measures it. Each prompt is
+a RAG prompt in the model's chat template (``--plain`` for plain text): the system turn, then
+``--docs`` reference documents (Python's reference topics cut to ``--doc-chars`` characters, in
+a new order each prompt) and a question in the user turn. Three kinds of question: ones that ask
+to quote a document, to explain one, and open ones. The documents and the system turn are warmed
+first (as at ingest); then, back to back for each prompt, one after another in a rotating order:
+
+- ``generate``: transformers ``model.generate`` on the same token ids, greedy, as many new tokens
+  as the engine produced (``min_new_tokens`` too), timed from before tokenizing to its first
+  streamed token and to its return;
+- ``engine``: ``KVBoost.generate`` with the defaults (drafting on);
+- ``no drafts``: the same engine with ``draft_tokens=0`` (plain one-token steps).
+
+Per prompt it prints: prompt tokens, tokens generated, the **copy share** of the plain greedy
+answer (share of its tokens that the continuation of the latest earlier occurrence of their
+three preceding tokens, in the prompt or the answer so far, predicts), the share of the engine's
+answer tokens that were drafted and accepted, tokens accepted per verify step, decode tokens/s of
+each row and their ratios to ``generate`` (decode: ``(tokens - 1) / (total - ttft)``), and the
+whole answer's ratio (``generate`` total over engine total). Whether the engine's tokens equal
+the no-draft row's (they must: drafting changes no greedy token) is checked on every prompt.
+
+``--tiny-host`` adds the host-cost check: a random 32-layer Llama with 64-wide layers (its
+forward passes cost little, so what is measured is the work around them), one thread, the
+engine without drafts against ``generate``, decode ms per token.
+
+Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
+``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
+``--out FILE`` for the markdown report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvboost_rag import KVBoost
+from kvboost_rag.corpus import python_reference_topics
+
+SYSTEM_PROMPT = (
+    "You are a precise assistant for Python programmers. Answer the question using only the "
+    "reference documents below, and quote them where they answer it."
+)
+#: (kind, question template): ``{topic}`` is the title of one of the prompt's documents.
+QUESTIONS = (
+    ("quote", "Quote the first two sentences of the document about {topic}, word for word."),
+    ("explain", "Explain what the document about {topic} says, using its own words."),
+    ("open", "Which of these documents would help a beginner most, and why?"),
+)
+
+
+class _Clock(BaseStreamer):
+    """Notes when ``generate`` streams its first new token (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, 0.0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Run:
+    """One answer: its tokens and its clock."""
+
+    tokens: list[int]
+    ttft_ms: float
+    total_ms: float
+    drafted: int = 0
+    draft_steps: int = 0
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens/s after the first token."""
+        steps = len(self.tokens) - 1
+        seconds = (self.total_ms - self.ttft_ms) / 1000
+        return steps / seconds if steps > 0 and seconds > 0 else float("nan")
+
+
+@torch.inference_mode()
+def run_generate(model, tokenizer, prompt: str, new_tokens: int) -> Run:
+    """transformers ``generate``, greedy, exactly ``new_tokens`` tokens."""
+    clock = _Clock()
+    start = time.perf_counter()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
+    end = time.perf_counter()
+    return Run(out[0, ids.shape[1] :].tolist(), (clock.first - start) * 1000, (end - start) * 1000)
+
+
+def run_engine(engine: KVBoost, prompt: str, new_tokens: int, draft_tokens: int) -> Run:
+    """``KVBoost.generate`` with ``draft_tokens`` (the engine's settings are shared, so it is set per call)."""
+    engine.settings.draft_tokens = draft_tokens
+    result = engine.generate(prompt, max_new_tokens=new_tokens)
+    return Run(result.token_ids, result.ttft_ms, result.total_ms, result.drafted_tokens, result.draft_steps)
+
+
+def copy_share(prompt_ids: list[int], answer: list[int], n: int = 3) -> float:
+    """Share of ``answer``'s tokens that the continuation of the latest earlier occurrence of
+    their ``n`` preceding tokens (in the prompt or the answer before them) predicts."""
+    sequence = list(prompt_ids)
+    seen: dict[tuple[int, ...], int] = {}
+    for i in range(len(sequence) - n):
+        seen[tuple(sequence[i : i + n])] = sequence[i + n]
+    hits = 0
+    for token in answer:
+        key = tuple(sequence[-n:])
+        hits += seen.get(key) == token
+        sequence.append(token)
+        seen[key] = token
+    return hits / len(answer) if answer else 0.0
+
+
+def build_prompts(tokenizer, count: int, docs: int, doc_chars: int, plain: bool, seed: int) -> tuple[list[tuple[str, str]], list[str], str]:
+    """``(kind, prompt)`` pairs, the documents to warm, and the system beginning to warm."""
+    rng = random.Random(seed)
+    topics = {name: text[:doc_chars] for name, text in python_reference_topics().items() if len(text) >= doc_chars}
+    names = sorted(topics)
+    prompts = []
+    for i in range(count):
+        kind, question = QUESTIONS[i % len(QUESTIONS)]
+        chosen = rng.sample(names, docs)
+        topic = chosen[rng.randrange(docs)]
+        context = "\n\n".join(f"Document: {name}\n{topics[name]}" for name in chosen)
+        ask = question.format(topic=topic)
+        if plain:
+            prompt = f"{SYSTEM_PROMPT}\n\n{context}\n\nQuestion: {ask}\nAnswer:"
+        else:
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{context}\n\nQuestion: {ask}"}]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append((kind, prompt))
+    used = sorted({f"Document: {name}\n{topics[name]}" for name in names})
+    first = prompts[0][1]
+    beginning = first[: first.index("Document: ")]
+    return prompts, used, beginning
+
+
+def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[str, str]], new_tokens: int) -> list[str]:
+    """Runs every prompt through the three rows and returns the report's lines."""
+    lines = [
+        "| # | kind | prompt tok | new tok | copy share | drafted share | accepted / verify | "
+        "decode tok/s generate / engine / no drafts | decode engine / generate | no drafts / generate | "
+        "whole answer generate / engine | same tokens as no drafts |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    decode, whole, nodraft, same = [], [], [], 0
+    default_drafts = engine.settings.draft_tokens
+    for i, (kind, prompt) in enumerate(prompts):
+        order = ["engine", "off", "generate"]
+        order = order[i % 3 :] + order[: i % 3]
+        runs: dict[str, Run] = {}
+        runs["engine"] = run_engine(engine, prompt, new_tokens, default_drafts)  # sets the token count
+        count = len(runs["engine"].tokens)
+        for name in order:
+            if name == "engine":
+                runs[name] = run_engine(engine, prompt, count, default_drafts)
+            elif name == "off":
+                runs[name] = run_engine(engine, prompt, count, 0)
+            else:
+                runs[name] = run_generate(model, tokenizer, prompt, count)
+        engine.settings.draft_tokens = default_drafts
+        e, off, g = runs["engine"], runs["off"], runs["generate"]
+        prompt_ids = tokenizer(prompt).input_ids
+        share = copy_share(prompt_ids, g.tokens)
+        d_ratio, w_ratio, o_ratio = e.decode_rate / g.decode_rate, g.total_ms / e.total_ms, off.decode_rate / g.decode_rate
+        decode.append(d_ratio), whole.append(w_ratio), nodraft.append(o_ratio)
+        identical = e.tokens == off.tokens
+        same += identical
+        per_verify = e.drafted / e.draft_steps if e.draft_steps else 0.0
+        lines.append(
+            f"| {i} | {kind} | {len(prompt_ids)} | {len(e.tokens)} | {share:.2f} | {e.drafted / max(1, len(e.tokens)):.2f} | "
+            f"{per_verify:.2f} | {g.decode_rate:.1f} / {e.decode_rate:.1f} / {off.decode_rate:.1f} | {d_ratio:.2f}x | "
+            f"{o_ratio:.2f}x | {w_ratio:.2f}x | {'yes' if identical else 'NO'} |"
+        )
+        logging.info("%s", lines[-1])
+    lines += [
+        "",
+        f"Decode engine / generate: median {statistics.median(decode):.2f}x, min {min(decode):.2f}x, max {max(decode):.2f}x. "
+        f"Without drafts: median {statistics.median(nodraft):.2f}x. "
+        f"Whole answer: median {statistics.median(whole):.2f}x, min {min(whole):.2f}x. "
+        f"Engine tokens equal to the no-draft engine's on {same} of {len(prompts)} prompts.",
+    ]
+    return lines
+
+
+def tiny_host_table(new_tokens: int) -> list[str]:
+    """Decode ms per token of a random 32-layer, 64-wide Llama, one thread: the engine without
+    drafts against ``generate`` (the work around forward passes)."""
+    from gpu_bench import build_model, load_tokenizer
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = build_model("tiny", 32, torch.device("cpu"), torch.float32)
+    tokenizer = load_tokenizer("embedded")
+    engine = KVBoost.from_model(model, tokenizer, draft_tokens=0, show_progress=False)
+    prompt = "\n\n".join(list(python_reference_topics().values())[:3])[:3000] + "\nQuestion: what?\nAnswer:"
+    engine_ms, generate_ms = [], []
+    for _ in range(5):
+        e = run_engine(engine, prompt, new_tokens, 0)
+        g = run_generate(model, tokenizer, prompt, len(e.tokens))
+        engine_ms.append(1000 / e.decode_rate)
+        generate_ms.append(1000 / g.decode_rate)
+    torch.set_num_threads(previous)
+    e, g = statistics.median(engine_ms), statistics.median(generate_ms)
+    return [
+        "| tiny 32-layer Llama, 1 thread | engine ms/token (no drafts) | generate ms/token | engine speed / generate |",
+        "|---|---:|---:|---:|",
+        f"| median of 5 | {e:.2f} | {g:.2f} | {g / e:.2f}x |",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=9)
+    parser.add_argument("--docs", type=int, default=6)
+    parser.add_argument("--doc-chars", type=int, default=1600)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--plain", action="store_true", help="plain prompts instead of the chat template")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny-host", action="store_true", help="also the host-cost check on a tiny 32-layer model")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    engine = KVBoost.from_pretrained(args.model, show_progress=False)
+    model, tokenizer = engine.model, engine.tokenizer
+    prompts, documents, beginning = build_prompts(tokenizer, args.prompts + 1, args.docs, args.doc_chars, args.plain, args.seed)
+    engine.warm(beginning)
+    engine.warm_documents(documents)
+    warmup = prompts.pop(0)[1]  # one untimed answer each: first-call costs are not decoding
+    engine.generate(warmup, max_new_tokens=8)
+    run_generate(model, tokenizer, warmup, 8)
+    header = (
+        f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
+        f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
+        f"torch {torch.__version__}"
+    )
+    lines = [header, "", *whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens)]
+    if args.tiny_host:
+        lines += ["", *tiny_host_table(64)]
+    report = "\n".join(lines)
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
