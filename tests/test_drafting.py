@@ -167,3 +167,15 @@ def test_the_setting_turns_drafting_off_and_is_validated():
         KVBoostSettings(draft_tokens=-1)
     with pytest.raises(ValueError):
         KVBoostSettings(draft_tokens=16)
+
+
+def test_declined_drafts_are_tried_again_now_and_then():
+    from kvboost_rag.decode.draft_policy import EXPLORE_EVERY
+
+    policy = _policy()
+    rejecting = SequenceDrafts()
+    for _ in range(30):
+        policy.record(rejecting, "answer", 2, accepted=0, evaluated=1)
+    lengths = [policy.length(rejecting, "answer", 2, 15, 1) for _ in range(2 * EXPLORE_EVERY)]
+    assert lengths.count(1) == 2 and set(lengths) == {0, 1}
+    assert lengths[EXPLORE_EVERY - 1] == 1

@@ -32,6 +32,9 @@ MATCH_BUCKETS = (2, 3, 4, 6)
 ENGINE_DECAY = 0.995
 #: Pseudo-trials of the engine's estimate in a sequence's own estimate.
 PRIOR_STRENGTH = 4.0
+#: One in this many proposals the policy would not draft is drafted anyway (the shortest
+#: bucket), so an estimate that fell too low is measured again.
+EXPLORE_EVERY = 32
 
 
 def token_bucket(tokens: int) -> int:
@@ -169,6 +172,7 @@ class DraftPolicy:
         self._settings = settings
         self.costs = StepCosts(device_type)
         self._engine = Acceptance()
+        self._declined: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -192,7 +196,17 @@ class DraftPolicy:
                 best_value, best = value, drafted
             if drafted == available:
                 break
+        if best == 0 and self._explore(source, match_length):
+            return 1
         return best
+
+    def _explore(self, source: str, match_length: int) -> bool:
+        """Whether to draft a proposal the estimates decline (one in :data:`EXPLORE_EVERY`
+        per source and match bucket)."""
+        key = (source, _match_bucket(match_length))
+        with self._lock:
+            count = self._declined[key] = self._declined.get(key, 0) + 1
+        return count % EXPLORE_EVERY == 0
 
     def record(self, sequence: SequenceDrafts, source: str, match_length: int, accepted: int, evaluated: int) -> None:
         """Account for a verified draft (see :meth:`Acceptance.record`)."""

@@ -73,13 +73,29 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return generator
 
 
-def next_token(logits: torch.Tensor, options: GenerationOptions, state: SequenceSampling) -> int:
+def plain_greedy(options: GenerationOptions, state: SequenceSampling) -> bool:
+    """Whether the next token is simply the logits' argmax (greedy, no penalty, no constraint):
+    a step may then take every row's argmax at once (:func:`next_token`'s ``argmax``)."""
+    return options.temperature == 0 and options.repetition_penalty == 1.0 and state.guide is None
+
+
+def next_token(logits: torch.Tensor, options: GenerationOptions, state: SequenceSampling, argmax: int | None = None) -> int:
     """Choose one sequence's next token from its ``[vocab]`` logits.
 
     The one place a token is chosen: the repetition penalty (if any) lowers the logits of
     tokens already generated, the constraint (if any) masks the logits, the options'
     temperature and top-p pick a token, and the constraint moves past it.
+
+    Args:
+        logits: ``[vocab]`` logits.
+        options: The sequence's options.
+        state: Its sampling state (the token is appended to ``generated``).
+        argmax: The logits' argmax, when the caller computed it already (for many rows at
+            once, one device read); used only where :func:`plain_greedy` holds.
     """
+    if argmax is not None and plain_greedy(options, state):
+        state.generated.append(argmax)
+        return argmax
     if options.repetition_penalty != 1.0 and state.generated:
         logits = penalize_repeats(logits, state.generated, options.repetition_penalty)
     if state.guide is not None:

@@ -32,7 +32,7 @@ import torch
 
 from kvboost_rag.decode.draft_policy import DraftPolicy, SequenceDrafts, token_bucket
 from kvboost_rag.decode.drafting import Drafter, Proposal
-from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, next_token
+from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, next_token, plain_greedy
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import ModelCache, truncate_cache
 from kvboost_rag.request.options import GenerationOptions
@@ -87,15 +87,19 @@ class DecodeSequence:
         """Whether it produced its last token."""
         return self.finish_reason is not None
 
-    def choose(self, logits: torch.Tensor) -> list[str]:
+    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> list[str]:
         """Choose the next token from this step's ``[vocab]`` logits and account for it.
+
+        Args:
+            logits: The logits.
+            argmax: Their argmax, when computed already (see :func:`next_token`).
 
         Returns:
             Text pieces now safe to show (see :meth:`take`).
         """
         if self.options.return_logits:
             self.step_logits.append(logits.detach().to("cpu", copy=True))
-        return self.take(next_token(logits, self.options, self.sampling))
+        return self.take(next_token(logits, self.options, self.sampling, argmax))
 
     def take(self, token: int) -> list[str]:
         """Account for a newly chosen token.
@@ -143,10 +147,15 @@ class DecodeSequence:
             proposal = Proposal(proposal.tokens[:allowed], proposal.match_length, proposal.source) if allowed else None
         return proposal
 
-    def verify(self, logits: torch.Tensor, draft: Sequence[int]) -> tuple[list[str], int]:
+    def verify(self, logits: torch.Tensor, draft: Sequence[int], argmax: Sequence[int] | None = None) -> tuple[list[str], int]:
         """Choose tokens from the ``[1 + len(draft), vocab]`` logits of a step that fed the
         pending token and ``draft``: one token per row, as plain decoding would, going on to
         the next row while the token chosen is the one drafted there.
+
+        Args:
+            logits: The rows' logits.
+            draft: The drafted tokens.
+            argmax: Each row's argmax, when computed already (see :func:`next_token`).
 
         Returns:
             ``(text pieces, drafted tokens accepted)``; the cache keeps the fed tokens whose
@@ -155,7 +164,7 @@ class DecodeSequence:
         pieces: list[str] = []
         accepted = 0
         for row in range(len(draft) + 1):
-            pieces += self.choose(logits[row])
+            pieces += self.choose(logits[row], None if argmax is None else argmax[row])
             if self.done or row == len(draft) or self.sampling.generated[-1] != draft[row]:
                 break
             accepted += 1
@@ -202,7 +211,13 @@ def decode_step(
     counts = [1 + len(d) for d, _ in drafts]
     start = time.perf_counter()
     logits = adapter.forward_rows(tokens, positions, counts, [s.cache for s in sequences])  # [batch, width, vocab]
-    results = [_advance(sequence, rows, draft, proposal, policy) for sequence, rows, (draft, proposal) in zip(sequences, logits, drafts)]
+    # Greedy rows take their argmax from one device read for the whole step.
+    greedy = [plain_greedy(s.options, s.sampling) for s in sequences]
+    argmax = logits.argmax(dim=-1).tolist() if any(greedy) else [None] * len(sequences)
+    results = [
+        _advance(sequence, rows, draft, proposal, policy, choices if plain else None)
+        for sequence, rows, (draft, proposal), plain, choices in zip(sequences, logits, drafts, greedy, argmax)
+    ]
     if policy is not None:
         policy.costs.record(len(sequences), width, time.perf_counter() - start)
     return results
@@ -227,12 +242,13 @@ def _advance(
     draft: list[int],
     proposal: Proposal | None,
     policy: DraftPolicy | None,
+    argmax: list[int] | None,
 ) -> StepResult:
     """Hand a sequence its rows of a step's logits; a failure ends that sequence only."""
     sequence.token = None
     sequence.drafts.decode_steps += 1
     try:
-        pieces, accepted = sequence.verify(logits, draft)
+        pieces, accepted = sequence.verify(logits, draft, argmax)
     except Exception as exc:  # noqa: BLE001 - ends this sequence only; its caller re-raises it
         return StepResult(error=exc)
     if proposal is not None and policy is not None:

@@ -89,10 +89,11 @@ def ragged_decode_attention(
         q = query[b : b + 1, :, :real]
         if real == 1 and window is None and softcap is None:  # the last position: every key is visible
             out[b : b + 1, :, :1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
-        else:
+        else:  # a row's real tokens are its last keys; their positions are made on the device (no copy)
             length = k.shape[-2]
+            on_device = torch.arange(length - real, length, device=query.device)
             positions = list(range(length - real, length))
-            out[b : b + 1, :, :real] = attend_blocks(q, k, v, positions, scale, window, softcap)
+            out[b : b + 1, :, :real] = attend_blocks(q, k, v, positions, scale, window, softcap, on_device)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -69,6 +69,7 @@ def figure_headers(result: GenerationResult) -> dict[str, str]:
         "X-KVBoost-TTFT-Ms": f"{result.ttft_ms:.1f}",
         "X-KVBoost-Cached-Tokens": str(result.cached_tokens),
         "X-KVBoost-Reuse-Ratio": f"{result.kv_reuse_ratio:.4f}",
+        "X-KVBoost-Drafted-Tokens": str(result.drafted_tokens),
     }
 
 
