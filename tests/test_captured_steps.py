@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from devices import DEVICES
+from devices import DEVICES, device_params
 from torch._dynamo.utils import counters
 from torch.nn.attention import flex_attention as flex_module
 
@@ -179,6 +179,40 @@ def test_greedy_decoding_alone_and_batched_gives_the_eager_tokens(family, device
         for step, logits in enumerate(together_logits):
             for i in range(3):
                 _close(logits[i], expected[i][1][step])
+
+
+@pytest.mark.parametrize(("device", "family"), device_params(cpu=["llama", "gemma2"], cuda=["llama"]))
+def test_a_blend_pass_at_scattered_positions_equals_the_eager_pass_over_an_armed_cache(tokenizer, device, family):
+    """A prompt stitched into a slot, 20 chosen tokens and the last ones run at their
+    positions (one row, last logits only): the last logits and the K/V they leave equal the
+    eager blend pass over an armed cache; every other row keeps its K/V."""
+    adapter = ModelAdapter(tiny_model(family).to(device), tokenizer)
+    pool = SlotPool(adapter.layout, [512], adapter.dtype, adapter.device, 32)
+    steps = CapturedRows(adapter, pool, (32,), backend=_backend(device), last_logits=True)
+    assert steps.prepare(), steps.reason
+    slot = pool.acquire(300)
+    keys, values = pool.buffers(slot)
+    ids = torch.randint(3, 1000, (300,), generator=torch.Generator().manual_seed(5))
+    adapter.forward(ids, torch.arange(300), adapter.cache_over(keys, values, 0))
+    keys[:, :, 100:200] *= 1.5  # stale K/V of "reused" tokens, as a stitched prompt has
+    chosen = torch.tensor(sorted({*range(3, 290, 15), 297, 298, 299}))
+    own_keys, own_values = adapter.buffers(300)
+    own_keys.copy_(keys[:, :, :300])
+    own_values.copy_(values[:, :, :300])
+    armed = adapter.cache_over(own_keys, own_values, 300)
+    armed.arm(chosen.to(device))
+    expected = adapter.forward(ids[chosen], chosen, armed, sparse_queries=True)
+    before = keys[:, :, :300].clone()
+    logits = steps.run([Row(slot, ids[chosen].tolist(), positions=chosen.tolist())])
+    assert logits.flat.shape == (1, adapter.vocab_width)
+    _close(logits.last(0), expected)
+    _close(keys[:, :, :300], own_keys)
+    _close(values[:, :, :300], own_values)
+    others = torch.ones(300, dtype=torch.bool)
+    others[chosen] = False
+    assert torch.equal(keys[:, :, :300][:, :, others.to(device)], before[:, :, others.to(device)])
+    with pytest.raises(InvalidInputError, match="ascending"):
+        steps.run([Row(slot, [1, 2], positions=[5, 4])])
 
 
 @pytest.mark.parametrize("device", DEVICES)

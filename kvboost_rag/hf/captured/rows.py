@@ -1,7 +1,8 @@
 """What one captured step runs, as the host describes it, and the logits it gives back.
 
 A step runs the new tokens of several rows (sequences) in one forward pass: one token per row
-for a decode step, ``1 + k`` for a draft-verify step, and rows may have different counts. The
+for a decode step, ``1 + k`` for a draft-verify step, chosen tokens at scattered positions of
+one prompt for a blend pass; rows may have different counts. The
 rows' tokens are laid end to end on one token axis, padded to a token bucket (a fixed size the
 step's graph was built for), so the number of graphs is the number of buckets whatever the
 batch and the prompt lengths.
@@ -43,11 +44,33 @@ class Row:
             draft-verify step).
         position: Position of its first new token: the slot holds positions ``0..position - 1``
             (the sequence's length, which the caller keeps).
+        positions: Instead of ``position``, each token's own position, ascending (a blend
+            pass: chosen tokens of a prompt whose slot holds every position; each token's K/V
+            replaces the row at its position, and attention is causal by position).
     """
 
     slot: Slot
     tokens: Sequence[int]
-    position: int
+    position: int = 0
+    positions: Sequence[int] | None = None
+
+    def token_positions(self) -> Sequence[int]:
+        """Each token's position.
+
+        Raises:
+            InvalidInputError: No token, positions not ascending or outside the slot, or not one
+                per token.
+        """
+        count = len(self.tokens)
+        positions = range(self.position, self.position + count) if self.positions is None else self.positions
+        ordered = all(a < b for a, b in zip(positions, positions[1:]))
+        if count == 0 or len(positions) != count or not ordered or positions[0] < 0 or positions[-1] >= self.slot.capacity:
+            raise InvalidInputError(
+                f"a row needs 1 or more tokens at ascending positions within its slot: {count} tokens at "
+                f"{positions[0] if len(positions) else None}..{positions[-1] if len(positions) else None} in a slot "
+                f"of {self.slot.capacity} (take a larger slot, or run it on the eager path)"
+            )
+        return positions
 
 
 def token_bucket(tokens: int, buckets: Sequence[int]) -> int | None:
@@ -65,19 +88,12 @@ def pack_rows(rows: Sequence[Row], bucket: int, scratch_start: int) -> torch.Ten
         scratch_start: First scratch row of the pool.
 
     Raises:
-        InvalidInputError: A row without tokens, or one that would run past its slot, or more
-            tokens than ``bucket``.
+        InvalidInputError: A row without tokens, or with positions out of order or past its
+            slot, or more tokens than ``bucket``.
     """
     columns: list[list[int]] = []
     for row in rows:
-        count = len(row.tokens)
-        if count == 0 or row.position < 0 or row.position + count > row.slot.capacity:
-            raise InvalidInputError(
-                f"a row needs 1 or more tokens within its slot: {count} at position {row.position} "
-                f"in a slot of {row.slot.capacity} (take a larger slot, or decode it on the eager path)"
-            )
-        for offset, token in enumerate(row.tokens):
-            position = row.position + offset
+        for token, position in zip(row.tokens, row.token_positions()):
             columns.append([int(token), position, row.slot.start + position, row.slot.start])
     if len(columns) > bucket:
         raise InvalidInputError(f"{len(columns)} tokens do not fit a step of {bucket}")

@@ -1,4 +1,4 @@
-"""Captured rows steps: decode and draft-verify steps of several sequences as compiled graphs.
+"""Captured rows steps: decode, draft-verify and blend steps as compiled graphs.
 
 :class:`CapturedRows` runs the new tokens of several rows (sequences in a
 :class:`~kvboost_rag.hf.captured.pool.SlotPool`) through the model in one step: it writes
@@ -9,6 +9,11 @@ one ``torch.compile`` graph per token bucket (``fullgraph``: no graph break), an
 CUDA graph per bucket (:mod:`kvboost_rag.hf.captured.graph`): no host read, no allocation and
 no Python between the input copy and the logits. Graphs are built by :meth:`CapturedRows.prepare`,
 which the engine calls when it loads, never on a request.
+
+The same step runs a blend pass (one row: the chosen and live tokens of a prompt stitched
+into a slot, at their scattered positions, with ``last_logits``): their K/V replace the rows
+at their positions and attention is causal by position, what the eager pass over an armed
+cache computes.
 
 What the caller keeps: each sequence's length (a host int; the slot holds positions
 ``0..length - 1``). After a step it keeps as many of a row's new tokens as it accepts and
@@ -74,7 +79,8 @@ def _step_logits(
     cache: PoolCache,
     keyword: str,
     windows: tuple[int | None, ...],
-    total_tokens: int,
+    pool: SlotPool,
+    last_only: bool,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     pool_rows: torch.Tensor,
@@ -82,14 +88,19 @@ def _step_logits(
 ) -> torch.Tensor:
     """The step itself (what is compiled): ``[bucket]`` tokens at ``positions``, their K/V
     written at ``pool_rows`` (the rows ``cache`` writes at), each reading its slot from
-    ``first_key``; returns ``[bucket, vocab]`` float32 logits."""
+    ``first_key``; returns ``[bucket, vocab]`` float32 logits, or with ``last_only`` the
+    ``[1, vocab]`` logits of the last real token (the real tokens come first, the padded ones
+    write into the scratch rows)."""
+    keep: int | torch.Tensor = 0
+    if last_only:
+        keep = ((pool_rows < pool.scratch_start).sum() - 1).view(1)
     out = model(
         input_ids=tokens.view(1, -1),
         position_ids=positions.view(1, -1),
-        attention_mask=step_mask(pool_rows, first_key, windows, total_tokens),
+        attention_mask=step_mask(pool_rows, first_key, windows, pool.total_tokens),
         **{keyword: cache},
         use_cache=True,
-        logits_to_keep=0,
+        logits_to_keep=keep,
     )
     return out.logits[0].float()
 
@@ -105,6 +116,9 @@ class CapturedRows:
         backend: ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"``), or
             ``None`` to run the step uncompiled (for checks).
         cuda_graphs: Capture each bucket in a CUDA graph; default: on CUDA.
+        last_logits: Steps of one row that return the logits of its last token only (a blend
+            pass: its chosen tokens at scattered positions, the logits of the prompt's last
+            token) instead of every token's.
 
     Raises:
         InvalidInputError: A bucket that is not a power of two, or larger than the pool's
@@ -118,6 +132,7 @@ class CapturedRows:
         token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
         backend: str | None = "inductor",
         cuda_graphs: bool | None = None,
+        last_logits: bool = False,
     ) -> None:
         buckets = sorted(set(token_buckets))
         scratch = pool.total_tokens - pool.scratch_start
@@ -131,6 +146,7 @@ class CapturedRows:
         self.windows = model_windows(adapter.config)
         self._backend = backend
         self._cuda_graphs = adapter.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.last_logits = last_logits
         self._switch = AttentionSwitch(adapter.model)
         self._graphs: dict[int, BucketGraph] = {}
         #: Why the steps are not available (empty once :meth:`prepare` succeeded).
@@ -155,10 +171,10 @@ class CapturedRows:
         """The step function of the bucket whose input table holds ``pool_rows``."""
         model = self.adapter.model
         cache = PoolCache(self.pool, pool_rows)
-        keyword, windows, total = cache_keyword(model), self.windows, self.pool.total_tokens
+        keyword, windows, pool, last_only = cache_keyword(model), self.windows, self.pool, self.last_logits
 
         def step(*table_rows: torch.Tensor) -> torch.Tensor:
-            return _step_logits(model, cache, keyword, windows, total, *table_rows)
+            return _step_logits(model, cache, keyword, windows, pool, last_only, *table_rows)
 
         if self._backend is None:
             return step
@@ -205,16 +221,20 @@ class CapturedRows:
             rows: One or more rows in distinct slots, at most :attr:`max_tokens` tokens in all.
 
         Returns:
-            The step's logits (valid until the next step of the same bucket).
+            The step's logits (valid until the next step of the same bucket); with
+            ``last_logits``, those of the row's last token only.
 
         Raises:
-            InvalidInputError: Too many tokens, a row past its slot, two rows in one slot.
+            InvalidInputError: Too many tokens, a row past its slot, two rows in one slot,
+                several rows in a ``last_logits`` step.
             RuntimeError: :meth:`prepare` did not succeed.
         """
         if not self._graphs:
             raise RuntimeError(f"captured steps are not available: {self.reason}")
         if len({row.slot.index for row in rows}) != len(rows):
             raise InvalidInputError("two rows of one step share a slot")
+        if self.last_logits and len(rows) != 1:
+            raise InvalidInputError("a step that returns the last logits only runs one row")
         bucket = token_bucket(sum(len(row.tokens) for row in rows), self.buckets)
         if bucket is None or not rows:
             raise InvalidInputError(f"a step runs 1 to {self.max_tokens} tokens: split the rows over several steps")
@@ -223,4 +243,4 @@ class CapturedRows:
         # (another model class loaded since, say) compiles the bucket again rather than fail.
         with self._switch.use(ROWS_ATTENTION), _compiling():
             flat = self._graphs[bucket].run(table)
-        return StepLogits.of(flat, rows)
+        return StepLogits(flat, (0,), (1,)) if self.last_logits else StepLogits.of(flat, rows)
