@@ -73,6 +73,11 @@ class StepMask(BlockMask):
 
     windowed: dict[int, BlockMask]
 
+    @property
+    def ndim(self) -> int:
+        """Dimensions, as a 4-D mask tensor has (some models check a mask's ``ndim``)."""
+        return len(self.shape)
+
     def for_window(self, window: int | None) -> BlockMask:
         """The mask of layers with ``window`` (``None``: global layers).
 
@@ -176,6 +181,8 @@ def rows_attention(
     """
     if not isinstance(attention_mask, StepMask):
         raise RuntimeError("captured rows attention used outside a captured step (no step mask)")
+    if kwargs.get("s_aux") is not None:  # attention sinks: not computed here, so no step is built
+        raise RuntimeError("captured rows attention has no attention sinks")
     mask = attention_mask.for_window(kwargs.get("sliding_window") or None)
     softcap = kwargs.get("softcap") or None
     score_mod = None

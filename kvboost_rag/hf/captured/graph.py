@@ -83,15 +83,17 @@ class BucketGraph:
         if not self._cuda_graph:
             self._call()
             return
-        stream = torch.cuda.Stream(self._device)
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):  # compile, autotune and lazy initialization outside the capture
-            for _ in range(2):
-                self._call()
-        torch.cuda.current_stream(self._device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory_pool):
-            self._output = self._call()
+        with torch.cuda.device(self._device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compile, autotune and lazy initialization outside the capture
+                for _ in range(2):
+                    self._call()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: work other threads do meanwhile (a prefill, a warm) is not captured
+            with torch.cuda.graph(graph, pool=self._memory_pool, capture_error_mode="thread_local"):
+                self._output = self._call()
         self._graph = graph
 
     def run(self, host_table: torch.Tensor) -> torch.Tensor:
@@ -105,5 +107,6 @@ class BucketGraph:
         self.runs += 1
         if self._graph is None:
             return self._call()
-        self._graph.replay()
+        with torch.cuda.device(self._device):
+            self._graph.replay()
         return self._output
