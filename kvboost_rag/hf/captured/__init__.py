@@ -10,6 +10,26 @@
 - :mod:`~kvboost_rag.hf.captured.steps`: :class:`CapturedRows` (``prepare``, ``run``).
 - :mod:`~kvboost_rag.hf.captured.build`: :func:`build_captured_rows`, what the engine calls
   at load.
+
+How the engine uses them::
+
+    # at load (settings: captured_steps, captured_pool_budget, captured_token_buckets)
+    steps = build_captured_rows(adapter, mode, pool_bytes, token_buckets)  # None: all eager
+    # a prompt: a slot for its prompt and every token it may decode (else the eager path)
+    slot = steps.pool.acquire(prompt_tokens + reserve)
+    keys, values = steps.pool.buffers(slot)  # [layers, kv_heads, capacity, head_dim] views
+    cache = adapter.cache_over(keys, values, length)  # stitch, probe, blend, lookahead as today
+    # each decode (or draft-verify) step, holding the model
+    logits = steps.run([Row(slot, [token], length), Row(other, [pending, *drafts], other_length)])
+    logits.last(0)  # [vocab]; logits.row(1): [1 + drafts, vocab]; valid until the next step
+    length += 1     # the caller's count: keep as many tokens as it accepts, nothing to undo
+    # a blend pass in one step: CapturedRows(adapter, pool, buckets, last_logits=True) and
+    # Row(slot, chosen_tokens, positions=chosen_positions); the pool's scratch rows hold its
+    # largest bucket
+    steps.pool.release(slot)
+
+A cache built over a slot keeps the length it was built with: before an eager pass on a
+sequence that captured steps moved on, build a new one with its current length.
 """
 
 from kvboost_rag.hf.captured.build import build_captured_rows

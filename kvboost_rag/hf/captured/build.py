@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvboost_rag.hf.captured.pool import SlotPool
 from kvboost_rag.hf.captured.steps import CapturedMode, CapturedRows, captured_steps_wanted
+
+if TYPE_CHECKING:
+    from kvboost_rag.hf.adapter import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
 
 def build_captured_rows(
-    adapter,
+    adapter: ModelAdapter,
     mode: CapturedMode,
     pool_bytes: int,
     token_buckets: Sequence[int],

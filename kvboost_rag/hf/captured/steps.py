@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -41,6 +41,9 @@ from kvboost_rag.hf.captured.graph import BucketGraph, StepFunction, compile_cac
 from kvboost_rag.hf.captured.pool import SlotPool
 from kvboost_rag.hf.captured.rows import FIELDS, POOL_ROWS, Row, StepLogits, pack_rows, token_bucket
 from kvboost_rag.hf.caches import cache_keyword
+
+if TYPE_CHECKING:
+    from kvboost_rag.hf.adapter import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class CapturedRows:
 
     def __init__(
         self,
-        adapter,
+        adapter: ModelAdapter,
         pool: SlotPool,
         token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
         backend: str | None = "inductor",
@@ -217,22 +220,27 @@ class CapturedRows:
         """One step over ``rows``: each row's tokens written at its positions in its slot and
         run causally over it; the logits of every token.
 
+        One step at a time (the caller holds the model, as for any forward pass).
+
         Args:
-            rows: One or more rows in distinct slots, at most :attr:`max_tokens` tokens in all.
+            rows: One or more rows in distinct slots of this pool, at most :attr:`max_tokens`
+                tokens in all.
 
         Returns:
             The step's logits (valid until the next step of the same bucket); with
             ``last_logits``, those of the row's last token only.
 
         Raises:
-            InvalidInputError: Too many tokens, a row past its slot, two rows in one slot,
-                several rows in a ``last_logits`` step.
+            InvalidInputError: Too many tokens, a row past its slot, two rows in one slot, a
+                slot of another pool, several rows in a ``last_logits`` step.
             RuntimeError: :meth:`prepare` did not succeed.
         """
         if not self._graphs:
             raise RuntimeError(f"captured steps are not available: {self.reason}")
         if len({row.slot.index for row in rows}) != len(rows):
             raise InvalidInputError("two rows of one step share a slot")
+        if any(row.slot.index >= len(self.pool.slots) or self.pool.slots[row.slot.index] != row.slot for row in rows):
+            raise InvalidInputError("a row's slot is not one of this pool's")
         if self.last_logits and len(rows) != 1:
             raise InvalidInputError("a step that returns the last logits only runs one row")
         bucket = token_bucket(sum(len(row.tokens) for row in rows), self.buckets)
