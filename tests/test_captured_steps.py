@@ -36,7 +36,7 @@ from kvboost_rag.hf.captured import (
     captured_steps_wanted,
     plan_capacities,
 )
-from kvboost_rag.hf.captured.attention import block_mask
+from kvboost_rag.hf.captured.attention import block_mask, missing_support
 from kvboost_rag.hf.captured.rows import pack_rows
 
 ATOL = 1e-4
@@ -82,7 +82,8 @@ class _Sequences:
             self.slots.append(slot)
             keys, values = self.pool.buffers(slot)
             ids = torch.randint(3, 1000, (length,), generator=generator)
-            self.first_logits.append(self.adapter.forward(ids, torch.arange(length), self.adapter.cache_over(keys, values, 0)))
+            cache = self.adapter.cache_over(keys, values, 0)
+            self.first_logits.append(self.adapter.forward(ids, torch.arange(length), cache))
 
     def __enter__(self) -> _Sequences:
         return self
@@ -138,7 +139,11 @@ def test_rows_of_different_lengths_and_token_counts_equal_the_eager_path(device,
             _close(values[:, :, written], torch.stack([layer.values[0, :, written] for layer in caches[i].layers]))
 
 
-def _greedy_captured(steps: CapturedRows, slots, lengths: list[int], tokens: list[int], count: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy_captured(
+    steps: CapturedRows, slots, lengths: list[int], tokens: list[int], count: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """``count`` greedy steps of the sequences in ``slots`` together: their tokens, and each
+    step's ``[rows, vocab]`` last logits."""
     produced, logits_seen = [[] for _ in slots], []
     lengths, tokens = list(lengths), list(tokens)
     for _ in range(count):
@@ -151,7 +156,10 @@ def _greedy_captured(steps: CapturedRows, slots, lengths: list[int], tokens: lis
     return produced, logits_seen
 
 
-def _greedy_eager(adapter: ModelAdapter, cache, length: int, token: int, count: int) -> tuple[list[int], list[torch.Tensor]]:
+def _greedy_eager(
+    adapter: ModelAdapter, cache, length: int, token: int, count: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``count`` greedy steps of one sequence on the eager path: its tokens and logits."""
     produced, logits_seen = [], []
     for _ in range(count):
         logits = _eager_logits(adapter, cache, length, [token])[0]
@@ -251,13 +259,13 @@ def test_no_host_read_inside_a_step_and_no_buffer_moves(device, monkeypatch):
     output buffer stays."""
     steps = _steps("llama", device)
     pool = steps.pool
-    addresses = lambda: [pool.keys.data_ptr(), pool.values.data_ptr()] + [g.table.data_ptr() for g in steps._graphs.values()]  # noqa: E731
-    before = addresses()
+    before = [tensor.data_ptr() for tensor in steps.fixed_tensors]
+    assert len(before) == 2 + len(steps.buckets)
     with _Sequences(steps, [50, 20]) as seqs:
         rows = [Row(seqs.slots[0], [3, 4, 5], 50), Row(seqs.slots[1], [6], 20)]
         first = steps.run(rows).flat.data_ptr()
         counted = profile_counts(lambda: steps.run(rows))
-        assert counted.host_reads == 0
+        assert counted.host_reads == 0 and counted.copies >= 1  # the profiler saw the step (its input copy)
         if device == "cuda":  # one input copy, one graph launch
             assert counted.syncs == 0 and counted.memcpys == 1 and counted.launches == counted.graph_launches == 1, counted
             assert steps.run(rows).flat.data_ptr() == first
@@ -268,8 +276,8 @@ def test_no_host_read_inside_a_step_and_no_buffer_moves(device, monkeypatch):
         monkeypatch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
         with OpCounter() as counter:
             plain.run(rows)
-        assert counter.counts.host_reads == 0, counter.counts.by_name
-    assert addresses() == before
+        assert counter.counts.host_reads == 0 and counter.counts.kernels > 100, counter.counts.by_name
+    assert [tensor.data_ptr() for tensor in steps.fixed_tensors] == before
 
 
 def test_graphs_are_bounded_over_prompt_lengths_and_batch_sizes(tokenizer):
@@ -341,7 +349,8 @@ def test_a_step_that_cannot_be_captured_leaves_the_eager_path(tokenizer, monkeyp
     run() refuses; nothing is half built."""
     adapter = ModelAdapter(tiny_model("llama"), tokenizer)
     pool = SlotPool(adapter.layout, [256], adapter.dtype, adapter.device, 8)
-    monkeypatch.setattr(adapter, "features", replace(adapter.features, batched_decoding=False, batched_decoding_reason="no interface"))
+    unbatched = replace(adapter.features, batched_decoding=False, batched_decoding_reason="no interface")
+    monkeypatch.setattr(adapter, "features", unbatched)
     steps = CapturedRows(adapter, pool, (1,), backend="aot_eager")
     assert not steps.prepare() and steps.reason == "no interface" and not steps.available
     with pytest.raises(RuntimeError, match="no interface"):
@@ -397,6 +406,7 @@ def test_the_step_table_the_host_packs():
 def test_settings_and_mode(caplog):
     """``auto`` is on for CUDA only; bad buckets are refused naming the fix; a budget holding
     no slot leaves the eager path with a warning."""
+    assert missing_support() == ""  # this torch builds them (the suite's CPU torch, 2.13)
     assert captured_steps_wanted("auto", torch.device("cuda")) and not captured_steps_wanted("auto", torch.device("cpu"))
     assert captured_steps_wanted("on", torch.device("cpu")) and not captured_steps_wanted("off", torch.device("cuda"))
     assert KVBoostSettings(captured_token_buckets=(8, 1, 1)).captured_token_buckets == (1, 8)

@@ -20,18 +20,31 @@ transformers builds no mask of its own.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvboost_rag.hf.captured.pool import KV_BLOCK, SlotPool
 
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch < 2.5: no FlexAttention (missing_support() says so)
+    BlockMask, flex_attention = object, None
+
 ROWS_ATTENTION = "kvboost_captured_rows"
 #: Queries per block of the block mask (FlexAttention's default block size).
 Q_BLOCK = 128
+
+
+def missing_support() -> str:
+    """Why this torch cannot build captured steps; empty when it can (FlexAttention with block
+    masks built from block lists alone, torch 2.9 on)."""
+    if flex_attention is None or "compute_q_blocks" not in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        return f"captured steps need torch>=2.9 (FlexAttention block masks from block lists); this is torch {torch.__version__}"
+    return ""
 
 
 def block_mask(first_key: torch.Tensor, last_key: torch.Tensor, total_tokens: int, window: int | None = None) -> BlockMask:

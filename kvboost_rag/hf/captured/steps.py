@@ -36,7 +36,7 @@ import torch
 
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.hf.attention_switch import AttentionSwitch
-from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, PoolCache, step_mask
+from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, PoolCache, missing_support, step_mask
 from kvboost_rag.hf.captured.graph import BucketGraph, StepFunction, compile_cache_counts
 from kvboost_rag.hf.captured.pool import SlotPool
 from kvboost_rag.hf.captured.rows import FIELDS, POOL_ROWS, Row, StepLogits, pack_rows, token_bucket
@@ -166,6 +166,12 @@ class CapturedRows:
         return self.buckets[-1]
 
     @property
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The device tensors the steps read and write at fixed addresses: the pool's K and V,
+        and each bucket's input table."""
+        return [self.pool.keys, self.pool.values, *(graph.table for graph in self._graphs.values())]
+
+    @property
     def runs(self) -> int:
         """Steps run so far, all buckets together (CUDA graph replays on CUDA)."""
         return sum(graph.runs for graph in self._graphs.values())
@@ -188,8 +194,11 @@ class CapturedRows:
         """Build every bucket's graph (compile, and on CUDA capture) on padded tokens only (no
         slot is touched). Returns whether the steps are available; if not, :attr:`reason`
         says why and every bucket is dropped."""
-        if not self.adapter.features.batched_decoding:
-            self.reason = self.adapter.features.batched_decoding_reason
+        self.reason = missing_support() or (
+            "" if self.adapter.features.batched_decoding else self.adapter.features.batched_decoding_reason
+        )
+        if self.reason:
+            logger.warning("%s; decoding stays on the eager path", self.reason)
             return False
         memory_pool = torch.cuda.graph_pool_handle() if self._cuda_graphs and self.adapter.device.type == "cuda" else None
         started, (hits, misses) = time.perf_counter(), compile_cache_counts()
