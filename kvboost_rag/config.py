@@ -167,7 +167,9 @@ class KVBoostSettings(BaseModel):
             docs/gpu.md), ``"on"``, ``"off"``. The graphs are built when the engine loads
             (compiled once per token bucket; later processes take them from torch's on-disk
             compile cache). A sequence that finds no free slot, or a model whose steps cannot
-            be captured, decodes on the eager path.
+            be captured, decodes on the eager path. Read by
+            :func:`kvboost_rag.hf.captured.build_captured_rows`; the engine's decode worker
+            and prefill do not call it yet.
         captured_pool_bytes: Bytes of the static K/V pool of captured steps (K and V of every
             slot; slots of capacities from 1,024 tokens doubling up to the model's context
             window, largest first, while the budget lasts). ``"auto"``: ``max_batch_cache_bytes``.
