@@ -23,6 +23,13 @@ measures, each the median of ``--repeats`` calls after a warm-up:
 - decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
   both ``(tokens - 1) / (time of the last token - time of the first)``).
 
+With ``--captured`` a decode table follows (``--decode-only``: only it), measured in the same
+run for each length: ``model.generate``, the engine's eager decode steps, and captured steps
+(:mod:`kvboost_rag.hf.captured`: compiled graphs over a static K/V pool, CUDA graphs on CUDA;
+``bench/captured_decode.py``): tokens/s, launches and host time per step, the greedy tokens
+shared with ``generate``, and the time to build the step (compile and capture, with the compiled
+graphs found in torch's on-disk cache).
+
 Run on a GPU: ``python bench/gpu_bench.py --device cuda --dtype bfloat16 --shape Llama-3.1-8B``.
 A CPU smoke run: ``python bench/gpu_bench.py --shape Llama-3.1-8B --layers 1 --lengths 1024,2048``.
 """
@@ -37,6 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +55,11 @@ from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.diagnosis.stage_times import record_stages
+from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from captured_decode import CapturedDecode, CapturedLoop, same_prefix  # noqa: E402
 
 #: The stages one call's stage times are printed for, in order (kvboost_rag.diagnosis.stage_times).
 STAGES = ("tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
@@ -199,8 +211,14 @@ class ForwardTimer:
         self._depth = 0
         self._device = device
         base = getattr(model, model.base_model_prefix)
-        for module in (model, base):
+        self._modules = (model, base)
+        for module in self._modules:
             module.forward = self._timed(module.forward)
+
+    def remove(self) -> None:
+        """Stop timing: the modules' own ``forward`` again (compiled code cannot trace the clock)."""
+        for module in self._modules:
+            del module.forward
 
     def _timed(self, forward: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -369,16 +387,77 @@ class _FirstTokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def generate_decode_rate(model, tokenizer, prompt: str, tokens: int, device: torch.device) -> float:
-    """Tokens/s of ``model.generate`` after its first token (as the engine's rate is taken)."""
+def generate_decode_rate(
+    model, tokenizer, prompt: str, tokens: int, device: torch.device, produced: list[int] | None = None
+) -> float:
+    """Tokens/s of ``model.generate`` after its first token (as the engine's rate is taken);
+    its greedy tokens go into ``produced`` when given."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     clock = _FirstTokenClock(device)
-    model.generate(
+    out = model.generate(
         ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock,
         pad_token_id=tokenizer.pad_token_id or 0,
     )
     sync(device)
+    if produced is not None:
+        produced.extend(out[0, ids.shape[1] :].tolist())
     return (tokens - 1) / (time.perf_counter() - clock.first) if tokens > 1 else float("nan")
+
+
+@dataclass
+class DecodeRow:
+    prompt_tokens: int
+    generate_tps: float
+    engine_tps: float
+    captured: CapturedDecode | None
+    same_tokens: int
+
+
+def measure_decode(engine: KVBoost, loop: CapturedLoop | None, tokens: int, args, device: torch.device) -> DecodeRow:
+    """Decode rates at a prompt of about ``tokens`` tokens: ``model.generate``, the engine
+    (eager decode steps) and, with ``--captured``, captured steps; and how many leading greedy
+    tokens the captured loop shares with ``generate``."""
+    prompt, _, _ = build_prompt(engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
+    ids = torch.tensor(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
+    reference: list[int] = []
+    generate_tps = generate_decode_rate(engine.model, engine.tokenizer, prompt, args.decode_tokens, device, reference)
+    engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
+    captured = loop.measure(ids, args.decode_tokens) if loop is not None else None
+    same = same_prefix(captured.tokens, reference) if captured is not None else 0
+    return DecodeRow(ids.shape[0], generate_tps, engine_tps, captured, same)
+
+
+def _decode_table(engine: KVBoost, lengths: list[int], args, device: torch.device) -> list[DecodeRow]:
+    """The decode table: one row per prompt length."""
+    loop = None
+    if args.captured:
+        try:
+            loop = CapturedLoop(ModelAdapter(engine.model, engine.tokenizer), max(lengths) + args.decode_tokens + 8)
+        except RuntimeError as exc:  # the table still compares the eager steps with generate
+            print(f"captured steps not available: {exc}")
+        else:
+            print(
+                f"captured step built in {loop.prepare_s:.1f} s (compiled graphs: {loop.cache_hits} from torch's "
+                f"on-disk cache, {loop.cache_misses} compiled)"
+            )
+    print(
+        "| prompt tokens | model.generate tok/s | engine (eager steps) tok/s | captured tok/s | captured / generate | "
+        "captured / eager | launches per step eager / captured | host ms per step eager / captured | "
+        f"greedy tokens as generate (of {args.decode_tokens}) |"
+    )
+    print("|---" * 9 + "|")
+    rows = []
+    for tokens in lengths:
+        row = measure_decode(engine, loop, tokens, args, device)
+        rows.append(row)
+        c = row.captured
+        captured = (
+            f"{c.tokens_per_s:.1f} | {c.tokens_per_s / row.generate_tps:.2f} | {c.tokens_per_s / row.engine_tps:.2f} | "
+            f"{c.eager_launches} / {c.launches} | {c.eager_step_host_ms:.2f} / {c.step_host_ms:.2f} | {row.same_tokens}"
+            if c is not None else "- | - | - | - | - | -"
+        )
+        print(f"| {row.prompt_tokens} | {row.generate_tps:.1f} | {row.engine_tps:.1f} | {captured} |", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -403,6 +482,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--attention", default="auto", choices=["auto", *BACKENDS], help="sparse attention backend (auto: per device)"
     )
+    parser.add_argument(
+        "--captured", action="store_true",
+        help="after the table, a decode table: model.generate, the engine's eager steps and captured steps (compiled "
+        "graphs; CUDA graphs on CUDA) in the same run",
+    )
+    parser.add_argument("--decode-only", action="store_true", help="only the decode table (no TTFT table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -414,7 +499,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
         model, tokenizer, show_progress=False, chunk_size=args.chunk_size,
         max_cache_bytes=64 * 1024**3, check_layer=min(2, layers - 1),
     )
-    timer = ForwardTimer(model, device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     backend = default_backend(device) if args.attention == "auto" else args.attention
     print(
@@ -422,7 +506,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"attention={backend}; median of {args.repeats}; decode {args.decode_tokens} tokens"
     )
     with use_backend(backend):
-        return _table(engine, timer, lengths, args, device)
+        if args.decode_only:
+            return _decode_table(engine, lengths, args, device)
+        timer = ForwardTimer(model, device)
+        rows = _table(engine, timer, lengths, args, device)
+        timer.remove()
+        if args.captured:
+            _decode_table(engine, lengths, args, device)
+        return rows
 
 
 def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, device: torch.device) -> list[Row]:

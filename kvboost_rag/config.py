@@ -23,6 +23,8 @@ RecomputeStrategy = Literal["attention", "cacheblend", "selective", "none"]
 ProbeWeighting = Literal["attention", "value", "depth", "value_depth"]
 #: Shortest accepted ``cache_secret_key`` (a short secret can be guessed offline from one entry).
 MIN_SECRET_KEY_CHARS = 16
+#: Largest token bucket of a captured step.
+MAX_CAPTURED_TOKENS = 1024
 
 
 class KVBoostSettings(BaseModel):
@@ -164,6 +166,23 @@ class KVBoostSettings(BaseModel):
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
+        captured_steps: Whether decode and draft-verify steps run as compiled graphs over a
+            static K/V pool (:mod:`kvboost_rag.hf.captured`; on CUDA each step is one CUDA
+            graph launch instead of a launch per kernel): ``"auto"`` (default) on CUDA only (on
+            a CPU decoding is memory-bound and compiling gained nothing where measured,
+            docs/gpu.md), ``"on"``, ``"off"``. The graphs are built when the engine loads
+            (compiled once per token bucket; later processes take them from torch's on-disk
+            compile cache). A sequence that finds no free slot, or a model whose steps cannot
+            be captured, decodes on the eager path. Read by
+            :func:`kvboost_rag.hf.captured.build_captured_rows`; the engine's decode worker
+            and prefill do not call it yet.
+        captured_pool_bytes: Bytes of the static K/V pool of captured steps (K and V of every
+            slot; slots of capacities from 1,024 tokens doubling up to the model's context
+            window, largest first, while the budget lasts). ``"auto"``: ``max_batch_cache_bytes``.
+        captured_token_buckets: Token counts captured steps are built for (powers of two, one
+            graph each): a step of several rows runs their tokens end to end, padded to the
+            smallest bucket that holds them (one token per row for decoding, ``1 + drafts`` for
+            draft-verify). More buckets cost more compile time at load.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -203,6 +222,9 @@ class KVBoostSettings(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
     draft_tokens: int = Field(15, ge=0, le=15)
+    captured_steps: Literal["auto", "on", "off"] = "auto"
+    captured_pool_bytes: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    captured_token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
 
     @field_validator("device")
     @classmethod
@@ -213,6 +235,22 @@ class KVBoostSettings(BaseModel):
         if kind not in {"cpu", "cuda", "mps", "xpu"}:
             raise ValueError(f"device must be 'cpu', 'cuda[:N]', 'mps' or 'xpu', got {value!r}")
         return value
+
+    @property
+    def captured_pool_budget(self) -> int:
+        """Bytes of the captured steps' K/V pool: ``captured_pool_bytes``, or
+        ``max_batch_cache_bytes`` when that is ``"auto"``."""
+        return self.max_batch_cache_bytes if self.captured_pool_bytes == "auto" else self.captured_pool_bytes
+
+    @field_validator("captured_token_buckets")
+    @classmethod
+    def _power_of_two_buckets(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or any(b < 1 or b > MAX_CAPTURED_TOKENS or b & (b - 1) for b in value):
+            raise ValueError(
+                f"captured_token_buckets must be powers of two from 1 to {MAX_CAPTURED_TOKENS}, such as "
+                f"(1, 2, 4, 8, 16); got {value}"
+            )
+        return tuple(sorted(set(value)))
 
     @field_validator("redis_url")
     @classmethod

@@ -6,21 +6,25 @@
 #      the package is imported from the checkout, not installed);
 #   2. print the versions and the GPU;
 #   3. the CUDA tests (pytest -m cuda: every CUDA variant, none may skip);
-#   4. bench/gpu_bench.py at the Llama-3.1-8B and Qwen2.5-7B shapes in bfloat16 at about 2k,
+#   4. the decode table of bench/gpu_bench.py (--decode-only --captured) at the Llama-3.1-8B
+#      shape at about 8k and 32k prompt tokens: model.generate, the engine's eager decode steps
+#      and captured steps (compiled graphs, CUDA graphs) in one run, with launches per step;
+#   5. bench/gpu_bench.py at the Llama-3.1-8B and Qwen2.5-7B shapes in bfloat16 at about 2k,
 #      8k and 32k prompt tokens (random weights, the carried tokenizer).
 # Each step has a time limit, and the limits are cut to keep the whole check inside
-# GPU_CHECK_BUDGET seconds (default 345: under 6 minutes; the tests keep 3 minutes for the
-# benches, the first bench 90 s for the second); a failed step does not stop the next. Logs go
-# to stdout and to files in $OUT when it is set (at most 6 files), else in a temporary folder.
-# Exits non-zero when any step failed.
+# GPU_CHECK_BUDGET seconds (default 600: 10 minutes; the tests keep 7 minutes for the
+# benches, the decode table 3 minutes for the other two, the first bench 90 s for the second); a
+# failed step does not stop the next. Logs go to stdout and to files in $OUT when it is set (at
+# most 7 files), else in a temporary folder. Exits non-zero when any step failed.
 #
 # GPU_CHECK_DEVICE=cpu is a dry run on a machine without a GPU: the same steps, the CUDA
 # tests collected (they skip) and the CPU variants of the same tests run in their place, the
 # bench at the tiny shape with short prompts. Other settings: PYTHON (default python3),
 # GPU_WHEELS_DIR and GPU_TOKENIZER_DIR (as for scripts/gpu_wheels.sh), GPU_CHECK_SITE (where
 # the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
-# GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT and GPU_CHECK_BENCH_LIMIT (seconds: the whole check,
-# the tests, each bench), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
+# GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT, GPU_CHECK_DECODE_LIMIT and GPU_CHECK_BENCH_LIMIT
+# (seconds: the whole check, the tests, the decode table, each bench; GPU_CHECK_DECODE_LIMIT=0
+# leaves the decode table out), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
 # length, after each bench's table; 0: none).
 set -u
 cd "$(dirname "$0")/.."
@@ -41,9 +45,11 @@ mkdir -p "$LOGS"
 case "$MODE" in
   cuda)
     WORKERS="${GPU_CHECK_WORKERS:-6}"
-    BUDGET="${GPU_CHECK_BUDGET:-345}"
-    TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-150}"
-    BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-90}"
+    BUDGET="${GPU_CHECK_BUDGET:-600}"
+    TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-180}"
+    DECODE_LIMIT="${GPU_CHECK_DECODE_LIMIT:-240}"
+    DECODE_SHAPE=Llama-3.1-8B
+    DECODE_LENGTHS=8192,32768
     SHAPES=(Llama-3.1-8B Qwen2.5-7B)
     # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
     declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
@@ -53,6 +59,9 @@ case "$MODE" in
     WORKERS="${GPU_CHECK_WORKERS:-$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
     BUDGET="${GPU_CHECK_BUDGET:-3600}"
     TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-600}"
+    DECODE_LIMIT="${GPU_CHECK_DECODE_LIMIT:-300}"
+    DECODE_SHAPE=tiny
+    DECODE_LENGTHS=512,1024
     BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-300}"
     SHAPES=(tiny)
     declare -A LENGTHS=([tiny]=512,1024)
@@ -128,7 +137,7 @@ COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
   grep '^ERROR ' "$LOGS/collected.tmp" | sed 's/^/not importable here (no CUDA variants run from it): /'
 } | tee -a "$TEST_LOG"
 rm -f "$LOGS/collected.tmp"
-step "CUDA tests" "$(within "$TEST_LIMIT" $((2 * BENCH_LIMIT)))" "$TEST_LOG" \
+step "CUDA tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + 2 * BENCH_LIMIT)))" "$TEST_LOG" \
   "${PYTEST[@]}" -rfEs -m cuda -n "$WORKERS" --dist load --durations=5 --junitxml="$XML" "${FILES[@]}"
 step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" "$COLLECTED" <<'EOF'
 import sys
@@ -151,8 +160,15 @@ if mode == "cpu" and ran:
 EOF
 if [ "$MODE" = cpu ]; then
   # No GPU: the CPU variants of the same tests run in their place.
-  step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((2 * BENCH_LIMIT)))" "$TEST_LOG" \
+  step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + 2 * BENCH_LIMIT)))" "$TEST_LOG" \
     "${PYTEST[@]}" -rfEs -m "not cuda" -k cpu -n "$WORKERS" --dist load "${FILES[@]}"
+fi
+
+if [ "$DECODE_LIMIT" -gt 0 ]; then
+  # Captured steps against eager decode steps and model.generate, one compile for both lengths.
+  step "decode table $DECODE_SHAPE (captured steps)" "$(within "$DECODE_LIMIT" $((2 * BENCH_LIMIT)))" \
+    "$LOGS/decode-$DECODE_SHAPE.log" "$PYTHON" bench/gpu_bench.py --shape "$DECODE_SHAPE" --lengths "$DECODE_LENGTHS" \
+    --tokenizer "$TOKENIZER" --decode-only --captured "${BENCH_ARGS[@]}" --decode-tokens 64
 fi
 
 for i in "${!SHAPES[@]}"; do

@@ -53,6 +53,8 @@ def test_chat_completion_layout_usage_and_figures(client):
     assert usage["prompt_tokens_details"] == {"cached_tokens": figures["cached_tokens"]}
     assert float(response.headers["x-kvboost-ttft-ms"]) == pytest.approx(figures["ttft_ms"], abs=0.1)
     assert int(response.headers["x-kvboost-cached-tokens"]) == figures["cached_tokens"]
+    assert int(response.headers["x-kvboost-drafted-tokens"]) == figures["drafted_tokens"] <= figures["generated_tokens"]
+    assert figures["decode_steps"] + figures["drafted_tokens"] <= figures["generated_tokens"] + 1
 
 
 def test_cached_tokens_count_only_what_was_loaded(client, docs):

@@ -96,6 +96,8 @@ class OpCounter(TorchDispatchMode):
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
 #: CUDA runtime calls that launch a kernel.
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+#: How the CUDA runtime calls that launch a captured graph start (a whole step in one launch).
+GRAPH_LAUNCH_PREFIX = "cudaGraphLaunch"
 #: CUDA runtime calls that copy memory.
 MEMCPY_CALLS = frozenset({"cudaMemcpyAsync", "cudaMemcpy"})
 
@@ -108,9 +110,10 @@ class RuntimeCounts:
     Attributes:
         copies: ``aten::copy_`` calls (every tensor copy ends in one).
         host_reads: ``aten::_local_scalar_dense`` calls (a tensor value read on the host).
-        launches: Kernel launches (CUDA only; 0 on CPU).
+        launches: Kernel and graph launches (CUDA only; 0 on CPU).
         memcpys: Memory copies issued through the CUDA runtime (0 on CPU).
         syncs: Calls that made the host wait for the device (0 on CPU).
+        graph_launches: Of ``launches``, those of captured CUDA graphs.
     """
 
     copies: int
@@ -118,21 +121,25 @@ class RuntimeCounts:
     launches: int
     memcpys: int
     syncs: int
+    graph_launches: int = 0
 
 
 def profile_counts(call) -> RuntimeCounts:
-    """Run ``call()`` under ``torch.profiler`` and count its copies, host reads, kernel
-    launches, runtime memory copies and synchronizations (every thread's CPU-side events)."""
+    """Run ``call()`` under ``torch.profiler`` and count its copies, host reads, kernel and
+    graph launches, runtime memory copies and synchronizations (every thread's CPU-side
+    events)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as profiler:
         call()
     names = Counter(event.name for event in profiler.events())
+    graphs = sum(count for name, count in names.items() if name.startswith(GRAPH_LAUNCH_PREFIX))
     return RuntimeCounts(
         copies=names["aten::copy_"],
         host_reads=names[f"aten::{HOST_READ_OP}"],
-        launches=sum(names[n] for n in LAUNCH_CALLS),
+        launches=sum(names[n] for n in LAUNCH_CALLS) + graphs,
         memcpys=sum(names[n] for n in MEMCPY_CALLS),
         syncs=sum(names[n] for n in SYNC_CALLS),
+        graph_launches=graphs,
     )

@@ -4,8 +4,9 @@ Cache classes (:mod:`~kvboost_rag.hf.caches`), the attention switch and the regi
 the engine's attention functions (:mod:`~kvboost_rag.hf.attention_switch`), running a range of
 decoder layers (:mod:`~kvboost_rag.hf.layers`), RoPE discovery (:mod:`~kvboost_rag.hf.rope`),
 attention windows (:mod:`~kvboost_rag.hf.windows`), feature probes
-(:mod:`~kvboost_rag.hf.probes`) and the adapter the engine calls
-(:mod:`~kvboost_rag.hf.adapter`).
+(:mod:`~kvboost_rag.hf.probes`), the adapter the engine calls
+(:mod:`~kvboost_rag.hf.adapter`), and captured steps: compiled graphs over a static K/V pool
+(:mod:`~kvboost_rag.hf.captured`).
 """
 
 from kvboost_rag.hf.adapter import ModelAdapter

@@ -1,0 +1,128 @@
+"""Decode speed of captured steps against the eager step and ``model.generate`` (gpu_bench.py).
+
+A one-slot pool holds the longest prompt; its step (:class:`kvboost_rag.hf.captured.CapturedRows`,
+one token bucket) is built once, timed apart (compile and, on CUDA, graph capture). Each prompt
+is prefilled (eagerly) into the slot, then greedy-decoded with captured steps; for comparison
+one eager decode step (what the engine's decode worker runs today) is counted. For each: tokens/s of
+the greedy loop (the host reads each token, as ``generate`` does), host time to issue one step
+(no wait for the device), launches per step (kernel and graph launches, as the profiler sees
+them; CUDA only) and whether the greedy tokens equal ``model.generate``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvboost_rag.dev.op_counts import profile_counts
+from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.captured import CapturedRows, Row, SlotPool
+from kvboost_rag.hf.captured.graph import compile_cache_counts
+
+
+@dataclass
+class CapturedDecode:
+    """One prompt's captured decode figures.
+
+    Attributes:
+        tokens_per_s: Greedy decode rate of the captured loop.
+        step_host_ms: Host time to issue one captured step (median).
+        eager_step_host_ms: Host time to issue one eager decode step (``forward_ragged``, what
+            the engine's decode worker runs).
+        launches: Kernel and graph launches of one captured step (CUDA only).
+        eager_launches: Kernel launches of one eager decode step (CUDA only).
+        tokens: The greedy tokens the captured loop produced.
+    """
+
+    tokens_per_s: float
+    step_host_ms: float
+    eager_step_host_ms: float
+    launches: int
+    eager_launches: int
+    tokens: list[int]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eager_step(adapter: ModelAdapter, pool: SlotPool, row: Row) -> tuple[float, int]:
+    """Host ms and launches of one eager decode step on the slot (its K/V row is written at
+    the position the captured loop overwrites next)."""
+    keys, values = pool.buffers(row.slot)
+    step = lambda: adapter.forward_ragged(  # noqa: E731
+        torch.tensor(row.tokens), torch.tensor([row.position]), [adapter.cache_over(keys, values, row.position)]
+    )
+    step()
+    _sync(adapter.device)
+    start = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - start) * 1000
+    return host_ms, profile_counts(step).launches
+
+
+class CapturedLoop:
+    """A greedy decode loop of captured steps over a one-slot pool, built once for every
+    prompt of up to ``capacity`` tokens (prompt and decoded tokens).
+
+    Args:
+        adapter: The engine's model adapter.
+        capacity: Tokens of the slot.
+
+    Attributes:
+        prepare_s: Seconds to build the step (compile, and on CUDA capture).
+        cache_hits: Compiled graphs found in torch's on-disk cache while preparing.
+        cache_misses: Graphs compiled while preparing.
+    """
+
+    def __init__(self, adapter: ModelAdapter, capacity: int) -> None:
+        self.adapter = adapter
+        self.pool = SlotPool(adapter.layout, [capacity], adapter.dtype, adapter.device, scratch_tokens=1)
+        self.steps = CapturedRows(adapter, self.pool, (1,))
+        hits, misses = compile_cache_counts()
+        started = time.perf_counter()
+        if not self.steps.prepare():
+            raise RuntimeError(self.steps.reason)
+        self.prepare_s = time.perf_counter() - started
+        now_hits, now_misses = compile_cache_counts()
+        self.cache_hits, self.cache_misses = now_hits - hits, now_misses - misses
+
+    def measure(self, ids: torch.Tensor, tokens: int) -> CapturedDecode:
+        """Prefill the prompt ``ids`` (eagerly, into the slot) and greedy-decode ``tokens``
+        tokens (the first from the prefill) with captured steps."""
+        adapter, slot, n = self.adapter, self.pool.slots[0], ids.shape[0]
+        keys, values = self.pool.buffers(slot)
+        produced = [int(adapter.forward(ids, torch.arange(n), adapter.cache_over(keys, values, 0)).argmax())]
+        eager_host_ms, eager_launches = _eager_step(adapter, self.pool, Row(slot, produced, n))
+        launches = profile_counts(lambda: self.steps.run([Row(slot, produced, n)])).launches
+        host: list[float] = []
+        _sync(adapter.device)
+        start = time.perf_counter()
+        for i in range(tokens - 1):
+            issued = time.perf_counter()
+            logits = self.steps.run([Row(slot, [produced[-1]], n + i)])
+            host.append(time.perf_counter() - issued)
+            produced.append(int(logits.last(0).argmax()))  # the host reads each token, as generate does
+        elapsed = time.perf_counter() - start
+        host.sort()
+        return CapturedDecode(
+            tokens_per_s=(tokens - 1) / elapsed if tokens > 1 else float("nan"),
+            step_host_ms=host[len(host) // 2] * 1000 if host else float("nan"),
+            eager_step_host_ms=eager_host_ms,
+            launches=launches,
+            eager_launches=eager_launches,
+            tokens=produced,
+        )
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -1,0 +1,263 @@
+"""Captured rows steps: decode, draft-verify and blend steps as compiled graphs.
+
+:class:`CapturedRows` runs the new tokens of several rows (sequences in a
+:class:`~kvboost_rag.hf.captured.pool.SlotPool`) through the model in one step: it writes
+their K/V into their slots at their positions, runs attention of each new token over its own
+slot up to its own position (:mod:`kvboost_rag.hf.captured.attention`), and returns the
+logits of every new token (:class:`~kvboost_rag.hf.captured.rows.StepLogits`). The step is
+one ``torch.compile`` graph per token bucket (``fullgraph``: no graph break), and on CUDA one
+CUDA graph per bucket (:mod:`kvboost_rag.hf.captured.graph`): no host read, no allocation and
+no Python between the input copy and the logits. Graphs are built by :meth:`CapturedRows.prepare`,
+which the engine calls when it loads, never on a request.
+
+The same step runs a blend pass (one row: the chosen and live tokens of a prompt stitched
+into a slot, at their scattered positions, with ``last_logits``): their K/V replace the rows
+at their positions and attention is causal by position, what the eager pass over an armed
+cache computes.
+
+What the caller keeps: each sequence's length (a host int; the slot holds positions
+``0..length - 1``). After a step it keeps as many of a row's new tokens as it accepts and
+moves its length on by that many; K/V written for rejected drafts stay in the slot past the
+length and are overwritten by the next step before any query reads them.
+
+Where a step cannot be captured (the model's attention does not go through transformers'
+attention interface, a graph break, a failed compile), :meth:`CapturedRows.prepare` says so
+(:attr:`CapturedRows.reason`) and the caller decodes on the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.hf.attention_switch import AttentionSwitch
+from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, PoolCache, missing_support, step_mask
+from kvboost_rag.hf.captured.graph import BucketGraph, StepFunction, compile_cache_counts
+from kvboost_rag.hf.captured.pool import SlotPool
+from kvboost_rag.hf.captured.rows import FIELDS, POOL_ROWS, Row, StepLogits, pack_rows, token_bucket
+from kvboost_rag.hf.caches import cache_keyword
+
+if TYPE_CHECKING:
+    from kvboost_rag.hf.adapter import ModelAdapter
+
+logger = logging.getLogger(__name__)
+
+CapturedMode = Literal["auto", "on", "off"]
+#: Token buckets of a step by default: decode steps of up to 16 rows, or draft-verify steps of
+#: fewer rows with several drafts each.
+DEFAULT_TOKEN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
+#: Compiled graphs of the step function allowed per process (one per bucket and model; a
+#: guard that fails later, when another model class is loaded in the process, adds one).
+RECOMPILE_LIMIT = 64
+_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def _compiling():
+    """Dynamo's settings while a step may compile: room for every bucket of every model."""
+    return torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: RECOMPILE_LIMIT})
+
+
+def captured_steps_wanted(mode: CapturedMode, device: torch.device) -> bool:
+    """Whether captured steps are used: ``"on"``, ``"off"``, or ``"auto"``: on CUDA (one graph
+    launch a step instead of a launch per kernel), not on a CPU (decoding there is memory-bound
+    and compiling gained nothing where measured; docs/gpu.md)."""
+    if mode == "auto":
+        return device.type == "cuda"
+    return mode == "on"
+
+
+def model_windows(config) -> tuple[int | None, ...]:
+    """The sliding windows a model's attention layers may pass (``None``: global attention)."""
+    window = getattr(config, "sliding_window", None) or None
+    return (None,) if window is None else (None, int(window))
+
+
+def _step_logits(
+    model: torch.nn.Module,
+    cache: PoolCache,
+    keyword: str,
+    windows: tuple[int | None, ...],
+    pool: SlotPool,
+    last_only: bool,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    pool_rows: torch.Tensor,
+    first_key: torch.Tensor,
+) -> torch.Tensor:
+    """The step itself (what is compiled): ``[bucket]`` tokens at ``positions``, their K/V
+    written at ``pool_rows`` (the rows ``cache`` writes at), each reading its slot from
+    ``first_key``; returns ``[bucket, vocab]`` float32 logits, or with ``last_only`` the
+    ``[1, vocab]`` logits of the last real token (the real tokens come first, the padded ones
+    write into the scratch rows)."""
+    keep: int | torch.Tensor = 0
+    if last_only:
+        keep = ((pool_rows < pool.scratch_start).sum() - 1).view(1)
+    out = model(
+        input_ids=tokens.view(1, -1),
+        position_ids=positions.view(1, -1),
+        attention_mask=step_mask(pool_rows, first_key, windows, pool.total_tokens),
+        **{keyword: cache},
+        use_cache=True,
+        logits_to_keep=keep,
+    )
+    return out.logits[0].float()
+
+
+class CapturedRows:
+    """Steps of several rows over a slot pool, compiled and (on CUDA) captured per token bucket.
+
+    Args:
+        adapter: The model adapter (its ``model``, ``config``, ``device`` and ``features``).
+        pool: The slot pool the rows live in (its scratch region holds the largest bucket).
+        token_buckets: Token counts the step is built for (powers of two); a step runs the
+            smallest bucket holding its rows' tokens.
+        backend: ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"``), or
+            ``None`` to run the step uncompiled (for checks).
+        cuda_graphs: Capture each bucket in a CUDA graph; default: on CUDA.
+        last_logits: Steps of one row that return the logits of its last token only (a blend
+            pass: its chosen tokens at scattered positions, the logits of the prompt's last
+            token) instead of every token's.
+
+    Raises:
+        InvalidInputError: A bucket that is not a power of two, or larger than the pool's
+            scratch region.
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        pool: SlotPool,
+        token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
+        backend: str | None = "inductor",
+        cuda_graphs: bool | None = None,
+        last_logits: bool = False,
+    ) -> None:
+        buckets = sorted(set(token_buckets))
+        scratch = pool.total_tokens - pool.scratch_start
+        if not buckets or any(b < 1 or b & (b - 1) or b > scratch for b in buckets):
+            raise InvalidInputError(
+                f"token buckets must be powers of two up to the pool's scratch rows ({scratch}), got {list(token_buckets)}"
+            )
+        self.adapter = adapter
+        self.pool = pool
+        self.buckets: tuple[int, ...] = tuple(buckets)
+        self.windows = model_windows(adapter.config)
+        self._backend = backend
+        self._cuda_graphs = adapter.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.last_logits = last_logits
+        self._switch = AttentionSwitch(adapter.model)
+        self._graphs: dict[int, BucketGraph] = {}
+        #: Why the steps are not available (empty once :meth:`prepare` succeeded).
+        self.reason = "not prepared: call prepare()"
+
+    @property
+    def available(self) -> bool:
+        """Whether :meth:`prepare` built every bucket."""
+        return bool(self._graphs)
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens (all rows together) one step runs."""
+        return self.buckets[-1]
+
+    @property
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The device tensors the steps read and write at fixed addresses: the pool's K and V,
+        and each bucket's input table."""
+        return [self.pool.keys, self.pool.values, *(graph.table for graph in self._graphs.values())]
+
+    @property
+    def runs(self) -> int:
+        """Steps run so far, all buckets together (CUDA graph replays on CUDA)."""
+        return sum(graph.runs for graph in self._graphs.values())
+
+    def _function(self, pool_rows: torch.Tensor) -> StepFunction:
+        """The step function of the bucket whose input table holds ``pool_rows``."""
+        model = self.adapter.model
+        cache = PoolCache(self.pool, pool_rows)
+        keyword, windows, pool, last_only = cache_keyword(model), self.windows, self.pool, self.last_logits
+
+        def step(*table_rows: torch.Tensor) -> torch.Tensor:
+            return _step_logits(model, cache, keyword, windows, pool, last_only, *table_rows)
+
+        if self._backend is None:
+            return step
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=self._backend)
+
+    @torch.inference_mode()
+    def prepare(self) -> bool:
+        """Build every bucket's graph (compile, and on CUDA capture) on padded tokens only (no
+        slot is touched). Returns whether the steps are available; if not, :attr:`reason`
+        says why and every bucket is dropped."""
+        self.reason = missing_support() or (
+            "" if self.adapter.features.batched_decoding else self.adapter.features.batched_decoding_reason
+        )
+        if self.reason:
+            logger.warning("%s; decoding stays on the eager path", self.reason)
+            return False
+        memory_pool = torch.cuda.graph_pool_handle() if self._cuda_graphs and self.adapter.device.type == "cuda" else None
+        started, (hits, misses) = time.perf_counter(), compile_cache_counts()
+        graphs: dict[int, BucketGraph] = {}
+        try:
+            with self._switch.use(ROWS_ATTENTION), _compiling():
+                for bucket in self.buckets:
+                    graph = BucketGraph(FIELDS, bucket, self.adapter.device, self._cuda_graphs, memory_pool)
+                    graph.warm(self._function(graph.table[POOL_ROWS]), pack_rows([], bucket, self.pool.scratch_start))
+                    graphs[bucket] = graph
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to build leaves the eager path in place
+            self.reason = f"captured steps could not be built ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+            logger.warning("%s; decoding stays on the eager path", self.reason)
+            logger.debug("why captured steps could not be built", exc_info=exc)
+            return False
+        self._graphs, self.reason = graphs, ""
+        now_hits, now_misses = compile_cache_counts()
+        logger.info(
+            "captured steps: %d buckets %s built in %.1f s (compile cache: %d found, %d compiled)",
+            len(graphs), list(graphs), time.perf_counter() - started, now_hits - hits, now_misses - misses,
+        )
+        return True
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[Row]) -> StepLogits:
+        """One step over ``rows``: each row's tokens written at its positions in its slot and
+        run causally over it; the logits of every token.
+
+        One step at a time (the caller holds the model, as for any forward pass).
+
+        Args:
+            rows: One or more rows in distinct slots of this pool, at most :attr:`max_tokens`
+                tokens in all.
+
+        Returns:
+            The step's logits (valid until the next step of the same bucket); with
+            ``last_logits``, those of the row's last token only.
+
+        Raises:
+            InvalidInputError: Too many tokens, a row past its slot, two rows in one slot, a
+                slot of another pool, several rows in a ``last_logits`` step.
+            RuntimeError: :meth:`prepare` did not succeed.
+        """
+        if not self._graphs:
+            raise RuntimeError(f"captured steps are not available: {self.reason}")
+        if len({row.slot.index for row in rows}) != len(rows):
+            raise InvalidInputError("two rows of one step share a slot")
+        if any(row.slot.index >= len(self.pool.slots) or self.pool.slots[row.slot.index] != row.slot for row in rows):
+            raise InvalidInputError("a row's slot is not one of this pool's")
+        if self.last_logits and len(rows) != 1:
+            raise InvalidInputError("a step that returns the last logits only runs one row")
+        bucket = token_bucket(sum(len(row.tokens) for row in rows), self.buckets)
+        if bucket is None or not rows:
+            raise InvalidInputError(f"a step runs 1 to {self.max_tokens} tokens: split the rows over several steps")
+        table = pack_rows(rows, bucket, self.pool.scratch_start)
+        # Without a CUDA graph, dynamo checks its guards on every call; one that no longer holds
+        # (another model class loaded since, say) compiles the bucket again rather than fail.
+        with self._switch.use(ROWS_ATTENTION), _compiling():
+            flat = self._graphs[bucket].run(table)
+        return StepLogits(flat, (0,), (1,)) if self.last_logits else StepLogits.of(flat, rows)
