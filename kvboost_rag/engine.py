@@ -19,6 +19,7 @@ from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
+from kvboost_rag.hf.captured import build_captured_rows
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -84,12 +85,19 @@ class KVBoost:
         prefiller = Prefiller(adapter, cache, settings)
         turns = ModelTurns()
         drafts = DraftPolicy(settings, adapter.device.type)
-        self._scheduler = DecodeScheduler(partial(decode_step, adapter, policy=drafts), turns, settings)
+        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), built now, not
+        # on a request; None: every step runs eagerly.
+        self._captured = build_captured_rows(
+            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets
+        )
+        step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
+        self._scheduler = DecodeScheduler(step, turns, settings)
         eos_ids = eos_token_ids(self.model, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
         parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)
         self._warming = Warming(parts)
-        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids)
+        slots = None if self._captured is None else self._captured.pool
+        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids, slots)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason

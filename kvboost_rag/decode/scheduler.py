@@ -72,10 +72,13 @@ class Reservation:
 
     Attributes:
         nbytes: Bytes of the K/V buffers its sequence holds.
+        on_release: Called once when the place is given back (the scheduler no longer steps
+            its sequence): what the sequence's steps used may be handed on.
     """
 
     nbytes: int
     released: bool = False
+    on_release: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -281,4 +284,6 @@ class DecodeScheduler:
             reservation.released = True
             self._admitted -= 1
             self._admitted_bytes -= reservation.nbytes
+            for callback in reservation.on_release:
+                callback()
             self._state.notify_all()

@@ -35,6 +35,7 @@ from kvboost_rag.decode.drafting import Drafter, Proposal
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, next_token, plain_greedy
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import ModelCache, truncate_cache
+from kvboost_rag.hf.captured import CapturedRows, Row, Slot
 from kvboost_rag.request.options import GenerationOptions
 
 FinishReason = Literal["stop", "eos", "length"]
@@ -62,6 +63,9 @@ class DecodeSequence:
             when the sequence joins, so the first token is already on its way.
         make_drafter: Builds its drafter at its first step (``None``: it never drafts).
         drafts: What it drafted and how much of it was accepted.
+        slot: Its slot of the captured steps' pool when it decodes through captured steps
+            (its K/V live there; ``cache`` keeps the prompt's length and ``position`` is its
+            length); ``None``: eager steps over ``cache``.
     """
 
     cache: ModelCache
@@ -79,6 +83,7 @@ class DecodeSequence:
     before_first_step: Callable[[], None] | None = None
     make_drafter: Callable[[], Drafter] | None = None
     drafts: SequenceDrafts = field(default_factory=SequenceDrafts)
+    slot: Slot | None = None
     _drafter: Drafter | None = field(default=None, repr=False)
     _fed: int = field(default=0, repr=False)
 
@@ -169,7 +174,7 @@ class DecodeSequence:
                 break
             accepted += 1
         self.position += accepted + 1
-        if accepted < len(draft) and not self.done:
+        if accepted < len(draft) and not self.done and self.slot is None:  # a slot's length is ``position``
             truncate_cache(self.cache, self.position)
         return pieces, accepted
 
@@ -183,7 +188,10 @@ class StepResult:
 
 
 def decode_step(
-    adapter: ModelAdapter, sequences: Sequence[DecodeSequence], policy: DraftPolicy | None = None
+    adapter: ModelAdapter,
+    sequences: Sequence[DecodeSequence],
+    policy: DraftPolicy | None = None,
+    captured: CapturedRows | None = None,
 ) -> list[StepResult]:
     """Feed every sequence's pending token, and its draft, in one forward pass and choose its
     next tokens.
@@ -192,6 +200,8 @@ def decode_step(
         adapter: The model adapter.
         sequences: Sequences not done, each with a pending ``token``.
         policy: Chooses draft lengths and learns from the outcome (``None``: no drafts).
+        captured: The captured steps the sequences with a slot decode through (all their rows
+            in one step, or a few when they hold more tokens than one step takes).
 
     Returns:
         One result per sequence, in order. Choosing or detokenizing a token that fails ends
@@ -200,38 +210,101 @@ def decode_step(
     Raises:
         Exception: Whatever the forward pass raised (no sequence advanced).
     """
-    drafts = _drafts(sequences, policy)
-    width = token_bucket(1 + max(len(d) for d, _ in drafts))
-    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, (sequence, (draft, _)) in enumerate(zip(sequences, drafts)):
-        row = [sequence.token, *draft]
-        tokens[b, : len(row)] = torch.tensor(row)
-        tokens[b, len(row) :] = row[-1]
-    positions = torch.tensor([s.position for s in sequences])
-    counts = [1 + len(d) for d, _ in drafts]
+    in_slots = [captured is not None and s.slot is not None for s in sequences]
+    per_row = None if captured is None or not any(in_slots) else max(1, captured.max_tokens // sum(in_slots))
+    drafts = _drafts(sequences, policy, [per_row if slotted else None for slotted in in_slots])
     start = time.perf_counter()
-    logits = adapter.forward_rows(tokens, positions, counts, [s.cache for s in sequences])  # [batch, width, vocab]
-    # Greedy rows take their argmax from one device read for the whole step.
-    greedy = [plain_greedy(s.options, s.sampling) for s in sequences]
-    argmax = logits.argmax(dim=-1).tolist() if any(greedy) else [None] * len(sequences)
+    rows: list[tuple[torch.Tensor, list[int] | None]] = [None] * len(sequences)  # type: ignore[list-item]
+    eager = [i for i, slotted in enumerate(in_slots) if not slotted]
+    if eager:
+        for i, row in zip(eager, _eager_rows(adapter, [sequences[i] for i in eager], [drafts[i][0] for i in eager])):
+            rows[i] = row
+    slotted = [i for i, flag in enumerate(in_slots) if flag]
+    if slotted:
+        assert captured is not None
+        for i, row in zip(slotted, _captured_rows(captured, [sequences[i] for i in slotted], [drafts[i][0] for i in slotted])):
+            rows[i] = row
     results = [
-        _advance(sequence, rows, draft, proposal, policy, choices if plain else None)
-        for sequence, rows, (draft, proposal), plain, choices in zip(sequences, logits, drafts, greedy, argmax)
+        _advance(sequence, logits, draft, proposal, policy, argmax)
+        for sequence, (logits, argmax), (draft, proposal) in zip(sequences, rows, drafts)
     ]
     if policy is not None:
+        width = token_bucket(1 + max(len(d) for d, _ in drafts))
         policy.costs.record(len(sequences), width, time.perf_counter() - start)
     return results
 
 
-def _drafts(sequences: Sequence[DecodeSequence], policy: DraftPolicy | None) -> list[tuple[list[int], Proposal | None]]:
-    """Each sequence's draft for this step and the proposal it came from."""
+def _eager_rows(
+    adapter: ModelAdapter, sequences: Sequence[DecodeSequence], drafts: Sequence[list[int]]
+) -> list[tuple[torch.Tensor, list[int] | None]]:
+    """Each sequence's ``[1 + draft, vocab]`` logits from one eager forward pass over the
+    sequences' own caches, and their argmax where the sequence decodes plain greedy."""
+    width = token_bucket(1 + max(len(d) for d in drafts))
+    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, (sequence, draft) in enumerate(zip(sequences, drafts)):
+        row = [sequence.token, *draft]
+        tokens[b, : len(row)] = torch.tensor(row)
+        tokens[b, len(row) :] = row[-1]
+    positions = torch.tensor([s.position for s in sequences])
+    counts = [1 + len(d) for d in drafts]
+    logits = adapter.forward_rows(tokens, positions, counts, [s.cache for s in sequences])  # [batch, width, vocab]
+    argmax = _argmax_if_greedy(logits, sequences)
+    return [(logits[b, : counts[b]], None if argmax is None else argmax[b]) for b in range(len(sequences))]
+
+
+def _captured_rows(
+    captured: CapturedRows, sequences: Sequence[DecodeSequence], drafts: Sequence[list[int]]
+) -> list[tuple[torch.Tensor, list[int] | None]]:
+    """Each sequence's logits from captured steps over the pool (as few steps as their tokens
+    allow), read before the next step reuses the graph's output."""
+    out: list[tuple[torch.Tensor, list[int] | None]] = []
+    group: list[Row] = []
+    members: list[DecodeSequence] = []
+
+    def flush() -> None:
+        step = captured.run(group)
+        greedy = any(plain_greedy(s.options, s.sampling) for s in members)
+        argmax = step.flat.argmax(dim=-1).tolist() if greedy else None
+        for index, sequence in enumerate(members):
+            logits = step.row(index).clone()  # the graph's output is overwritten by its next run
+            start, count = step.offsets[index], step.counts[index]
+            plain = argmax is not None and plain_greedy(sequence.options, sequence.sampling)
+            out.append((logits, argmax[start : start + count] if plain else None))
+        group.clear()
+        members.clear()
+
+    for sequence, draft in zip(sequences, drafts):
+        row = Row(sequence.slot, [sequence.token, *draft], sequence.position)  # type: ignore[arg-type]
+        if group and sum(len(r.tokens) for r in group) + len(row.tokens) > captured.max_tokens:
+            flush()
+        group.append(row)
+        members.append(sequence)
+    flush()
+    return out
+
+
+def _argmax_if_greedy(logits: torch.Tensor, sequences: Sequence[DecodeSequence]) -> list[list[int] | None] | None:
+    """Every row's argmax in one device read, for the sequences that decode plain greedy."""
+    greedy = [plain_greedy(s.options, s.sampling) for s in sequences]
+    if not any(greedy):
+        return None
+    argmax = logits.argmax(dim=-1).tolist()
+    return [row if plain else None for row, plain in zip(argmax, greedy)]
+
+
+def _drafts(
+    sequences: Sequence[DecodeSequence], policy: DraftPolicy | None, caps: Sequence[int | None]
+) -> list[tuple[list[int], Proposal | None]]:
+    """Each sequence's draft for this step and the proposal it came from (``caps``: most
+    tokens a row may run in all, where a captured step bounds it)."""
     drafts: list[tuple[list[int], Proposal | None]] = []
-    for sequence in sequences:
-        proposal = sequence.propose() if policy is not None and policy.max_tokens else None
+    for sequence, cap in zip(sequences, caps):
+        proposal = sequence.propose() if policy is not None and policy.max_tokens and cap != 1 else None
         if proposal is None:
             drafts.append(([], None))
             continue
-        length = policy.length(sequence.drafts, proposal.source, proposal.match_length, len(proposal.tokens), len(sequences))
+        available = len(proposal.tokens) if cap is None else min(len(proposal.tokens), cap - 1)
+        length = policy.length(sequence.drafts, proposal.source, proposal.match_length, available, len(sequences))
         drafts.append((proposal.tokens[:length], proposal if length else None))
     return drafts
 

@@ -29,8 +29,11 @@ from kvboost_rag.generation.missed_documents import (
     explain_missed_documents,
 )
 from kvboost_rag.generation.parts import EngineParts
+from kvboost_rag.generation.slots import SlotLease
+from kvboost_rag.hf.captured import SlotPool
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
+from kvboost_rag.prefill.prefiller import SPARE_ROWS
 from kvboost_rag.request.inputs import check_documents
 from kvboost_rag.request.options import GenerationOptions
 from kvboost_rag.request.plan import PromptPlan, PromptTokens
@@ -74,6 +77,7 @@ class Request:
         first_pieces: Text of the first token, not yielded yet.
         reservation: Its place in the batch while it is not handed to the decode worker yet.
         handle: Its place in the decode worker's batch once handed over.
+        lease: Its slot of the captured steps' pool, when it decodes through them.
     """
 
     plan: PromptPlan
@@ -85,6 +89,7 @@ class Request:
     first_pieces: list[str]
     reservation: Reservation | None = None
     handle: DecodeHandle | None = None
+    lease: SlotLease | None = None
 
     def submit(self, scheduler: DecodeScheduler) -> None:
         """Hand the sequence to the decode worker (it joins the batch at the next step)."""
@@ -98,6 +103,11 @@ class Request:
         if self.handle is not None:
             handle, self.handle = self.handle, None
             handle.cancel()
+
+    def release_slot(self) -> None:
+        """The request is done reading its slot (after its write-back; again: nothing)."""
+        if self.lease is not None:
+            self.lease.release("request")
 
 
 def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
@@ -117,6 +127,9 @@ class Requests:
         scheduler: The decode worker.
         constraints: Compiles output constraints.
         eos_ids: End-of-sequence token ids.
+        slots: The captured steps' pool, when the engine decodes through captured steps: each
+            request prefills into a slot of it and decodes there (one that finds no free slot
+            decodes on the eager path).
     """
 
     def __init__(
@@ -125,10 +138,12 @@ class Requests:
         scheduler: DecodeScheduler,
         constraints: ConstraintCompiler,
         eos_ids: frozenset[int],
+        slots: SlotPool | None = None,
     ) -> None:
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
         self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
         self.parts, self.scheduler, self.constraints, self.eos_ids = parts, scheduler, constraints, eos_ids
+        self.slots = slots
 
     def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
         """Validate, then return the stream of one prompt (see :meth:`kvboost_rag.KVBoost.stream`)."""
@@ -187,6 +202,7 @@ class Requests:
         finally:
             for _, request in started:
                 request.close(self.scheduler)
+                request.release_slot()
         return cast("list[GenerationResult | Exception]", outputs)  # every entry is set above
 
     def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
@@ -252,9 +268,12 @@ class Requests:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
         reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
+        lease = None if self.slots is None else SlotLease.take(self.slots, n + budget + SPARE_ROWS)
+        if lease is not None:
+            reservation.on_release.append(partial(lease.release, "decode"))
         try:
             with self.turns.prompt_work():
-                outcome = self.prefiller.run(plan, reuse=options.reuse)
+                outcome = self.prefiller.run(plan, reuse=options.reuse, buffers=lease.buffers if lease else None)
             sequence = DecodeSequence(
                 cache=outcome.cache,
                 position=n,
@@ -264,15 +283,18 @@ class Requests:
                 assembler=TextAssembler(self.adapter.tokenizer, options.stop),
                 eos_ids=self.eos_ids,
                 make_drafter=partial(drafter_for, plan),
+                slot=None if lease is None else lease.slot,
             )
             first_pieces = sequence.choose(outcome.logits)
             if outcome.follow_up is not None and not sequence.done:
                 sequence.before_first_step = partial(_look_ahead, outcome, sequence)
         except BaseException:
             self.scheduler.release(reservation)
+            if lease is not None:
+                lease.release("request")
             raise
         ttft_ms = (time.perf_counter() - start) * 1000
-        request = Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation)
+        request = Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation, lease=lease)
         if sequence.done:
             request.close(self.scheduler)
         elif not hold:
@@ -301,10 +323,13 @@ class Requests:
             decoded = _decoded(sequence, options)  # what decoding produced, read once it is over
         finally:
             request.close(self.scheduler)
-            if options.reuse:  # off the path to the first token: counters, write-back, diagnosis
-                self.cache.record(plan, outcome)
-                self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
-                self._warn_if_documents_missed(plan, outcome)
+            try:
+                if options.reuse:  # off the path to the first token: counters, write-back, diagnosis
+                    self.cache.record(plan, outcome)
+                    self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
+                    self._warn_if_documents_missed(plan, outcome)
+            finally:
+                request.release_slot()  # the write-back read the prompt's K/V from it
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
         token_ids, text, finish_reason, step_logits = decoded
         n = plan.num_tokens

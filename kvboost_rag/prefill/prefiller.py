@@ -97,20 +97,25 @@ class Prefiller:
             strategy = self._strategies[name] = make_strategy(self.adapter, self.settings)
         return strategy
 
-    def run(self, plan: PromptPlan, *, reuse: bool = True) -> PrefillOutcome:
+    def run(
+        self, plan: PromptPlan, *, reuse: bool = True, buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> PrefillOutcome:
         """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
 
         Args:
             plan: The prompt's plan.
             reuse: ``False`` computes every token (the full-prefill baseline) and reads no cache.
+            buffers: Gives the prompt's ``[layers, kv_heads, capacity, head_dim]`` K and V
+                buffers for a capacity (a slot of the captured steps' pool); default: new ones.
 
         Returns:
             The outcome. When a warm's whole text was already stored, nothing is computed
             and ``logits`` is ``None``.
         """
         n = plan.num_tokens
+        allocate = buffers or self.adapter.buffers
         if not reuse:
-            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
+            keys, values = allocate(n + plan.reserve + SPARE_ROWS)
             return self._exact(plan, keys, values, 0, ())
         with stage("lookup", self.adapter.device):
             pieces = self.cache.match_prefix(plan)
@@ -124,7 +129,7 @@ class Prefiller:
                 )
             hits = self._content_hits(plan, documents, h) if plan.content_reuse else ContentHits()
         with stage("stitch", self.adapter.device):
-            keys, values = self.adapter.buffers(n + plan.reserve + SPARE_ROWS)
+            keys, values = allocate(n + plan.reserve + SPARE_ROWS)
             stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys)
