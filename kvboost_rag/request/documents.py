@@ -69,6 +69,12 @@ class DocumentRecord:
         return np.ascontiguousarray(spans[:, 0]), np.ascontiguousarray(spans[:, 1]), np.array(self.token_ids, dtype=np.int64)
 
     @functools.cached_property
+    def span_pairs(self) -> np.ndarray:
+        """``[tokens, 2]`` int64 character spans (computed once per record)."""
+        starts, ends, _ = self.spans
+        return np.stack([starts, ends], axis=1)
+
+    @functools.cached_property
     def shared_spans(self) -> bool:
         """Whether some tokens share one span (the bytes of one character)."""
         starts = self.spans[0]
@@ -357,8 +363,8 @@ class PromptIndex:
 
     Args:
         text_length: Characters in the prompt.
-        ids: Its token ids.
-        offsets: Character span of each token.
+        ids: Its token ids (a sequence or a ``[tokens]`` array).
+        offsets: Character span of each token (a sequence of pairs or a ``[tokens, 2]`` array).
 
     Attributes:
         ids: ``[tokens]`` token ids.
@@ -369,9 +375,14 @@ class PromptIndex:
             special tokens carry empty spans).
     """
 
-    def __init__(self, text_length: int, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
-        spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
-        self.ids = np.array(ids, dtype=np.int64)
+    def __init__(
+        self, text_length: int, ids: Sequence[int] | np.ndarray, offsets: Sequence[tuple[int, int]] | np.ndarray
+    ) -> None:
+        if isinstance(offsets, np.ndarray):
+            spans = offsets.reshape(-1, 2)
+        else:
+            spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+        self.ids = np.asarray(ids, dtype=np.int64)
         starts, self.ends = spans[:, 0], np.ascontiguousarray(spans[:, 1])
         self.token_at_char = np.full(text_length + 1, -1, dtype=np.int64)
         tokens = np.flatnonzero(self.ends > starts)[::-1]  # reversed: the first token per start wins
