@@ -427,6 +427,49 @@ def align_tokens(occurrence: DocumentOccurrence, prompt: PromptIndex) -> None:
     occurrence.merged_tokens = count - len(rows)
 
 
+def align_all(occurrences: Sequence[DocumentOccurrence], prompt: PromptIndex) -> None:
+    """:func:`align_tokens` for every occurrence, the vectorized work done once for all of
+    them (the same positions, rows and merged counts as aligning each alone)."""
+    batch: list[tuple[DocumentOccurrence, int]] = []
+    for occurrence in occurrences:
+        record = occurrence.record
+        count = int(np.searchsorted(record.spans[1], occurrence.matched_chars, side="right"))
+        if record.shared_spans:
+            _align_one_by_one(occurrence, prompt, count)
+        else:
+            batch.append((occurrence, count))
+    if not batch:
+        return
+    counts = np.array([count for _, count in batch])
+    bases = np.repeat(np.array([occurrence.char_start for occurrence, _ in batch]), counts)
+    starts = np.concatenate([o.record.spans[0][:count] for o, count in batch]) + bases
+    ends = np.concatenate([o.record.spans[1][:count] for o, count in batch]) + bases
+    ids = np.concatenate([o.record.spans[2][:count] for o, count in batch])
+    j = prompt.token_at_char[starts]
+    found = j >= 0
+    j = np.where(found, j, 0)
+    ok = found & (prompt.ends[j] == ends) & (prompt.ids[j] == ids)
+    firsts = np.concatenate([[0], np.cumsum(counts)])
+    # a token aligned, the next one of the same document with no prompt token starting there
+    gap = np.zeros(len(ok), dtype=bool)
+    gap[:-1] = ~found[1:] & ok[:-1]
+    gap[firsts[1:] - 1] = False
+    aligned = np.cumsum(np.concatenate([[0], ok]))[firsts]
+    broken = np.cumsum(np.concatenate([[0], gap]))[firsts]
+    for i, (occurrence, count) in enumerate(batch):
+        lo, hi = firsts[i], firsts[i + 1]
+        if broken[i + 1] > broken[i]:
+            _align_one_by_one(occurrence, prompt, count)
+            continue
+        merged = count - int(aligned[i + 1] - aligned[i])
+        if merged:
+            rows = np.flatnonzero(ok[lo:hi])
+            occurrence.positions, occurrence.rows = tuple(j[lo:hi][rows].tolist()), tuple(rows.tolist())
+        else:  # every token aligned (the usual case)
+            occurrence.positions, occurrence.rows = tuple(j[lo:hi].tolist()), tuple(range(count))
+        occurrence.merged_tokens = merged
+
+
 def _align_one_by_one(occurrence: DocumentOccurrence, prompt: PromptIndex, count: int) -> None:
     record = occurrence.record
     base = occurrence.char_start

@@ -29,7 +29,7 @@ from kvboost_rag.request.documents import (
     DocumentRecord,
     DocumentRegistry,
     PromptIndex,
-    align_tokens,
+    align_all,
 )
 from kvboost_rag.request.hashing import prefix_hash
 
@@ -260,7 +260,7 @@ def build_plan(
         occurrences = []
     documents = _place(occurrences, tokens)
     shared_end = min((d.first_token for d in documents), default=n)
-    lookup, tail, stored = _prefix_grid(tokens.ids, root, chunk_size, limit, shared_end)
+    lookup, tail, stored = _prefix_grid(tokens.id_array, root, chunk_size, limit, shared_end)
     return PromptPlan(
         tokens=tokens,
         root=root,
@@ -279,9 +279,9 @@ def _place(occurrences: Sequence[DocumentOccurrence], tokens: PromptTokens) -> l
     if not occurrences:
         return []
     index = PromptIndex(len(tokens.text), tokens.id_array, tokens.span_array)
+    align_all(occurrences, index)
     placed: list[PlacedDocument] = []
     for occurrence in occurrences:
-        align_tokens(occurrence, index)
         placed.append(
             PlacedDocument(
                 record=occurrence.record,
@@ -296,7 +296,7 @@ def _place(occurrences: Sequence[DocumentOccurrence], tokens: PromptTokens) -> l
 
 
 def _prefix_grid(
-    ids: Sequence[int], root: str, size: int, limit: int, shared_end: int
+    ids: np.ndarray, root: str, size: int, limit: int, shared_end: int
 ) -> tuple[tuple[PrefixChunk, ...], PrefixChunk | None, tuple[PrefixChunk, ...]]:
     """Walk the hash chain once: full chunks within ``limit`` (lookup candidates), the short
     chunk that ends exactly at ``limit`` (if ``limit`` is off the grid), and the grid over

@@ -33,6 +33,8 @@ encoding that made or checked its record.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,6 +52,7 @@ WINDOW_SPACES = 5
 #: A document whose joints are not found is tried again with windows this many times wider,
 #: then tokenized with its gaps.
 WIDER = 8
+_WHITESPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ class _Window:
         ids: Token ids.
         spans: Token spans.
         words: Index of the first token of each word, then the token count.
-        clean_at: First-token span -> word number of each clean word (:func:`_clean`) but its
-            first (the window may cut it) and its last two (they may see the cut end).
+        word_at: First-token span -> number of each word but its first (the window may cut
+            it) and its last two (they may see the cut end).
     """
 
     start: int
@@ -126,7 +129,7 @@ class _Window:
     ids: list[int]
     spans: list[tuple[int, int]]
     words: list[int]
-    clean_at: dict[tuple[int, int], int]
+    word_at: dict[tuple[int, int], int]
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,8 @@ class _Windows:
         encoding = self.support.backend.encode(self.text[start:stop], add_special_tokens=False)
         spans = [(x + start, y + start) for x, y in encoding.offsets]
         words = [*word_starts(encoding.word_ids), len(spans)]
-        clean_at = {spans[words[j]]: j for j in range(1, len(words) - 3) if _clean(spans, words[j], words[j + 1])}
-        return _Window(start, stop, encoding.ids, spans, words, clean_at)
+        word_at = {spans[words[j]]: j for j in range(1, len(words) - 3)}
+        return _Window(start, stop, encoding.ids, spans, words, word_at)
 
     def joint(
         self, window: _Window, document: KnownDocument, find: Callable[[_Window, KnownDocument], _Joint | None]
@@ -181,36 +184,29 @@ class _Windows:
         return WINDOW_SPACES * (WIDER if id(document) in self.wide else 1), document.matched_chars // 2
 
     def _tail_start(self, document: DocumentOccurrence) -> int:
-        """Where a window into the end of ``document`` starts: on the :meth:`_reach`-th
-        whitespace character before its end (so the window holds its last few words whole),
-        at most half the document back."""
+        """Where a window into the end of ``document`` starts: on the :meth:`_reach`-th run of
+        whitespace before its end (so the window holds its last few words whole), at most half
+        the document back."""
         end = document.char_start + document.matched_chars
         spaces, most = self._reach(document)
-        lowest, start = end - most, end
-        text = self.text
-        for _ in range(spaces):
-            space = max(text.rfind(" ", lowest, start), text.rfind("\n", lowest, start))
-            if space < 0:
-                return lowest
-            while space > lowest and text[space - 1].isspace():  # a run of whitespace counts once
-                space -= 1
-            start = space
-        return start
+        for back in (32 * spaces, most):  # most runs are near: look there first
+            lowest = end - min(back, most)
+            runs = [run.start() for run in _WHITESPACE.finditer(self.text, lowest, end)]
+            if len(runs) >= spaces:
+                return runs[-spaces]
+        return end - most
 
     def _head_stop(self, document: DocumentOccurrence) -> int:
         """Where a window into the start of ``document`` stops: just past the :meth:`_reach`-th
-        whitespace character after its start, at most half the document on."""
+        run of whitespace after its start, at most half the document on."""
         spaces, most = self._reach(document)
-        highest, stop = document.char_start + most, document.char_start
-        text = self.text
-        for _ in range(spaces):
-            found = [at for at in (text.find(" ", stop, highest), text.find("\n", stop, highest)) if at >= 0]
-            if not found:
-                return highest
-            stop = min(found) + 1
-            while stop < highest and text[stop].isspace():  # a run of whitespace counts once
-                stop += 1
-        return stop
+        start = document.char_start
+        for ahead in (32 * spaces, most):
+            runs = _WHITESPACE.finditer(self.text, start, start + min(ahead, most))
+            ends = [run.end() for run in itertools.islice(runs, spaces)]
+            if len(ends) == spaces:
+                return ends[-1]
+        return start + most
 
 
 def word_starts(word_ids: Sequence[int | None]) -> list[int]:
@@ -293,11 +289,11 @@ def _shared_word(window: _Window, record: DocumentRecord, base: int, row: int, e
     """The window's token where the record's word ``[row, end)`` starts, if the window holds
     the same word (same tokens, ids and spans), clean in both; else ``None``."""
     x, y = record.offsets[row]
-    word = window.clean_at.get((x + base, y + base))
-    if word is None or not _clean(record.offsets, row, end):
+    word = window.word_at.get((x + base, y + base))
+    if word is None:
         return None
-    at = window.words[word]
-    if window.words[word + 1] - at != end - row:
+    at, stop = window.words[word], window.words[word + 1]
+    if stop - at != end - row or not (_clean(window.spans, at, stop) and _clean(record.offsets, row, end)):
         return None
     return at if all(_same(window, at + k, record, row + k, base) for k in range(end - row)) else None
 
