@@ -6,7 +6,8 @@ family: GPT-2 (byte-level BPE), RoBERTa-style (byte-level with a prefix space), 
 Qwen2 (regular-expression split, then bytes), single digits, sentencepiece conversions
 (Metaspace with a "▁" prepended at the first word or at every piece, Unigram, the normalizer
 form that prepends and replaces), WordPiece, a special token that strips the spaces around it,
-and one with no pre-tokenizer (which splicing must decline).
+a post-processor adding both a BOS and an EOS, and one with no pre-tokenizer (which splicing
+must decline).
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ def _corpus() -> list[str]:
     return python_reference_documents()[:24] + [_EXTRA] * 20
 
 
-def _wrap(backend, bos: bool = True) -> PreTrainedTokenizerFast:
+def _wrap(backend, bos: bool = True, eos: bool = False) -> PreTrainedTokenizerFast:
     from tokenizers import processors
 
     if bos:
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        single = "<s> $A </s>" if eos else "<s> $A"
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", 1), ("</s>", 2)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
     )
 
 
-def _byte_bpe(pre_tokenizer, normalizer=None, bos: bool = False):
+def _byte_bpe(pre_tokenizer, normalizer=None, bos: bool = False, eos: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
@@ -55,7 +57,7 @@ def _byte_bpe(pre_tokenizer, normalizer=None, bos: bool = False):
         vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     backend.train_from_iterator(_corpus(), trainer=trainer)
-    return _wrap(backend, bos)
+    return _wrap(backend, bos, eos)
 
 
 def _piece_model(model: str, pre_tokenizer, normalizer=None):
@@ -84,6 +86,12 @@ def _prefix_space():
     from tokenizers import pre_tokenizers
 
     return _byte_bpe(pre_tokenizers.ByteLevel(add_prefix_space=True))
+
+
+def _bos_and_eos():
+    from tokenizers import pre_tokenizers
+
+    return _byte_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), bos=True, eos=True)
 
 
 def _llama3():
@@ -159,6 +167,7 @@ def _no_pre_tokenizer():
 TOKENIZERS: dict[str, Callable[[], PreTrainedTokenizerFast]] = {
     "gpt2": _gpt2,
     "prefix-space": _prefix_space,
+    "bos-and-eos": _bos_and_eos,
     "llama3": _llama3,
     "qwen2": _qwen2,
     "digits": _digits,
