@@ -47,9 +47,11 @@ def _pool() -> str:
 
 
 def _document(rng: random.Random, pool: str) -> str:
-    length = rng.choice([ANCHOR_CHARS, 40, 70, 150, 400, 900])
-    start = rng.randrange(len(pool) - length)
-    text = pool[start : start + length]
+    text = ""
+    while not text.strip():  # a slice of a table's blank columns is no document
+        length = rng.choice([ANCHOR_CHARS, 40, 70, 150, 400, 900])
+        start = rng.randrange(len(pool) - length)
+        text = pool[start : start + length]
     return rng.choice(EDGES) + text + rng.choice(EDGES)
 
 
