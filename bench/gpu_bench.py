@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from captured_decode import CapturedDecode, CapturedLoop, same_prefix  # noqa: E402
 
 #: The stages one call's stage times are printed for, in order (kvboost_rag.diagnosis.stage_times).
-STAGES = ("tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
+STAGES = ("find", "tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
     "reference documents below, quote the relevant rule and keep the answer short."
@@ -174,13 +174,38 @@ def split_documents(tokenizer, doc_tokens: int) -> list[str]:
     return [piece for piece in pieces if len(piece) >= 64]
 
 
-def build_prompt(tokenizer, tokens: int, seed: int, doc_tokens: int = 512) -> tuple[str, list[str], str]:
+def split_characters(doc_chars: int) -> list[str]:
+    """The reference documents cut the way a character text splitter cuts them: paragraphs
+    packed into pieces of at most ``doc_chars`` characters, a longer paragraph cut at the last
+    whitespace before the limit (at the limit where there is none)."""
+    pieces: list[str] = []
+    for text in python_reference_documents():
+        current = ""
+        for paragraph in (p.strip() for p in text.split("\n\n")):
+            while len(paragraph) > doc_chars:
+                cut = max(paragraph.rfind(" ", 0, doc_chars), paragraph.rfind("\n", 0, doc_chars))
+                cut = cut if cut > doc_chars // 2 else doc_chars
+                pieces.append(paragraph[:cut].strip())
+                paragraph = paragraph[cut:].strip()
+            if current and len(current) + 2 + len(paragraph) > doc_chars:
+                pieces.append(current)
+                current = ""
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+        if current:
+            pieces.append(current)
+    return [piece for piece in pieces if len(piece) >= 64]
+
+
+def build_prompt(
+    tokenizer, tokens: int, seed: int, doc_tokens: int = 512, doc_chars: int | None = None
+) -> tuple[str, list[str], str]:
     """``(prompt, documents, same documents in another order as a prompt)`` of about
     ``tokens`` tokens: the system prompt, retrieved documents (reference documents cut into
-    pieces of at most ``doc_tokens`` tokens, a seeded random choice), the question."""
+    pieces of at most ``doc_tokens`` tokens, or of at most ``doc_chars`` characters when
+    given; a seeded random choice), the question."""
     count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     budget = tokens - count(SYSTEM_PROMPT) - count(QUESTION)
-    pool = split_documents(tokenizer, doc_tokens)
+    pool = split_characters(doc_chars) if doc_chars else split_documents(tokenizer, doc_tokens)
     random.Random(seed).shuffle(pool)
     documents: list[str] = []
     for text in pool:
@@ -268,7 +293,7 @@ def median_ms(run: Callable[[], float], repeats: int) -> float:
 
 def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: torch.device) -> Row:
     model, tokenizer = engine.model, engine.tokenizer
-    prompt, documents, shuffled = build_prompt(tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
+    prompt, documents, shuffled = build_prompt(tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens, doc_chars=args.doc_chars)
     n = engine.count_tokens(prompt)
 
     @torch.inference_mode()
@@ -291,7 +316,7 @@ def measure(engine: KVBoost, timer: ForwardTimer, tokens: int, args, device: tor
         with timer.measure() as model_s, record_stages(synchronize=False) as stages:
             result = engine.generate(text, max_new_tokens=1)
         check(result)
-        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - stages.get("tokenize", 0.0)
+        return result.ttft_ms, result.ttft_ms - model_s[0] * 1000 - stages.get("tokenize", 0.0)  # finding documents stays in
 
     full_prefill()
     full_ms = median_ms(full_prefill, args.repeats)
@@ -344,7 +369,9 @@ def profile_one_call(engine: KVBoost, tokens: int, args) -> None:
     profiler sees it: the top operations by time on the host and on the device."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, documents, shuffled = build_prompt(engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
+    _, documents, shuffled = build_prompt(
+        engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens, doc_chars=args.doc_chars
+    )
     engine.warm_documents(documents, show_progress=False)
     engine.generate(shuffled, max_new_tokens=1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -472,6 +499,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--doc-tokens", type=int, default=512, help="largest document (RAG splitter piece), tokens")
     parser.add_argument(
+        "--doc-chars", type=int, default=None, help="cut documents into pieces of at most this many characters instead"
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, metavar="ROWS",
         help="after the table, profile one repair call at the longest length and print this many rows",
     )
@@ -524,7 +554,7 @@ def _table(engine: KVBoost, timer: ForwardTimer, lengths: list[int], args, devic
         f"| prompt tokens | documents | full prefill SDPA ms | prefix repeat ms | x | {repair} ms | x | "
         "tokenize ms | overhead prefix / repair ms | copies prefix / repair | launches prefix / repair | "
         "syncs prefix / repair | memcpys prefix / repair | host reads prefix / repair | decode tok/s engine | "
-        "model.generate | engine / generate | repair stages ms (tokenize/plan/lookup/stitch/probe/select/blend) |"
+        "model.generate | engine / generate | repair stages ms (find/tokenize/plan/lookup/stitch/probe/select/blend) |"
     )
     print("|---" * 18 + "|")
     rows = []

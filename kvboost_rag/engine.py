@@ -80,7 +80,7 @@ class KVBoost:
         store = build_store(settings, adapter.device)
         self._cache = cache = CacheManager(store, self.fingerprint, adapter.layout, settings, adapter.device, adapter.dtype)
         self._chat = ChatTemplate(tokenizer)
-        tokenizing = Tokenizing(tokenizer, adapter)
+        tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
         prefiller = Prefiller(adapter, cache, settings)
         turns = ModelTurns()

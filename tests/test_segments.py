@@ -198,3 +198,25 @@ def test_find_after_registrations_and_forgetting_equals_a_plain_scan():
     found = [o.record.text for o in reg.find(prompt)]
     expected = [texts[i] for i in chosen if i in set(kept)]
     assert found == expected and len(reg) == len(kept)
+
+
+def test_aligning_all_documents_at_once_equals_aligning_each(tokenizer):
+    """One prompt holding documents that align whole, documents whose edges merge with their
+    neighbours, a leading part, and documents of multi-byte characters: aligning them together
+    gives each document the pairs and merged count of aligning it alone."""
+    from kvboost_rag.corpus import python_reference_documents
+    from kvboost_rag.request.documents import align_all
+
+    texts = [*python_reference_documents(max_chars=300)[:5], "Émoji 🙂 and naïve café — “quotes” " * 3]
+    records = [DocumentRecord(str(i), t, *_spans(tokenizer, t)) for i, t in enumerate(texts)]
+    prompt = "Intro" + texts[0] + "\n\n" + texts[1] + "s" + texts[2] + "\n\n" + texts[5] + texts[3] + "\n\n" + texts[4][:90]
+    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    index = PromptIndex(len(prompt), list(enc.input_ids), [tuple(o) for o in enc.offset_mapping])
+    found = DocumentRegistry().find(prompt, explicit=records[:4] + records[5:])
+    found.append(DocumentOccurrence(records[4], prompt.rindex(texts[4][:90]), 90))
+    together = [DocumentOccurrence(o.record, o.char_start, o.matched_chars) for o in found]
+    align_all(together, index)
+    for occurrence, joint in zip(found, together):
+        align_tokens(occurrence, index)
+        assert (joint.positions, joint.rows, joint.merged_tokens) == (occurrence.positions, occurrence.rows, occurrence.merged_tokens)
+    assert any(o.merged_tokens for o in found) and any(o.positions and not o.merged_tokens for o in found)

@@ -33,8 +33,12 @@ from kvboost_rag.generation.slots import SlotLease
 from kvboost_rag.hf.captured import SlotPool
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
+<<<<<<< HEAD
 from kvboost_rag.prefill.prefiller import SPARE_ROWS
 from kvboost_rag.request.inputs import check_documents
+=======
+from kvboost_rag.request.inputs import check_documents, check_text
+>>>>>>> issue-43-tokenize
 from kvboost_rag.request.options import GenerationOptions
 from kvboost_rag.request.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import GenerationResult
@@ -147,8 +151,7 @@ class Requests:
 
     def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
         """Validate, then return the stream of one prompt (see :meth:`kvboost_rag.KVBoost.stream`)."""
-        tokens = self.tokenizing.prompt(prompt)
-        check_documents(options.documents)
+        tokens = self._tokenize(prompt, options)
         guide = None
         if options.constraint is not None:
             guide = self.constraints.compile(options.constraint, self._output_budget(len(tokens), options))
@@ -178,7 +181,7 @@ class Requests:
         tokenized: list[tuple[int, PromptTokens]] = []
         for i, prompt in enumerate(prompts):
             try:
-                tokenized.append((i, self.tokenizing.prompt(prompt, f"prompt {i}")))
+                tokenized.append((i, self._tokenize(prompt, resolved, f"prompt {i}")))
             except KVBoostError as error:
                 outputs[i] = error
         if resolved.reuse:
@@ -366,13 +369,24 @@ class Requests:
         element = torch.empty((), dtype=self.adapter.dtype).element_size()
         return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
 
+    def _tokenize(self, prompt: str, options: GenerationOptions, what: str = "prompt") -> PromptTokens:
+        """The prompt's tokens; with reuse, the documents in it are found first (known ones and
+        ``options.documents``) and their stored tokens spliced in."""
+        check_text(prompt, what)
+        check_documents(options.documents)
+        if not options.reuse:
+            return self.tokenizing.prompt(prompt, what)
+        records = [self.parts.document_record(d) for d in options.documents]
+        return self.tokenizing.prompt(prompt, what, find=True, explicit=records)
+
     def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
+        """The prompt's plan, with the documents found while tokenizing (when content reuse is
+        allowed for it)."""
         with stage("plan"):
             if not options.reuse:
                 return self.planner.plan(tokens, find_documents=False, content_reuse=False, reserve=budget)
-            records = [self.parts.document_record(d) for d in options.documents]
             content = self._content_reuse_allowed(len(tokens) + options.max_new_tokens)
-            return self.planner.plan(tokens, explicit=records, content_reuse=content, reserve=budget)
+            return self.planner.plan(tokens, content_reuse=content, reserve=budget)
 
     def _warn_if_documents_missed(self, plan: PromptPlan, outcome: PrefillOutcome) -> None:
         """Log (rate-limited) why a prompt with a long computed part held no prewarmed

@@ -9,7 +9,7 @@ from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.scheduler import ModelTurns
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.prefill.prefiller import Prefiller
-from kvboost_rag.request.documents import DocumentRecord, make_record
+from kvboost_rag.request.documents import DocumentRecord
 from kvboost_rag.request.plan import Planner
 from kvboost_rag.request.text import Tokenizing
 
@@ -42,9 +42,13 @@ class EngineParts:
         once its chunks are stored, as the newest entry of its document."""
         record = self.cache.index.find_document(text)
         if record is None:
+<<<<<<< HEAD
             ids, offsets = self.tokenizing.ids_with_offsets(text)
             record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
             record.ngrams  # noqa: B018 - indexed once, when the document is read: decoding drafts from it
+=======
+            record = self.tokenizing.record(text, self.cache.fingerprint, self.settings.chunk_size)
+>>>>>>> issue-43-tokenize
             if register:
                 self.cache.index.register(record)
         return record

@@ -395,9 +395,9 @@ class ModelAdapter:
         dst = out if out is not None else torch.empty_like(keys)
         if 2 * half < keys.shape[-1] and dst is not keys:
             dst[..., 2 * half :] = keys[..., 2 * half :]
-        # Full-width tables of the rotate-half form: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [1 or layers, 1, tokens or 1, 2 half]
-        sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
+        # The rotate-half form x cos + rotate_half(x) sin, [x1, x2] -> [x1 cos + (-x2) sin,
+        # x2 cos + x1 sin], one half at a time: x1 cos - x2 sin rounds exactly as x1 cos + (-x2) sin.
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1 or layers, 1, tokens or 1, half]
         layers, heads, tokens, _ = keys.shape
         step = max(1, ROTATION_SLICE_BYTES // (heads * tokens * 2 * half * 4))
         for first in range(0, layers, step):
@@ -408,8 +408,10 @@ class ModelAdapter:
             in_place = x is source and dst is keys
             if x is source and not in_place:
                 x = x.clone()  # float32 keys rotated into another tensor: the source stays as it was
-            partner = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [step, H, tokens, 2 half]: x2, x1
-            x.mul_(c).add_(partner.mul_(s))
+            x1, x2 = x[..., :half], x[..., half:]  # [step, H, tokens, half] views
+            x2_sin, x1_sin = x2 * s, x1 * s
+            x1.mul_(c).sub_(x2_sin)
+            x2.mul_(c).add_(x1_sin)
             if not in_place:
                 target.copy_(x)
         return dst

@@ -186,7 +186,8 @@ class Prefiller:
                 if slot is None:
                     block = self.cache.load(key)
                     lo = chunk * record.chunk_size
-                    if block is None or block.token_ids.tolist() != list(record.token_ids[lo : lo + record.chunk_length(chunk)]):
+                    expected = record.spans[2][lo : lo + record.chunk_length(chunk)]  # host int64 ids
+                    if block is None or block.token_ids.cpu().numpy().tobytes() != expected.tobytes():
                         unusable.add(key)
                         continue
                     slot = index[key] = len(hits.blocks)

@@ -26,13 +26,13 @@ from typing import Protocol
 
 import numpy as np
 
-from kvboost_rag.request.ngrams import TokenIndex
 from kvboost_rag.request.hashing import (
     anchor_hash,
     content_hash_chain,
     text_digest,
     window_anchors,
 )
+from kvboost_rag.request.ngrams import TokenIndex
 
 #: Characters of a document's start that index it. Shorter documents are found only when
 #: passed explicitly to ``generate(documents=...)``.
@@ -74,6 +74,12 @@ class DocumentRecord:
         """Where each pair of its neighbouring tokens occurs (what decoding drafts from);
         built once per record, when the document is read."""
         return TokenIndex(self.spans[2])
+
+    @functools.cached_property
+    def span_pairs(self) -> np.ndarray:
+        """``[tokens, 2]`` int64 character spans (computed once per record)."""
+        starts, ends, _ = self.spans
+        return np.stack([starts, ends], axis=1)
 
     @functools.cached_property
     def shared_spans(self) -> bool:
@@ -364,8 +370,8 @@ class PromptIndex:
 
     Args:
         text_length: Characters in the prompt.
-        ids: Its token ids.
-        offsets: Character span of each token.
+        ids: Its token ids (a sequence or a ``[tokens]`` array).
+        offsets: Character span of each token (a sequence of pairs or a ``[tokens, 2]`` array).
 
     Attributes:
         ids: ``[tokens]`` token ids.
@@ -376,9 +382,14 @@ class PromptIndex:
             special tokens carry empty spans).
     """
 
-    def __init__(self, text_length: int, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> None:
-        spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
-        self.ids = np.array(ids, dtype=np.int64)
+    def __init__(
+        self, text_length: int, ids: Sequence[int] | np.ndarray, offsets: Sequence[tuple[int, int]] | np.ndarray
+    ) -> None:
+        if isinstance(offsets, np.ndarray):
+            spans = offsets.reshape(-1, 2)
+        else:
+            spans = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+        self.ids = np.asarray(ids, dtype=np.int64)
         starts, self.ends = spans[:, 0], np.ascontiguousarray(spans[:, 1])
         self.token_at_char = np.full(text_length + 1, -1, dtype=np.int64)
         tokens = np.flatnonzero(self.ends > starts)[::-1]  # reversed: the first token per start wins
@@ -421,6 +432,49 @@ def align_tokens(occurrence: DocumentOccurrence, prompt: PromptIndex) -> None:
     rows = np.flatnonzero(ok)
     occurrence.positions, occurrence.rows = tuple(j[rows].tolist()), tuple(rows.tolist())
     occurrence.merged_tokens = count - len(rows)
+
+
+def align_all(occurrences: Sequence[DocumentOccurrence], prompt: PromptIndex) -> None:
+    """:func:`align_tokens` for every occurrence, the vectorized work done once for all of
+    them (the same positions, rows and merged counts as aligning each alone)."""
+    batch: list[tuple[DocumentOccurrence, int]] = []
+    for occurrence in occurrences:
+        record = occurrence.record
+        count = int(np.searchsorted(record.spans[1], occurrence.matched_chars, side="right"))
+        if record.shared_spans:
+            _align_one_by_one(occurrence, prompt, count)
+        else:
+            batch.append((occurrence, count))
+    if not batch:
+        return
+    counts = np.array([count for _, count in batch])
+    bases = np.repeat(np.array([occurrence.char_start for occurrence, _ in batch]), counts)
+    starts = np.concatenate([o.record.spans[0][:count] for o, count in batch]) + bases
+    ends = np.concatenate([o.record.spans[1][:count] for o, count in batch]) + bases
+    ids = np.concatenate([o.record.spans[2][:count] for o, count in batch])
+    j = prompt.token_at_char[starts]
+    found = j >= 0
+    j = np.where(found, j, 0)
+    ok = found & (prompt.ends[j] == ends) & (prompt.ids[j] == ids)
+    firsts = np.concatenate([[0], np.cumsum(counts)])
+    # a token aligned, the next one of the same document with no prompt token starting there
+    gap = np.zeros(len(ok), dtype=bool)
+    gap[:-1] = ~found[1:] & ok[:-1]
+    gap[firsts[1:] - 1] = False
+    aligned = np.cumsum(np.concatenate([[0], ok]))[firsts]
+    broken = np.cumsum(np.concatenate([[0], gap]))[firsts]
+    for i, (occurrence, count) in enumerate(batch):
+        lo, hi = firsts[i], firsts[i + 1]
+        if broken[i + 1] > broken[i]:
+            _align_one_by_one(occurrence, prompt, count)
+            continue
+        merged = count - int(aligned[i + 1] - aligned[i])
+        if merged:
+            rows = np.flatnonzero(ok[lo:hi])
+            occurrence.positions, occurrence.rows = tuple(j[lo:hi][rows].tolist()), tuple(rows.tolist())
+        else:  # every token aligned (the usual case)
+            occurrence.positions, occurrence.rows = tuple(j[lo:hi].tolist()), tuple(range(count))
+        occurrence.merged_tokens = merged
 
 
 def _align_one_by_one(occurrence: DocumentOccurrence, prompt: PromptIndex, count: int) -> None:

@@ -22,7 +22,10 @@ _PREFIX_DOMAIN = b"kvboost-rag/prefix/v1"
 _CONTENT_DOMAIN = b"kvboost-rag/content/v1"
 
 
-def _pack_tokens(tokens: Sequence[int]) -> bytes:
+def _pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int64 bytes (a NumPy array without a Python loop)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype("<i8", copy=False).tobytes()
     return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
@@ -31,12 +34,12 @@ def root_hash(fingerprint: str, domain: bytes = _PREFIX_DOMAIN) -> str:
     return hashlib.sha256(domain + b"\0" + fingerprint.encode()).hexdigest()
 
 
-def prefix_hash(parent: str, tokens: Sequence[int]) -> str:
+def prefix_hash(parent: str, tokens: Sequence[int] | np.ndarray) -> str:
     """Key of a prefix chunk given the key of everything before it.
 
     Args:
         parent: ``root_hash(fingerprint)`` for the first chunk, else the previous chunk's key.
-        tokens: The chunk's token ids.
+        tokens: The chunk's token ids (a sequence or an int64 array: the same key).
     """
     digest = hashlib.sha256(bytes.fromhex(parent))
     digest.update(struct.pack("<q", len(tokens)))

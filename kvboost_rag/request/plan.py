@@ -14,7 +14,9 @@ Pure: standard library, NumPy and the pure helpers of :mod:`kvboost_rag.request.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,32 +29,89 @@ from kvboost_rag.request.documents import (
     DocumentRecord,
     DocumentRegistry,
     PromptIndex,
-    align_tokens,
+    align_all,
 )
 from kvboost_rag.request.hashing import prefix_hash
 
 
-@dataclass(frozen=True)
 class PromptTokens:
     """A prompt as full prefill sees it.
 
-    Attributes:
+    Built from lists (``ids``, ``offsets``) or from arrays (:meth:`from_arrays`, what the
+    spliced tokenizing builds); each form is made from the other once, when first read.
+
+    Args:
         text: The prompt string.
         ids: Its token ids (special tokens included, as the model reads them).
         offsets: Character span of each token in ``text``.
+        found: Documents found in ``text`` while it was tokenized (``None``: not looked for),
+            in order, not overlapping; planning reads them instead of looking again.
     """
 
-    text: str
-    ids: list[int]
-    offsets: list[tuple[int, int]]
+    def __init__(
+        self,
+        text: str,
+        ids: Sequence[int],
+        offsets: Sequence[tuple[int, int]],
+        found: Sequence[DocumentOccurrence] | None = None,
+    ) -> None:
+        self.text = text
+        self.__dict__["ids"] = list(ids)
+        self.__dict__["offsets"] = list(offsets)
+        self.found = tuple(found) if found is not None else None
+
+    @classmethod
+    def from_arrays(
+        cls, text: str, ids: np.ndarray, spans: np.ndarray, found: Sequence[DocumentOccurrence] | None = None
+    ) -> PromptTokens:
+        """Tokens held as arrays: ``ids`` ``[tokens]`` int64, ``spans`` ``[tokens, 2]`` int64."""
+        tokens = cls.__new__(cls)
+        tokens.text = text
+        tokens.__dict__["id_array"] = np.ascontiguousarray(ids, dtype=np.int64)
+        tokens.__dict__["span_array"] = np.ascontiguousarray(spans, dtype=np.int64).reshape(-1, 2)
+        tokens.found = tuple(found) if found is not None else None
+        return tokens
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.id_array) if "id_array" in self.__dict__ else len(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptTokens):
+            return NotImplemented
+        return self.text == other.text and self.ids == other.ids and self.offsets == other.offsets
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking value, compared by content
+
+    def __repr__(self) -> str:
+        return f"PromptTokens({len(self)} tokens, {len(self.text)} characters)"
+
+    @functools.cached_property
+    def ids(self) -> list[int]:
+        """Token ids as a list."""
+        return self.id_array.tolist()
+
+    @functools.cached_property
+    def offsets(self) -> list[tuple[int, int]]:
+        """Character span of each token as a list of ``(start, end)``."""
+        spans = self.span_array
+        return list(zip(spans[:, 0].tolist(), spans[:, 1].tolist()))
+
+    @functools.cached_property
+    def id_array(self) -> np.ndarray:
+        """``[tokens]`` int64 token ids."""
+        return np.fromiter(self.ids, dtype=np.int64, count=len(self.ids))
+
+    @functools.cached_property
+    def span_array(self) -> np.ndarray:
+        """``[tokens, 2]`` int64 character spans."""
+        offsets = self.offsets
+        flat = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+        return flat.reshape(-1, 2)
 
     @functools.cached_property
     def id_tensor(self) -> torch.Tensor:
         """``[tokens]`` int64 host tensor of :attr:`ids` (built once per prompt)."""
-        return torch.from_numpy(np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
+        return torch.from_numpy(self.id_array)
 
 
 @dataclass(frozen=True)
@@ -177,7 +236,8 @@ def build_plan(
         tokens: The tokenized prompt.
         root: Root of the prefix hash chain.
         chunk_size: Tokens per prefix chunk.
-        registry: Known documents to look for in the text; ``None`` looks for none.
+        registry: Known documents to look for in the text; ``None`` looks for none (documents
+            found while tokenizing, ``tokens.found``, are read instead of looking again).
         explicit: Documents the caller says are in the prompt (found even when short or not
             registered).
         placed: Document occurrences already known (skips the search).
@@ -191,6 +251,8 @@ def build_plan(
     limit = n - 1 if lookup_limit is None else min(lookup_limit, n)
     if placed is not None:
         occurrences = list(placed)
+    elif content_reuse and tokens.found is not None:
+        occurrences = [dataclasses.replace(found) for found in tokens.found]  # aligning fills in fresh copies
     elif content_reuse and (registry is not None or explicit):
         finder = registry if registry is not None else DocumentRegistry()
         occurrences = finder.find(tokens.text, explicit)
@@ -198,7 +260,7 @@ def build_plan(
         occurrences = []
     documents = _place(occurrences, tokens)
     shared_end = min((d.first_token for d in documents), default=n)
-    lookup, tail, stored = _prefix_grid(tokens.ids, root, chunk_size, limit, shared_end)
+    lookup, tail, stored = _prefix_grid(tokens.id_array, root, chunk_size, limit, shared_end)
     return PromptPlan(
         tokens=tokens,
         root=root,
@@ -216,10 +278,10 @@ def build_plan(
 def _place(occurrences: Sequence[DocumentOccurrence], tokens: PromptTokens) -> list[PlacedDocument]:
     if not occurrences:
         return []
-    index = PromptIndex(len(tokens.text), tokens.ids, tokens.offsets)
+    index = PromptIndex(len(tokens.text), tokens.id_array, tokens.span_array)
+    align_all(occurrences, index)
     placed: list[PlacedDocument] = []
     for occurrence in occurrences:
-        align_tokens(occurrence, index)
         placed.append(
             PlacedDocument(
                 record=occurrence.record,
@@ -234,7 +296,7 @@ def _place(occurrences: Sequence[DocumentOccurrence], tokens: PromptTokens) -> l
 
 
 def _prefix_grid(
-    ids: Sequence[int], root: str, size: int, limit: int, shared_end: int
+    ids: np.ndarray, root: str, size: int, limit: int, shared_end: int
 ) -> tuple[tuple[PrefixChunk, ...], PrefixChunk | None, tuple[PrefixChunk, ...]]:
     """Walk the hash chain once: full chunks within ``limit`` (lookup candidates), the short
     chunk that ends exactly at ``limit`` (if ``limit`` is off the grid), and the grid over

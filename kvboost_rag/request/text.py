@@ -1,13 +1,75 @@
-"""Text to tokens: the first step of every prompt, document and warmed beginning."""
+"""Text to tokens: the first step of every prompt, document and warmed beginning.
+
+A prompt is tokenized once, but its known documents are not tokenized again: the documents
+are found in the text first (:meth:`~kvboost_rag.request.documents.DocumentRegistry.find`),
+then only the text between them is tokenized and their stored tokens are spliced in
+(:mod:`kvboost_rag.request.splicing`), giving exactly the ids and spans of tokenizing the
+whole prompt. A tokenizer splicing does not support is used on the whole prompt.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
+from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.request.documents import DocumentOccurrence, DocumentRecord, DocumentRegistry, make_record
 from kvboost_rag.request.inputs import check_text
 from kvboost_rag.request.plan import PromptTokens
+from kvboost_rag.request.splice_support import splice_support
+from kvboost_rag.request.splicing import KnownDocument, splice_tokens, word_starts
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
+
+#: Document tokens whose records are remembered as checked (about 100 bytes each).
+CHECKED_RECORD_TOKENS = 1 << 18
+
+
+class CheckedRecords:
+    """Records whose tokens are known to be their text's (tokenized here, or checked once),
+    with where their tokens start words.
+
+    A record read from a shared store is untrusted: before its tokens stand in for its text
+    in a prompt they are compared with tokenizing the text. Bounded, least recently used out.
+
+    Args:
+        max_tokens: Budget in document tokens.
+    """
+
+    def __init__(self, max_tokens: int = CHECKED_RECORD_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._records: OrderedDict[str, tuple[DocumentRecord, tuple[int, ...]]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, record: DocumentRecord, word_starts: Sequence[int]) -> None:
+        """Remember ``record`` as checked, with the indices of its tokens that start a word."""
+        with self._lock:
+            if record.digest in self._records:
+                self._records.move_to_end(record.digest)
+                return
+            self._records[record.digest] = (record, tuple(word_starts))
+            self._tokens += len(record.token_ids)
+            while self._tokens > self.max_tokens and len(self._records) > 1:
+                _, (dropped, _) = self._records.popitem(last=False)
+                self._tokens -= len(dropped.token_ids)
+
+    def word_starts(self, record: DocumentRecord) -> tuple[int, ...] | None:
+        """Where ``record``'s tokens start words if it (or an equal one) was checked, else ``None``."""
+        with self._lock:
+            known = self._records.get(record.digest)
+            if known is None:
+                return None
+            self._records.move_to_end(record.digest)
+        held, starts = known
+        same = held is record or (held.token_ids == record.token_ids and held.offsets == record.offsets)
+        return starts if same else None
 
 
 class Tokenizing:
@@ -17,11 +79,18 @@ class Tokenizing:
         tokenizer: The model's fast tokenizer.
         model: Anything with a ``context_window`` (the model adapter), read at each prompt so
             it follows the model's config.
+        documents: Returns the index of known documents to find in prompts (read at each
+            prompt: clearing the cache replaces it); ``None`` finds none.
     """
 
-    def __init__(self, tokenizer: Any, model: Any) -> None:
+    def __init__(self, tokenizer: Any, model: Any, documents: Callable[[], DocumentRegistry] | None = None) -> None:
         self.tokenizer = tokenizer
         self._model = model
+        self._documents = documents
+        self._support, reason = splice_support(tokenizer)
+        if self._support is None:
+            logger.info("prompts are tokenized whole, documents included: %s", reason)
+        self.checked = CheckedRecords()
 
     def ids(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens)."""
@@ -29,27 +98,82 @@ class Tokenizing:
 
     def ids_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and character spans of ``text`` tokenized alone (no special tokens)."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        ids, offsets, _ = self._alone(text)
+        return ids, offsets
 
-    def prompt(self, text: str, what: str = "prompt") -> PromptTokens:
+    def record(self, text: str, fingerprint: str, chunk_size: int) -> DocumentRecord:
+        """The record of a document, tokenized alone here (so its tokens stand in for its text
+        in prompts without a check; see :func:`~kvboost_rag.request.documents.make_record`)."""
+        ids, offsets, starts = self._alone(text)
+        record = make_record(text, ids, offsets, fingerprint, chunk_size)
+        self.checked.add(record, starts)
+        return record
+
+    def _alone(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """``(ids, spans, word starts)`` of ``text`` tokenized alone (no special tokens)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = word_starts(enc.word_ids()) if self._support is not None else []
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], starts
+
+    def prompt(
+        self, text: str, what: str = "prompt", *, find: bool = False, explicit: Sequence[DocumentRecord] = ()
+    ) -> PromptTokens:
         """A prompt's tokens exactly as full prefill sees them (special tokens included).
+
+        Args:
+            text: The prompt.
+            what: What it is, for errors.
+            find: Find known documents (and ``explicit`` ones) in it first: their stored
+                tokens are spliced in, and planning reads them from ``found``.
+            explicit: Documents the caller says are in the prompt.
 
         Raises:
             InvalidInputError: Blank or unreadable text, or no tokens.
             PromptTooLongError: It does not fit the context window.
         """
         check_text(text, what)
+        found = None
+        if find:
+            with stage("find"):
+                registry = self._documents() if self._documents is not None else DocumentRegistry()
+                found = registry.find(text, explicit)
         with stage("tokenize"):
-            enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
-            offsets = [tuple(o) for o in enc["offset_mapping"]]
-        if not ids:
+            tokens = self._tokens(text, found)
+        n = len(tokens)
+        if not n:
             raise InvalidInputError(f"{what} has no tokens")
         window = self._model.context_window
-        if len(ids) >= window:
+        if n >= window:
             raise PromptTooLongError(
-                f"{what} has {len(ids)} tokens but the model's context window is {window}: "
+                f"{what} has {n} tokens but the model's context window is {window}: "
                 "retrieve fewer or shorter documents"
             )
-        return PromptTokens(text, ids, offsets)
+        return tokens
+
+    def _tokens(self, text: str, found: list[DocumentOccurrence] | None) -> PromptTokens:
+        known = []
+        if self._support is not None:
+            for occurrence in found or ():
+                starts = self._word_starts(occurrence.record) if occurrence.is_whole else None
+                if starts:
+                    known.append(KnownDocument(occurrence, starts))
+        if known:
+            ids, spans, _ = splice_tokens(text, known, self._support)
+            return PromptTokens.from_arrays(text, ids, spans, found)
+        enc = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        return PromptTokens(text, enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]], found)
+
+    def _word_starts(self, record: DocumentRecord) -> tuple[int, ...] | None:
+        """Where ``record``'s tokens start words, once its tokens are known to be its text's
+        (checked once per record, by tokenizing it); ``None`` when they are not."""
+        starts = self.checked.word_starts(record)
+        if starts is not None:
+            return starts
+        ids, offsets, starts = self._alone(record.text)
+        if tuple(ids) != record.token_ids or tuple(offsets) != record.offsets:
+            _warnings.warning(
+                "record-tokens-differ", "a stored document record's tokens are not its text's: its text is tokenized instead"
+            )
+            return None
+        self.checked.add(record, starts)
+        return tuple(starts)
