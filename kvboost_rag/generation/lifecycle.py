@@ -33,12 +33,8 @@ from kvboost_rag.generation.slots import SlotLease
 from kvboost_rag.hf.captured import SlotPool
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
-<<<<<<< HEAD
 from kvboost_rag.prefill.prefiller import SPARE_ROWS
-from kvboost_rag.request.inputs import check_documents
-=======
 from kvboost_rag.request.inputs import check_documents, check_text
->>>>>>> issue-43-tokenize
 from kvboost_rag.request.options import GenerationOptions
 from kvboost_rag.request.plan import PromptPlan, PromptTokens
 from kvboost_rag.results import GenerationResult

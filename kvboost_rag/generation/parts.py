@@ -42,13 +42,8 @@ class EngineParts:
         once its chunks are stored, as the newest entry of its document."""
         record = self.cache.index.find_document(text)
         if record is None:
-<<<<<<< HEAD
-            ids, offsets = self.tokenizing.ids_with_offsets(text)
-            record = make_record(text, ids, offsets, self.cache.fingerprint, self.settings.chunk_size)
-            record.ngrams  # noqa: B018 - indexed once, when the document is read: decoding drafts from it
-=======
             record = self.tokenizing.record(text, self.cache.fingerprint, self.settings.chunk_size)
->>>>>>> issue-43-tokenize
+            record.ngrams  # noqa: B018 - indexed once, when the document is read: decoding drafts from it
             if register:
                 self.cache.index.register(record)
         return record
