@@ -22,6 +22,7 @@
 # bench at the tiny shape with short prompts. Other settings: PYTHON (default python3),
 # GPU_WHEELS_DIR and GPU_TOKENIZER_DIR (as for scripts/gpu_wheels.sh), GPU_CHECK_SITE (where
 # the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
+# GPU_CHECK_SHAPES (the TTFT benches' shapes, default "Llama-3.1-8B Qwen2.5-7B"),
 # GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT, GPU_CHECK_DECODE_LIMIT and GPU_CHECK_BENCH_LIMIT
 # (seconds: the whole check, the tests, the decode table, each bench; GPU_CHECK_DECODE_LIMIT=0
 # leaves the decode table out), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
@@ -50,7 +51,7 @@ case "$MODE" in
     DECODE_LIMIT="${GPU_CHECK_DECODE_LIMIT:-240}"
     DECODE_SHAPE=Llama-3.1-8B
     DECODE_LENGTHS=8192,32768
-    SHAPES=(Llama-3.1-8B Qwen2.5-7B)
+    read -r -a SHAPES <<<"${GPU_CHECK_SHAPES:-Llama-3.1-8B Qwen2.5-7B}"
     # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
     declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
     BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8 --profile "${GPU_CHECK_PROFILE:-0}")

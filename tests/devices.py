@@ -43,8 +43,10 @@ def device_params(cpu: Iterable[Any], cuda: Iterable[Any]) -> list[Any]:
 
 def engine_device_settings(device: str) -> dict[str, str]:
     """Engine settings that put an engine on ``device``: none on the CPU (the model stays
-    where it was built, as every CPU test always ran), ``device=...`` elsewhere."""
-    return {} if device == "cpu" else {"device": device}
+    where it was built, as every CPU test always ran), ``device=...`` elsewhere, with the
+    eager decode path (captured steps, on by default on CUDA, compile at load; their own
+    tests turn them on)."""
+    return {} if device == "cpu" else {"device": device, "captured_steps": "off"}
 
 
 def full_precision_float32() -> None:

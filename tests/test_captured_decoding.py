@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from devices import CUDA
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from test_draft_decoding import OracleDrafter, assert_same_greedy
 
@@ -122,3 +123,25 @@ def test_a_lease_returns_its_slot_when_both_holders_released_it():
 
 class _Layout:
     layers, kv_heads, head_dim = 2, 2, 16
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_on_cuda_captured_graphs_decode_the_eager_tokens(tokenizer, docs, device, monkeypatch):
+    """The engine as it runs on a GPU: inductor and CUDA graphs (captured_steps auto)."""
+    from kvboost_rag.dev.testing import tiny_model
+
+    settings = {**SETTINGS, "device": device}
+    captured = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings)
+    eager = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings, captured_steps="off")
+    assert captured._captured is not None, "captured steps are on by default on CUDA"
+    prompts = [rag_prompt([docs[0], docs[1]]), rag_prompt([docs[2]], "Summarize.")]
+    references = [eager.generate(p, max_new_tokens=24, return_logits=True) for p in prompts]
+    answers = {p: r.token_ids for p, r in zip(prompts, references)}
+    monkeypatch.setattr(lifecycle, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
+    monkeypatch.setattr(DraftPolicy, "length", lambda self, s, source, match, available, rows: min(available, self.max_tokens))
+    runs = captured._captured.runs
+    for results in ([captured.generate(p, max_new_tokens=24) for p in prompts], captured.generate_batch(prompts, max_new_tokens=24)):
+        for reference, run in zip(references, results):
+            assert_same_greedy(run.token_ids, reference.token_ids, reference.step_logits)
+    assert captured._captured.runs > runs
+    assert _pool(captured).free_slots == len(_pool(captured).slots)
