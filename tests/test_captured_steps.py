@@ -266,8 +266,10 @@ def test_no_host_read_inside_a_step_and_no_buffer_moves(device, monkeypatch):
         first = steps.run(rows).flat.data_ptr()
         counted = profile_counts(lambda: steps.run(rows))
         assert counted.host_reads == 0 and counted.copies >= 1  # the profiler saw the step (its input copy)
-        if device == "cuda":  # one input copy, one graph launch
-            assert counted.syncs == 0 and counted.memcpys == 1 and counted.launches == counted.graph_launches == 1, counted
+        if device == "cuda":  # one input copy, one graph launch, no wait beyond what profiling itself does
+            profiler_only = profile_counts(lambda: None)
+            assert counted.syncs == profiler_only.syncs, (counted, profiler_only)
+            assert counted.memcpys == 1 and counted.launches == counted.graph_launches == 1, counted
             assert steps.run(rows).flat.data_ptr() == first
         plain = CapturedRows(steps.adapter, pool, (8,), backend=None, cuda_graphs=False)
         assert plain.prepare(), plain.reason

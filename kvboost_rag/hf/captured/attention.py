@@ -204,8 +204,13 @@ def rows_attention(
         def score_mod(score, batch, head, q_idx, kv_idx):
             return torch.tanh(score / softcap) * softcap
 
+    # Several queries of a step read different rows: flex-decoding, the kernel inductor picks
+    # for short query lengths, gave wrong rows for steps of more than one token on an H100
+    # (one token: right), so those steps use the main FlexAttention kernel.
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if query.shape[2] > 1 else None
     out = flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query, key, value, score_mod=score_mod, block_mask=mask, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1], kernel_options=options,
     )
     return out.transpose(1, 2).contiguous(), None
 
