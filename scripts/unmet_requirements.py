@@ -28,7 +28,7 @@ try:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 except ImportError:  # a new environment: nothing is installed, so nothing is met
-    print("packaging is not installed: every requirement counts as unmet")
+    print("a new environment (packaging is not installed yet): everything is to install")
     sys.exit(1)
 
 _EDITABLE = re.compile(r"^(?P<path>.+?)(?:\[(?P<extras>[^\]]*)\])?$")
