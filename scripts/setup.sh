@@ -28,7 +28,9 @@ PY=.venv/bin/python
 TORCH="torch==2.13.0"
 # uv resolves and downloads in parallel: the demo's requirements in seconds where pip took half
 # a minute. It is installed into .venv by pip, and it does not see pip's configuration
-# (which is where the local torch file is found): torch stays pip's.
+# (which is where the local torch file is found): torch stays pip's. It copies files out of its
+# cache: by default it hard-links them, and nltk (under llama-index-core) refuses to open a
+# file with more than one link.
 UV="uv==0.13.9"
 
 met() {
@@ -42,7 +44,7 @@ pip_install() {
 
 uv_install() {
   met "$@" && return 0
-  .venv/bin/uv pip install --quiet --python "$PY" "${UV_COMPILE[@]}" "$@"
+  .venv/bin/uv pip install --quiet --python "$PY" --link-mode copy "${UV_COMPILE[@]}" "$@"
 }
 
 pip_install "$TORCH"
