@@ -101,7 +101,7 @@ class Environment:
             if deps and key not in seen:
                 seen.add(key)
                 pending += [(Requirement(line), key[1]) for line in dist.requires or []]
-        return problems
+        return list(dict.fromkeys(problems))  # once each, wherever the tree meets it
 
     def _editable_problem(self, editable: Editable) -> str | None:
         project = editable.project()
