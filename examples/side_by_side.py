@@ -27,7 +27,7 @@ Run:
     python examples/side_by_side.py --k 4 --max-chars 1000 --questions 6
     python examples/side_by_side.py --docs 12 --max-chars 300 --k 2 --questions 1   # a quick check
 
-Needs ``bash scripts/setup.sh`` (the ``examples`` extra: faiss-cpu, langchain-classic,
+Needs ``bash scripts/setup.sh --test`` (the ``examples`` extra: faiss-cpu, langchain-classic,
 langchain-huggingface, llama-index-llms-huggingface, sentence-transformers); no network.
 """
 

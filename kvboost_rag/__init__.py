@@ -6,9 +6,12 @@ keys are re-rotated to the new positions and the cross-document attention they m
 repaired by recomputing the few of their tokens the prompt's last token attends to most.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from kvboost_rag import _aliases
-from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.engine import GenerationStream, KVBoost
 from kvboost_rag.errors import (
     InvalidInputError,
     KVBoostError,
@@ -16,13 +19,20 @@ from kvboost_rag.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from kvboost_rag.results import (
-    CacheStats,
-    CorrectnessReport,
-    GenerationResult,
-    PromptCheck,
-    WarmResult,
-)
+
+if TYPE_CHECKING:
+    from kvboost_rag.config import KVBoostSettings
+    from kvboost_rag.engine import GenerationStream, KVBoost
+    from kvboost_rag.results import CacheStats, CorrectnessReport, GenerationResult, PromptCheck, WarmResult
+
+#: Names imported on first use, so that ``import kvboost_rag.default_model`` (what
+#: scripts/setup.sh runs to find the converted model) does not import torch and transformers.
+_LAZY = {
+    "KVBoostSettings": "kvboost_rag.config",
+    "GenerationStream": "kvboost_rag.engine",
+    "KVBoost": "kvboost_rag.engine",
+    **dict.fromkeys(["CacheStats", "CorrectnessReport", "GenerationResult", "PromptCheck", "WarmResult"], "kvboost_rag.results"),
+}
 
 __all__ = [
     "CacheStats",
@@ -41,5 +51,18 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 _aliases.install()

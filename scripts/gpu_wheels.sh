@@ -4,7 +4,7 @@
 # registry, no pydantic and an older transformers (docs/gpu.md):
 #   .whl/            wheels of every other package the check imports, --no-deps, for CPython
 #                    3.12 on manylinux x86_64, at the versions this checkout's .venv runs
-#                    (scripts/setup.sh): pydantic and its dependencies, transformers, the
+#                    (scripts/setup.sh --test): pydantic and its dependencies, transformers, the
 #                    transformers dependency the GPU machine's versions may not meet (regex),
 #                    llguidance (constrained decoding);
 #   .gpu-tokenizer/  the embedded model's tokenizer files (no weights), which bench/gpu_bench.py
@@ -21,7 +21,7 @@ WHEELS="${GPU_WHEELS_DIR:-.whl}"
 TOKENIZER="${GPU_TOKENIZER_DIR:-.gpu-tokenizer}"
 VENV_PY=.venv/bin/python
 if [ ! -x "$VENV_PY" ]; then
-  echo "no .venv: run scripts/setup.sh first (the wheels take the versions it installed)" >&2
+  echo "no .venv: run scripts/setup.sh --test first (the wheels take the versions it installed)" >&2
   exit 1
 fi
 

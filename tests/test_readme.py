@@ -15,7 +15,7 @@ DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 DEMO_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m kvboost_rag.demo"
-TEST_COMMAND = "bash scripts/setup.sh && bash .ci/install-redis.sh && bash scripts/test.sh"
+TEST_COMMAND = "bash scripts/setup.sh --test && bash .ci/install-redis.sh && bash scripts/test.sh"
 HEADLINE = "3.92x"
 HEADLINE_REPORT = ROOT / "bench" / "results" / "corpus_1000_defaults.md"
 
