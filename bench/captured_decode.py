@@ -7,6 +7,11 @@ one eager decode step (what the engine's decode worker runs today) is counted. F
 the greedy loop (the host reads each token, as ``generate`` does), host time to issue one step
 (no wait for the device), launches per step (kernel and graph launches, as the profiler sees
 them; CUDA only) and whether the greedy tokens equal ``model.generate``'s.
+
+:func:`engine_decode` measures the engine's own ``generate`` on an engine built with captured
+steps (every bucket built at load, drafting on): what a user's call gets. Where greedy tokens
+part from ``model.generate``'s, :func:`split_margin` gives ``generate``'s margin there (its top
+logit less its second): near zero, two candidates tie within bfloat16 rounding.
 """
 
 from __future__ import annotations
@@ -116,6 +121,59 @@ class CapturedLoop:
             eager_launches=eager_launches,
             tokens=produced,
         )
+
+
+@dataclass
+class EngineDecode:
+    """One prompt's decode through the engine's own calls (``KVBoost.stream``).
+
+    Attributes:
+        tokens_per_s: Tokens after the first over the time from the first token to the last
+            piece streamed.
+        write_back_ms: From the last piece to the call's end: the write-back of the prompt's
+            K/V into the cache, which a blocking ``generate`` waits for.
+        drafted_share: Share of the generated tokens that were accepted drafts.
+        tokens_per_step: Tokens after the first per decode step.
+        captured_steps: Steps the call ran as captured graphs.
+        tokens: The generated tokens.
+    """
+
+    tokens_per_s: float
+    write_back_ms: float
+    drafted_share: float
+    tokens_per_step: float
+    captured_steps: int
+    tokens: list[int]
+
+
+def engine_decode(engine, prompt: str, tokens: int) -> EngineDecode:
+    """Greedy-decode ``tokens`` tokens of ``prompt`` through ``engine.stream`` (what
+    ``generate`` runs), timing the first token, the last piece and the call's end."""
+    before = engine.captured_steps_run or 0
+    start = time.perf_counter()  # the engine takes its own start just after, in stream()
+    stream = engine.stream(prompt, max_new_tokens=tokens)
+    last = start
+    for _ in stream:
+        last = time.perf_counter()
+    end = time.perf_counter()
+    result = stream.result
+    steps = result.generated_tokens - 1
+    seconds = last - (start + result.ttft_ms / 1000)  # first token to last piece
+    return EngineDecode(
+        tokens_per_s=steps / seconds if steps > 0 and seconds > 0 else float("nan"),
+        write_back_ms=(end - last) * 1000,
+        drafted_share=result.drafted_tokens / max(1, result.generated_tokens),
+        tokens_per_step=steps / max(1, result.decode_steps),
+        captured_steps=(engine.captured_steps_run or 0) - before,
+        tokens=list(result.token_ids),
+    )
+
+
+def split_margin(tokens: list[int], reference: list[int], margins: list[float]) -> float | None:
+    """The reference's logit margin (top less second) at the first token where ``tokens``
+    part from ``reference``; ``None`` when they do not part."""
+    split = same_prefix(tokens, reference)
+    return margins[split] if split < min(len(tokens), len(reference), len(margins)) else None
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:

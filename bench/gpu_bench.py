@@ -21,14 +21,20 @@ measures, each the median of ``--repeats`` calls after a warm-up:
   an untimed call of its own): ``aten::copy_`` calls, host reads of tensor values, and on CUDA
   kernel launches, runtime memory copies and host synchronizations;
 - decode tokens/s of the engine against ``model.generate`` (greedy, same prompt, same length;
-  both ``(tokens - 1) / (time of the last token - time of the first)``).
+  both ``(tokens - 1) / (time of the last token - time of the first)``; the engine's write-back
+  of the prompt's K/V, which a blocking ``generate`` waits for after its last token, is timed
+  apart).
 
 With ``--captured`` a decode table follows (``--decode-only``: only it), measured in the same
 run for each length: ``model.generate``, the engine's eager decode steps, and captured steps
 (:mod:`kvboost_rag.hf.captured`: compiled graphs over a static K/V pool, CUDA graphs on CUDA;
 ``bench/captured_decode.py``): tokens/s, launches and host time per step, the greedy tokens
 shared with ``generate``, and the time to build the step (compile and capture, with the compiled
-graphs found in torch's on-disk cache).
+graphs found in torch's on-disk cache). ``--engine-captured`` adds the engine's own calls on an
+engine built with captured steps (``--captured-buckets``, each compiled at load; drafting on):
+decode tokens/s, the write-back after the last token, the drafted share, the steps run
+captured, and where its greedy tokens part from ``generate``'s, ``generate``'s logit margin
+there (top less second: near zero is a tie within rounding).
 
 Run on a GPU: ``python bench/gpu_bench.py --device cuda --dtype bfloat16 --shape Llama-3.1-8B``.
 A CPU smoke run: ``python bench/gpu_bench.py --shape Llama-3.1-8B --layers 1 --lengths 1024,2048``.
@@ -59,7 +65,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from captured_decode import CapturedDecode, CapturedLoop, same_prefix  # noqa: E402
+from captured_decode import CapturedDecode, CapturedLoop, EngineDecode, engine_decode, same_prefix, split_margin  # noqa: E402
 
 #: The stages one call's stage times are printed for, in order (kvboost_rag.diagnosis.stage_times).
 STAGES = ("find", "tokenize", "plan", "lookup", "stitch", "probe", "select", "blend")
@@ -392,9 +398,9 @@ def counted(engine: KVBoost, prompt: str) -> RuntimeCounts:
 
 
 def engine_decode_rate(engine: KVBoost, prompt: str, tokens: int) -> float:
-    result = engine.generate(prompt, max_new_tokens=tokens)
-    steps = result.generated_tokens - 1
-    return steps / ((result.total_ms - result.ttft_ms) / 1000) if steps > 0 else float("nan")
+    """The engine's greedy decode rate after its first token, to its last (the write-back
+    after it is not decoding: :func:`captured_decode.engine_decode` times it apart)."""
+    return engine_decode(engine, prompt, tokens).tokens_per_s
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -415,19 +421,24 @@ class _FirstTokenClock(BaseStreamer):
 
 @torch.inference_mode()
 def generate_decode_rate(
-    model, tokenizer, prompt: str, tokens: int, device: torch.device, produced: list[int] | None = None
+    model, tokenizer, prompt: str, tokens: int, device: torch.device, produced: list[int] | None = None,
+    margins: list[float] | None = None,
 ) -> float:
     """Tokens/s of ``model.generate`` after its first token (as the engine's rate is taken);
-    its greedy tokens go into ``produced`` when given."""
+    its greedy tokens go into ``produced`` and each step's logit margin (top less second)
+    into ``margins`` when given."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     clock = _FirstTokenClock(device)
     out = model.generate(
         ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock,
-        pad_token_id=tokenizer.pad_token_id or 0,
+        pad_token_id=tokenizer.pad_token_id or 0, output_scores=margins is not None, return_dict_in_generate=True,
     )
     sync(device)
     if produced is not None:
-        produced.extend(out[0, ids.shape[1] :].tolist())
+        produced.extend(out.sequences[0, ids.shape[1] :].tolist())
+    if margins is not None:
+        top = torch.stack(out.scores).float().topk(2, dim=-1).values  # [tokens, 1, 2]
+        margins.extend((top[:, 0, 0] - top[:, 0, 1]).tolist())
     return (tokens - 1) / (time.perf_counter() - clock.first) if tokens > 1 else float("nan")
 
 
@@ -438,20 +449,66 @@ class DecodeRow:
     engine_tps: float
     captured: CapturedDecode | None
     same_tokens: int
+    captured_margin: float | None
+    engine_captured: EngineDecode | None
+    engine_same_tokens: int
+    engine_margin: float | None
 
 
-def measure_decode(engine: KVBoost, loop: CapturedLoop | None, tokens: int, args, device: torch.device) -> DecodeRow:
+def measure_decode(
+    engine: KVBoost, loop: CapturedLoop | None, captured_engine: KVBoost | None, tokens: int, args, device: torch.device
+) -> DecodeRow:
     """Decode rates at a prompt of about ``tokens`` tokens: ``model.generate``, the engine
-    (eager decode steps) and, with ``--captured``, captured steps; and how many leading greedy
-    tokens the captured loop shares with ``generate``."""
+    (eager decode steps), with ``--captured`` the captured loop, with ``--engine-captured`` the
+    engine's ``generate`` through captured steps; how many leading greedy tokens each shares
+    with ``generate``, and ``generate``'s logit margin where they part."""
     prompt, _, _ = build_prompt(engine.tokenizer, tokens, seed=tokens, doc_tokens=args.doc_tokens)
     ids = torch.tensor(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
     reference: list[int] = []
-    generate_tps = generate_decode_rate(engine.model, engine.tokenizer, prompt, args.decode_tokens, device, reference)
+    margins: list[float] = []
+    generate_tps = generate_decode_rate(engine.model, engine.tokenizer, prompt, args.decode_tokens, device, reference, margins)
     engine_tps = engine_decode_rate(engine, prompt, args.decode_tokens)
     captured = loop.measure(ids, args.decode_tokens) if loop is not None else None
-    same = same_prefix(captured.tokens, reference) if captured is not None else 0
-    return DecodeRow(ids.shape[0], generate_tps, engine_tps, captured, same)
+    through = engine_decode(captured_engine, prompt, args.decode_tokens) if captured_engine is not None else None
+    return DecodeRow(
+        ids.shape[0], generate_tps, engine_tps, captured,
+        same_prefix(captured.tokens, reference) if captured is not None else 0,
+        split_margin(captured.tokens, reference, margins) if captured is not None else None,
+        through,
+        same_prefix(through.tokens, reference) if through is not None else 0,
+        split_margin(through.tokens, reference, margins) if through is not None else None,
+    )
+
+
+def _captured_engine(engine: KVBoost, lengths: list[int], args) -> KVBoost | None:
+    """An engine over the same model with captured steps built at load (``--engine-captured``):
+    its pool holds a slot for the longest prompt and its decoded tokens."""
+    longest = max(lengths) + args.decode_tokens + 8
+    per_token = 2 * engine.model.config.num_hidden_layers * _kv_row_bytes(engine)
+    pool_tokens = 3 * (1 << (longest - 1).bit_length()) // 2  # a slot of the next power of two, and smaller ones
+    started = time.perf_counter()
+    built = KVBoost.from_model(
+        engine.model, engine.tokenizer, show_progress=False, chunk_size=args.chunk_size, captured_steps="on",
+        captured_token_buckets=tuple(int(b) for b in args.captured_buckets.split(",")),
+        captured_pool_bytes=pool_tokens * per_token,
+    )
+    if built.captured_steps_run is None:
+        print("the engine's captured steps were not built (see the log): its column is left out")
+        return None
+    print(f"engine with captured steps (buckets {args.captured_buckets}) built in {time.perf_counter() - started:.1f} s")
+    return built
+
+
+def _kv_row_bytes(engine: KVBoost) -> int:
+    """Bytes of one token's K (or V) in one layer."""
+    config = engine.model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads * dim * engine.model.dtype.itemsize
+
+
+def _margin(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _decode_table(engine: KVBoost, lengths: list[int], args, device: torch.device) -> list[DecodeRow]:
@@ -467,23 +524,32 @@ def _decode_table(engine: KVBoost, lengths: list[int], args, device: torch.devic
                 f"captured step built in {loop.prepare_s:.1f} s (compiled graphs: {loop.cache_hits} from torch's "
                 f"on-disk cache, {loop.cache_misses} compiled)"
             )
+    captured_engine = _captured_engine(engine, lengths, args) if args.engine_captured else None
     print(
         "| prompt tokens | model.generate tok/s | engine (eager steps) tok/s | captured tok/s | captured / generate | "
         "captured / eager | launches per step eager / captured | host ms per step eager / captured | "
-        f"greedy tokens as generate (of {args.decode_tokens}) |"
+        f"greedy tokens as generate (of {args.decode_tokens}) | generate's margin there | "
+        "engine.generate captured tok/s | / generate | write-back after the last token ms | drafted share | "
+        "tokens per step | captured steps | greedy tokens as generate | generate's margin there |"
     )
-    print("|---" * 9 + "|")
+    print("|---" * 18 + "|")
     rows = []
     for tokens in lengths:
-        row = measure_decode(engine, loop, tokens, args, device)
+        row = measure_decode(engine, loop, captured_engine, tokens, args, device)
         rows.append(row)
-        c = row.captured
+        c, e = row.captured, row.engine_captured
         captured = (
             f"{c.tokens_per_s:.1f} | {c.tokens_per_s / row.generate_tps:.2f} | {c.tokens_per_s / row.engine_tps:.2f} | "
-            f"{c.eager_launches} / {c.launches} | {c.eager_step_host_ms:.2f} / {c.step_host_ms:.2f} | {row.same_tokens}"
-            if c is not None else "- | - | - | - | - | -"
+            f"{c.eager_launches} / {c.launches} | {c.eager_step_host_ms:.2f} / {c.step_host_ms:.2f} | {row.same_tokens} | "
+            f"{_margin(row.captured_margin)}"
+            if c is not None else "- | - | - | - | - | - | -"
         )
-        print(f"| {row.prompt_tokens} | {row.generate_tps:.1f} | {row.engine_tps:.1f} | {captured} |", flush=True)
+        through = (
+            f"{e.tokens_per_s:.1f} | {e.tokens_per_s / row.generate_tps:.2f} | {e.write_back_ms:.0f} | {e.drafted_share:.2f} | "
+            f"{e.tokens_per_step:.2f} | {e.captured_steps} | {row.engine_same_tokens} | {_margin(row.engine_margin)}"
+            if e is not None else "- | - | - | - | - | - | - | -"
+        )
+        print(f"| {row.prompt_tokens} | {row.generate_tps:.1f} | {row.engine_tps:.1f} | {captured} | {through} |", flush=True)
     return rows
 
 
@@ -517,6 +583,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="after the table, a decode table: model.generate, the engine's eager steps and captured steps (compiled "
         "graphs; CUDA graphs on CUDA) in the same run",
     )
+    parser.add_argument(
+        "--engine-captured", action="store_true",
+        help="a column of the decode table: the engine's own generate on an engine built with captured steps (drafting on)",
+    )
+    parser.add_argument(
+        "--captured-buckets", default="1,2,4,8,16", help="token buckets of --engine-captured's steps (each is compiled at load)"
+    )
     parser.add_argument("--decode-only", action="store_true", help="only the decode table (no TTFT table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -543,7 +616,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         timer = ForwardTimer(model, device)
         rows = _table(engine, timer, lengths, args, device)
         timer.remove()
-        if args.captured:
+        if args.captured or args.engine_captured:
             _decode_table(engine, lengths, args, device)
         return rows
 

@@ -152,6 +152,13 @@ class KVBoost:
 
     # ------------------------------------------------------------------ text
     @property
+    def captured_steps_run(self) -> int | None:
+        """Decode and draft-verify steps run as captured graphs so far (all requests together);
+        ``None`` when every step runs eagerly (``captured_steps`` off, not wanted on this
+        device, or not built: the log says why)."""
+        return None if self._captured is None else self._captured.runs
+
+    @property
     def context_window(self) -> int:
         """Largest number of positions the model accepts."""
         return self._adapter.context_window

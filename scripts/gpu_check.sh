@@ -6,14 +6,15 @@
 #      the package is imported from the checkout, not installed);
 #   2. print the versions and the GPU;
 #   3. the CUDA tests (pytest -m cuda: every CUDA variant, none may skip);
-#   4. the decode table of bench/gpu_bench.py (--decode-only --captured) at the Llama-3.1-8B
-#      shape at about 8k and 32k prompt tokens: model.generate, the engine's eager decode steps
-#      and captured steps (compiled graphs, CUDA graphs) in one run, with launches per step;
+#   4. the decode table of bench/gpu_bench.py (--decode-only, with GPU_CHECK_DECODE_ARGS) at the
+#      Llama-3.1-8B shape at about 8k and 32k prompt tokens: model.generate, the engine's eager
+#      decode steps, captured steps (compiled graphs, CUDA graphs) with launches per step, and
+#      the engine's own generate on an engine built with captured steps, in one run;
 #   5. bench/gpu_bench.py at the Llama-3.1-8B and Qwen2.5-7B shapes in bfloat16 at about 2k,
 #      8k and 32k prompt tokens (random weights, the carried tokenizer).
 # Each step has a time limit, and the limits are cut to keep the whole check inside
-# GPU_CHECK_BUDGET seconds (default 600: 10 minutes; the tests keep 7 minutes for the
-# benches, the decode table 3 minutes for the other two, the first bench 90 s for the second); a
+# GPU_CHECK_BUDGET seconds (default 600: 10 minutes; the tests keep the decode table's and the
+# benches' limits for them, the decode table the benches', the first bench 90 s for the second); a
 # failed step does not stop the next. Logs go to stdout and to files in $OUT when it is set (at
 # most 7 files), else in a temporary folder. Exits non-zero when any step failed.
 #
@@ -22,7 +23,9 @@
 # bench at the tiny shape with short prompts. Other settings: PYTHON (default python3),
 # GPU_WHEELS_DIR and GPU_TOKENIZER_DIR (as for scripts/gpu_wheels.sh), GPU_CHECK_SITE (where
 # the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
-# GPU_CHECK_SHAPES (the TTFT benches' shapes, default "Llama-3.1-8B Qwen2.5-7B"),
+# GPU_CHECK_SHAPES (the TTFT benches' shapes, default "Llama-3.1-8B Qwen2.5-7B"; empty: none),
+# GPU_CHECK_DECODE_ARGS (the decode table's columns, default "--captured --engine-captured
+# --captured-buckets 1,4,16": each bucket is compiled at load, 45 s at the 8B shape on an H100),
 # GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT, GPU_CHECK_DECODE_LIMIT and GPU_CHECK_BENCH_LIMIT
 # (seconds: the whole check, the tests, the decode table, each bench; GPU_CHECK_DECODE_LIMIT=0
 # leaves the decode table out), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
@@ -48,11 +51,11 @@ case "$MODE" in
     WORKERS="${GPU_CHECK_WORKERS:-6}"
     BUDGET="${GPU_CHECK_BUDGET:-600}"
     TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-180}"
-    DECODE_LIMIT="${GPU_CHECK_DECODE_LIMIT:-240}"
+    DECODE_LIMIT="${GPU_CHECK_DECODE_LIMIT:-330}"
     BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-90}"
     DECODE_SHAPE=Llama-3.1-8B
     DECODE_LENGTHS=8192,32768
-    read -r -a SHAPES <<<"${GPU_CHECK_SHAPES:-Llama-3.1-8B Qwen2.5-7B}"
+    read -r -a SHAPES <<<"${GPU_CHECK_SHAPES-Llama-3.1-8B Qwen2.5-7B}"  # set and empty: no TTFT bench
     # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
     declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
     BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8 --profile "${GPU_CHECK_PROFILE:-0}")
@@ -75,6 +78,7 @@ case "$MODE" in
     ;;
 esac
 
+BENCH_RESERVE=$((${#SHAPES[@]} * BENCH_LIMIT))  # seconds kept for the TTFT benches
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 SUMMARY=()
@@ -139,7 +143,7 @@ COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
   grep '^ERROR ' "$LOGS/collected.tmp" | sed 's/^/not importable here (no CUDA variants run from it): /'
 } | tee -a "$TEST_LOG"
 rm -f "$LOGS/collected.tmp"
-step "CUDA tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + 2 * BENCH_LIMIT)))" "$TEST_LOG" \
+step "CUDA tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + BENCH_RESERVE)))" "$TEST_LOG" \
   "${PYTEST[@]}" -rfEs -m cuda -n "$WORKERS" --dist load --durations=5 --junitxml="$XML" "${FILES[@]}"
 step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" "$COLLECTED" <<'EOF'
 import sys
@@ -162,15 +166,16 @@ if mode == "cpu" and ran:
 EOF
 if [ "$MODE" = cpu ]; then
   # No GPU: the CPU variants of the same tests run in their place.
-  step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + 2 * BENCH_LIMIT)))" "$TEST_LOG" \
+  step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + BENCH_RESERVE)))" "$TEST_LOG" \
     "${PYTEST[@]}" -rfEs -m "not cuda" -k cpu -n "$WORKERS" --dist load "${FILES[@]}"
 fi
 
+read -r -a DECODE_ARGS <<<"${GPU_CHECK_DECODE_ARGS:---captured --engine-captured --captured-buckets 1,4,16}"
 if [ "$DECODE_LIMIT" -gt 0 ]; then
   # Captured steps against eager decode steps and model.generate, one compile for both lengths.
-  step "decode table $DECODE_SHAPE (captured steps)" "$(within "$DECODE_LIMIT" $((2 * BENCH_LIMIT)))" \
+  step "decode table $DECODE_SHAPE (captured steps)" "$(within "$DECODE_LIMIT" "$BENCH_RESERVE")" \
     "$LOGS/decode-$DECODE_SHAPE.log" "$PYTHON" bench/gpu_bench.py --shape "$DECODE_SHAPE" --lengths "$DECODE_LENGTHS" \
-    --tokenizer "$TOKENIZER" --decode-only --captured "${BENCH_ARGS[@]}" --decode-tokens 64
+    --tokenizer "$TOKENIZER" --decode-only "${DECODE_ARGS[@]}" "${BENCH_ARGS[@]}" --decode-tokens 64
 fi
 
 for i in "${!SHAPES[@]}"; do

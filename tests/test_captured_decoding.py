@@ -38,7 +38,7 @@ def engines(tokenizer):
     for family in ("llama", "gemma2"):
         captured = KVBoost.from_model(tiny_model(family), tokenizer, captured_steps="on", **SETTINGS)
         eager = KVBoost.from_model(tiny_model(family), tokenizer, **SETTINGS)
-        assert captured._captured is not None and eager._captured is None
+        assert captured.captured_steps_run == 0 and eager.captured_steps_run is None
         built[family] = (captured, eager)
     patch.undo()
     return built
@@ -60,10 +60,10 @@ def test_captured_decoding_gives_the_eager_tokens_with_drafts_alone_and_batched(
     monkeypatch.setattr(lifecycle, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
     monkeypatch.setattr(DraftPolicy, "length", lambda self, s, source, match, available, rows: min(available, self.max_tokens))
     slots = _pool(captured).free_slots
-    runs = captured._captured.runs
+    runs = captured.captured_steps_run
     alone = [captured.generate(p, max_new_tokens=24) for p in prompts]
     batched = captured.generate_batch(prompts, max_new_tokens=24)
-    assert captured._captured.runs > runs, "the steps did not run captured"
+    assert captured.captured_steps_run > runs, "the steps did not run captured"
     for reference, one, batch in zip(references, alone, batched):
         for run in (one, batch):
             assert_same_greedy(run.token_ids, reference.token_ids, reference.step_logits)
@@ -133,15 +133,15 @@ def test_on_cuda_captured_graphs_decode_the_eager_tokens(tokenizer, docs, device
     settings = {**SETTINGS, "device": device}
     captured = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings)
     eager = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings, captured_steps="off")
-    assert captured._captured is not None, "captured steps are on by default on CUDA"
+    assert captured.captured_steps_run == 0, "captured steps are on by default on CUDA"
     prompts = [rag_prompt([docs[0], docs[1]]), rag_prompt([docs[2]], "Summarize.")]
     references = [eager.generate(p, max_new_tokens=24, return_logits=True) for p in prompts]
     answers = {p: r.token_ids for p, r in zip(prompts, references)}
     monkeypatch.setattr(lifecycle, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
     monkeypatch.setattr(DraftPolicy, "length", lambda self, s, source, match, available, rows: min(available, self.max_tokens))
-    runs = captured._captured.runs
+    runs = captured.captured_steps_run
     for results in ([captured.generate(p, max_new_tokens=24) for p in prompts], captured.generate_batch(prompts, max_new_tokens=24)):
         for reference, run in zip(references, results):
             assert_same_greedy(run.token_ids, reference.token_ids, reference.step_logits)
-    assert captured._captured.runs > runs
+    assert captured.captured_steps_run > runs
     assert _pool(captured).free_slots == len(_pool(captured).slots)
