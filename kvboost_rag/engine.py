@@ -26,6 +26,7 @@ from kvboost_rag.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
@@ -97,7 +98,11 @@ class KVBoost:
         parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)
         self._warming = Warming(parts)
         slots = None if self._captured is None else self._captured.pool
-        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids, slots)
+        # On a CPU, prefill buffers are reused across requests (fresh ones page-fault on every
+        # call); idle ones are kept within a quarter of the decode budget.
+        on_cpu = adapter.device.type == "cpu"
+        host_buffers = HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4) if on_cpu else None
+        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids, slots, host_buffers)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason

@@ -29,7 +29,8 @@ from kvboost_rag.generation.missed_documents import (
     explain_missed_documents,
 )
 from kvboost_rag.generation.parts import EngineParts
-from kvboost_rag.generation.slots import SlotLease
+from kvboost_rag.generation.host_buffers import HostBufferPool
+from kvboost_rag.generation.slots import Lease, SlotLease
 from kvboost_rag.hf.captured import SlotPool
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
@@ -77,7 +78,8 @@ class Request:
         first_pieces: Text of the first token, not yielded yet.
         reservation: Its place in the batch while it is not handed to the decode worker yet.
         handle: Its place in the decode worker's batch once handed over.
-        lease: Its slot of the captured steps' pool, when it decodes through them.
+        lease: Its K/V buffers on loan: a slot of the captured steps' pool, or buffers of the
+            host buffer pool (``None``: buffers of its own).
     """
 
     plan: PromptPlan
@@ -89,7 +91,7 @@ class Request:
     first_pieces: list[str]
     reservation: Reservation | None = None
     handle: DecodeHandle | None = None
-    lease: SlotLease | None = None
+    lease: Lease | None = None
 
     def submit(self, scheduler: DecodeScheduler) -> None:
         """Hand the sequence to the decode worker (it joins the batch at the next step)."""
@@ -105,7 +107,7 @@ class Request:
             handle.cancel()
 
     def release_slot(self) -> None:
-        """The request is done reading its slot (after its write-back; again: nothing)."""
+        """The request is done reading its buffers (after its write-back; again: nothing)."""
         if self.lease is not None:
             self.lease.release("request")
 
@@ -130,6 +132,8 @@ class Requests:
         slots: The captured steps' pool, when the engine decodes through captured steps: each
             request prefills into a slot of it and decodes there (one that finds no free slot
             decodes on the eager path).
+        host_buffers: Reused K/V buffers (a model on the CPU): each request without a slot
+            prefills into buffers lent by it.
     """
 
     def __init__(
@@ -139,11 +143,12 @@ class Requests:
         constraints: ConstraintCompiler,
         eos_ids: frozenset[int],
         slots: SlotPool | None = None,
+        host_buffers: HostBufferPool | None = None,
     ) -> None:
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
         self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
         self.parts, self.scheduler, self.constraints, self.eos_ids = parts, scheduler, constraints, eos_ids
-        self.slots = slots
+        self.slots, self.host_buffers = slots, host_buffers
 
     def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
         """Validate, then return the stream of one prompt (see :meth:`kvboost_rag.KVBoost.stream`)."""
@@ -267,7 +272,7 @@ class Requests:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
         reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
-        lease = None if self.slots is None else SlotLease.take(self.slots, n + budget + SPARE_ROWS)
+        lease = self._lease(n + budget + SPARE_ROWS)
         if lease is not None:
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
@@ -299,6 +304,14 @@ class Requests:
         elif not hold:
             request.submit(self.scheduler)
         return request
+
+    def _lease(self, capacity: int) -> Lease | None:
+        """K/V buffers of ``capacity`` tokens on loan: a slot of the captured steps' pool, else
+        buffers of the host pool; ``None`` (buffers of its own) when neither lends any."""
+        lease = None if self.slots is None else SlotLease.take(self.slots, capacity)
+        if lease is None and self.host_buffers is not None:
+            lease = self.host_buffers.lease(capacity)
+        return lease
 
     def _output_budget(self, prompt_tokens: int, options: GenerationOptions) -> int:
         """Most tokens a prompt of ``prompt_tokens`` may generate: ``max_new_tokens``, or what
