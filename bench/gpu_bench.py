@@ -235,24 +235,28 @@ def sync(device: torch.device) -> None:
 
 
 class ForwardTimer:
-    """Wall time spent inside the model's forward calls (outermost call only)."""
+    """Wall time spent inside the model's forward calls (outermost call only), and inside the
+    captured prefill passes of ``captured`` when given (a CUDA graph replays the model without
+    calling its ``forward``)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, captured=None) -> None:
         self.seconds = 0.0
         self._depth = 0
         self._device = device
         base = getattr(model, model.base_model_prefix)
-        self._modules = (model, base)
-        for module in self._modules:
-            module.forward = self._timed(module.forward)
+        self._patched = [(model, "forward"), (base, "forward")] + ([(captured, "run")] if captured is not None else [])
+        for owner, name in self._patched:
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
     def remove(self) -> None:
-        """Stop timing: the modules' own ``forward`` again (compiled code cannot trace the clock)."""
-        for module in self._modules:
-            del module.forward
+        """Stop timing: the modules' own ``forward`` again."""
+        for owner, name in self._patched:
+            delattr(owner, name)
 
     def _timed(self, forward: Callable) -> Callable:
         def timed(*args, **kwargs):
+            if torch.compiler.is_compiling():  # traced into a compiled step: no clock there
+                return forward(*args, **kwargs)
             self._depth += 1
             if self._depth == 1:
                 sync(self._device)
@@ -483,14 +487,11 @@ def measure_decode(
 def _captured_engine(engine: KVBoost, lengths: list[int], args) -> KVBoost | None:
     """An engine over the same model with captured steps built at load (``--engine-captured``):
     its pool holds a slot for the longest prompt and its decoded tokens."""
-    longest = max(lengths) + args.decode_tokens + 8
-    per_token = 2 * engine.model.config.num_hidden_layers * _kv_row_bytes(engine)
-    pool_tokens = 3 * (1 << (longest - 1).bit_length()) // 2  # a slot of the next power of two, and smaller ones
     started = time.perf_counter()
     built = KVBoost.from_model(
         engine.model, engine.tokenizer, show_progress=False, chunk_size=args.chunk_size, captured_steps="on",
         captured_token_buckets=tuple(int(b) for b in args.captured_buckets.split(",")),
-        captured_pool_bytes=pool_tokens * per_token,
+        captured_pool_bytes=pool_bytes(engine.model, lengths, args.decode_tokens),
     )
     if built.captured_steps_run is None:
         print("the engine's captured steps were not built (see the log): its column is left out")
@@ -499,12 +500,15 @@ def _captured_engine(engine: KVBoost, lengths: list[int], args) -> KVBoost | Non
     return built
 
 
-def _kv_row_bytes(engine: KVBoost) -> int:
-    """Bytes of one token's K (or V) in one layer."""
-    config = engine.model.config
+def pool_bytes(model: torch.nn.Module, lengths: list[int], decode_tokens: int) -> int:
+    """Bytes of a captured steps' pool with a slot for the longest prompt and its decoded
+    tokens (a slot of the next power of two, and smaller ones)."""
+    longest = max(lengths) + decode_tokens + 8
+    config = model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return heads * dim * engine.model.dtype.itemsize
+    per_token = 2 * config.num_hidden_layers * heads * dim * model.dtype.itemsize
+    return 3 * (1 << (longest - 1).bit_length()) // 2 * per_token
 
 
 def _margin(value: float | None) -> str:
@@ -590,6 +594,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--captured-buckets", default="1,2,4,8,16", help="token buckets of --engine-captured's steps (each is compiled at load)"
     )
+    parser.add_argument(
+        "--captured-prefill", default="", metavar="BUCKETS",
+        help="the TTFT table's engine runs its prefill passes captured, in these token buckets (e.g. 64,256,1024,4096)",
+    )
     parser.add_argument("--decode-only", action="store_true", help="only the decode table (no TTFT table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -600,9 +608,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     layers = model.config.num_hidden_layers
     # The TTFT table's engine decodes eagerly: prefill is the same either way, and the decode
     # table measures captured steps apart (one compile instead of every bucket's at load).
+    # With --captured-prefill its prefill passes run captured (one decode bucket: decoding is
+    # the decode table's business).
+    captured = {"captured_steps": "off"}
+    if args.captured_prefill:
+        captured = dict(
+            captured_steps="on", captured_token_buckets=(1,), captured_pool_bytes=pool_bytes(model, lengths, args.decode_tokens),
+            captured_prefill_buckets=tuple(int(b) for b in args.captured_prefill.split(",")),
+        )
     engine = KVBoost.from_model(
         model, tokenizer, show_progress=False, chunk_size=args.chunk_size,
-        max_cache_bytes=64 * 1024**3, check_layer=min(2, layers - 1), captured_steps="off",
+        max_cache_bytes=64 * 1024**3, check_layer=min(2, layers - 1), **captured,
     )
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     backend = default_backend(device) if args.attention == "auto" else args.attention
@@ -613,7 +629,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     with use_backend(backend):
         if args.decode_only:
             return _decode_table(engine, lengths, args, device)
-        timer = ForwardTimer(model, device)
+        timer = ForwardTimer(model, device, engine._captured_prefill)
         rows = _table(engine, timer, lengths, args, device)
         timer.remove()
         if args.captured or args.engine_captured:

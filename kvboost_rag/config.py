@@ -25,6 +25,8 @@ ProbeWeighting = Literal["attention", "value", "depth", "value_depth"]
 MIN_SECRET_KEY_CHARS = 16
 #: Largest token bucket of a captured step.
 MAX_CAPTURED_TOKENS = 1024
+#: Largest token bucket of a captured prefill pass.
+MAX_CAPTURED_PREFILL_TOKENS = 8192
 
 
 class KVBoostSettings(BaseModel):
@@ -174,8 +176,7 @@ class KVBoostSettings(BaseModel):
             (compiled once per token bucket; later processes take them from torch's on-disk
             compile cache). A sequence that finds no free slot, or a model whose steps cannot
             be captured, decodes on the eager path. Read by
-            :func:`kvboost_rag.hf.captured.build_captured_rows`; the engine's decode worker
-            and prefill do not call it yet.
+            :func:`kvboost_rag.hf.captured.build_captured_rows` when the engine loads.
         captured_pool_bytes: Bytes of the static K/V pool of captured steps (K and V of every
             slot; slots of capacities from 1,024 tokens doubling up to the model's context
             window, largest first, while the budget lasts). ``"auto"``: ``max_batch_cache_bytes``.
@@ -183,6 +184,15 @@ class KVBoostSettings(BaseModel):
             graph each): a step of several rows runs their tokens end to end, padded to the
             smallest bucket that holds them (one token per row for decoding, ``1 + drafts`` for
             draft-verify). More buckets cost more compile time at load.
+        captured_prefill_buckets: Token counts of captured prefill passes (powers of two up to
+            8,192; empty, the default: prefill passes run eagerly). With captured steps on, a
+            prompt's pass over its slot (the tokens after an exact prefix hit, or the blend
+            pass of a document repair: its chosen and live tokens at their positions) runs as
+            one compiled graph, one CUDA graph on CUDA, when its tokens fit the largest bucket,
+            padded to the smallest that holds them; longer passes, and prompts without a slot,
+            run eagerly. One graph per bucket is built when the engine loads. Tested on CPU
+            against the eager passes, not yet timed on a GPU, so not on by default; such as
+            ``(64, 256, 1024, 4096)``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -225,6 +235,7 @@ class KVBoostSettings(BaseModel):
     captured_steps: Literal["auto", "on", "off"] = "auto"
     captured_pool_bytes: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     captured_token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    captured_prefill_buckets: tuple[int, ...] = ()
 
     @field_validator("device")
     @classmethod
@@ -249,6 +260,16 @@ class KVBoostSettings(BaseModel):
             raise ValueError(
                 f"captured_token_buckets must be powers of two from 1 to {MAX_CAPTURED_TOKENS}, such as "
                 f"(1, 2, 4, 8, 16); got {value}"
+            )
+        return tuple(sorted(set(value)))
+
+    @field_validator("captured_prefill_buckets")
+    @classmethod
+    def _power_of_two_prefill_buckets(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(b < 1 or b > MAX_CAPTURED_PREFILL_TOKENS or b & (b - 1) for b in value):
+            raise ValueError(
+                f"captured_prefill_buckets must be powers of two from 1 to {MAX_CAPTURED_PREFILL_TOKENS}, such as "
+                f"(64, 256, 1024, 4096), or empty (eager prefill passes); got {value}"
             )
         return tuple(sorted(set(value)))
 

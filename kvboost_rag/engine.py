@@ -19,7 +19,7 @@ from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
-from kvboost_rag.hf.captured import build_captured_rows
+from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -83,14 +83,16 @@ class KVBoost:
         self._chat = ChatTemplate(tokenizer)
         tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
-        prefiller = Prefiller(adapter, cache, settings)
+        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), and with
+        # captured_prefill_buckets prefill passes too, built now, not on a request; None: eager.
+        self._captured = build_captured_rows(
+            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
+            scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
+        )
+        self._captured_prefill = build_prefill_rows(self._captured, settings.captured_prefill_buckets)
+        prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill)
         turns = ModelTurns()
         drafts = DraftPolicy(settings, adapter.device.type)
-        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), built now, not
-        # on a request; None: every step runs eagerly.
-        self._captured = build_captured_rows(
-            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets
-        )
         step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
         self._scheduler = DecodeScheduler(step, turns, settings)
         eos_ids = eos_token_ids(self.model, tokenizer)

@@ -277,7 +277,9 @@ class Requests:
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
             with self.turns.prompt_work():
-                outcome = self.prefiller.run(plan, reuse=options.reuse, buffers=lease.buffers if lease else None)
+                outcome = self.prefiller.run(
+                    plan, reuse=options.reuse, buffers=lease.buffers if lease else None, slot=lease.slot if lease else None
+                )
             sequence = DecodeSequence(
                 cache=outcome.cache,
                 position=n,

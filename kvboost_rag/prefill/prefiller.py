@@ -34,6 +34,7 @@ from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.hf import BufferedCache, ModelAdapter
+from kvboost_rag.hf.captured import CapturedRows, Row, Slot
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
@@ -78,12 +79,18 @@ class Prefiller:
         adapter: The model adapter.
         cache: The cache manager (lookups only; storing is the write-back's job).
         settings: Engine settings.
+        captured: Captured prefill passes (``captured_prefill_buckets``): a prompt prefilled
+            into a slot runs the tokens after its prefix hit, or its blend pass, through them
+            when they fit the largest bucket; else (and without them) eagerly.
     """
 
-    def __init__(self, adapter: ModelAdapter, cache: CacheManager, settings: KVBoostSettings) -> None:
+    def __init__(
+        self, adapter: ModelAdapter, cache: CacheManager, settings: KVBoostSettings, captured: CapturedRows | None = None
+    ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.settings = settings
+        self.captured = captured
         self._strategies: dict[str, RepairStrategy] = {}
 
     @property
@@ -98,7 +105,12 @@ class Prefiller:
         return strategy
 
     def run(
-        self, plan: PromptPlan, *, reuse: bool = True, buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self,
+        plan: PromptPlan,
+        *,
+        reuse: bool = True,
+        buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        slot: Slot | None = None,
     ) -> PrefillOutcome:
         """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
 
@@ -106,7 +118,10 @@ class Prefiller:
             plan: The prompt's plan.
             reuse: ``False`` computes every token (the full-prefill baseline) and reads no cache.
             buffers: Gives the prompt's ``[layers, kv_heads, capacity, head_dim]`` K and V
-                buffers for a capacity (a slot of the captured steps' pool); default: new ones.
+                buffers for a capacity (a slot of the captured steps' pool, reused host
+                buffers); default: new ones.
+            slot: The captured steps' slot ``buffers`` gives, if it is one (its passes may then
+                run captured).
 
         Returns:
             The outcome. When a warm's whole text was already stored, nothing is computed
@@ -116,7 +131,7 @@ class Prefiller:
         allocate = buffers or self.adapter.buffers
         if not reuse:
             keys, values = allocate(n + plan.reserve + SPARE_ROWS)
-            return self._exact(plan, keys, values, 0, ())
+            return self._exact(plan, keys, values, 0, (), None)
         with stage("lookup", self.adapter.device):
             pieces = self.cache.match_prefix(plan)
             h = sum(p.length for p in pieces)
@@ -132,25 +147,35 @@ class Prefiller:
             keys, values = allocate(n + plan.reserve + SPARE_ROWS)
             stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
         if not hits:
-            outcome = self._exact(plan, keys, values, h, prefix_keys)
+            outcome = self._exact(plan, keys, values, h, prefix_keys, slot)
         else:
-            outcome = self._blend(plan, keys, values, h, prefix_keys, hits)
+            outcome = self._blend(plan, keys, values, h, prefix_keys, hits, slot)
         outcome.documents = documents
         outcome.merged_tokens = sum(d.merged_tokens for d in documents)
         return outcome
 
     # ------------------------------------------------------------------ exact path
     def _exact(
-        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, prefix_keys: tuple[str, ...]
+        self,
+        plan: PromptPlan,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        h: int,
+        prefix_keys: tuple[str, ...],
+        slot: Slot | None,
     ) -> PrefillOutcome:
         """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
         ids = plan.tokens.ids
         n = len(ids)
-        kv = self.adapter.cache_over(keys, values, h)
-        # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
-        # (measured 35% slower per token than prefill from scratch on CPU); causal attention
-        # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
-        logits = self.adapter.forward(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, sparse_queries=h > 0)
+        logits = self._captured_pass(slot, ids[h:], range(h, n)) if h else None
+        if logits is not None:
+            kv = self.adapter.cache_over(keys, values, n)
+        else:
+            kv = self.adapter.cache_over(keys, values, h)
+            # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
+            # (measured 35% slower per token than prefill from scratch on CPU); causal attention
+            # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
+            logits = self.adapter.forward(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, sparse_queries=h > 0)
         return PrefillOutcome(
             logits=logits,
             cache=kv,
@@ -206,6 +231,7 @@ class Prefiller:
         h: int,
         prefix_keys: tuple[str, ...],
         hits: ContentHits,
+        slot: Slot | None,
     ) -> PrefillOutcome:
         """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
 
@@ -222,7 +248,7 @@ class Prefiller:
         compute[selection.positions] = True
         compute[keep] = True
         stitched = self.adapter.cache_over(keys, values, n)
-        logits, recomputed = self._blend_pass(plan, stitched, compute, selection, keep)
+        logits, recomputed = self._blend_pass(plan, stitched, compute, selection, keep, slot)
         if not selection.stage_sizes[1:]:
             recomputed = float((cached & compute).sum())
         loaded = int(cached.sum())
@@ -264,11 +290,17 @@ class Prefiller:
         return live, selection, keep
 
     def _blend_pass(
-        self, plan: PromptPlan, stitched: BufferedCache, compute: torch.Tensor, selection: Selection, keep: torch.Tensor
+        self,
+        plan: PromptPlan,
+        stitched: BufferedCache,
+        compute: torch.Tensor,
+        selection: Selection,
+        keep: torch.Tensor,
+        slot: Slot | None,
     ) -> tuple[torch.Tensor, float]:
         """Run the positions of ``compute`` over the stitched cache (in stages with gradual
-        filtering); returns the last logits and, for gradual filtering, the tokens recomputed
-        per layer on average."""
+        filtering; captured when it fits); returns the last logits and, for gradual filtering,
+        the tokens recomputed per layer on average."""
         adapter, input_ids = self.adapter, plan.tokens.id_tensor
         positions = compute.nonzero().view(-1)  # [computed] sorted
         with stage("blend", adapter.device):
@@ -277,8 +309,22 @@ class Prefiller:
                     adapter, self.settings.blend_stages, input_ids, positions, selection.positions, keep,
                     selection.stage_sizes, stitched,
                 )
+            logits = self._captured_pass(slot, input_ids[positions].tolist(), positions.tolist())
+            if logits is not None:
+                return logits, 0.0
             stitched.arm(host_to_device(positions, adapter.device))
             return adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True), 0.0
+
+    def _captured_pass(self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
+        """The ``[vocab]`` logits of the last of ``tokens`` run at ``positions`` (ascending) in
+        ``slot`` as one captured pass: their K/V written at their positions, attention causal by
+        position over the slot; ``None`` (run it eagerly) without captured passes, without a
+        slot, or when the tokens do not fit the largest bucket."""
+        captured = self.captured
+        if captured is None or slot is None or not tokens or len(tokens) > captured.max_tokens:
+            return None
+        row = Row(slot, list(tokens), positions=list(positions))
+        return captured.run([row]).last(0).clone()  # the step's output buffer is reused by the next
 
     def _lookahead(
         self,

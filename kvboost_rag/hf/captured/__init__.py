@@ -8,8 +8,8 @@
   attention call per layer that reads each row's own slot.
 - :mod:`~kvboost_rag.hf.captured.graph`: one token bucket's compiled function and CUDA graph.
 - :mod:`~kvboost_rag.hf.captured.steps`: :class:`CapturedRows` (``prepare``, ``run``).
-- :mod:`~kvboost_rag.hf.captured.build`: :func:`build_captured_rows`, what the engine calls
-  at load.
+- :mod:`~kvboost_rag.hf.captured.build`: :func:`build_captured_rows` and
+  :func:`build_prefill_rows`, what the engine calls at load.
 
 How the engine uses them::
 
@@ -23,16 +23,18 @@ How the engine uses them::
     logits = steps.run([Row(slot, [token], length), Row(other, [pending, *drafts], other_length)])
     logits.last(0)  # [vocab]; logits.row(1): [1 + drafts, vocab]; valid until the next step
     length += 1     # the caller's count: keep as many tokens as it accepts, nothing to undo
-    # a blend pass in one step: CapturedRows(adapter, pool, buckets, last_logits=True) and
-    # Row(slot, chosen_tokens, positions=chosen_positions); the pool's scratch rows hold its
-    # largest bucket
+    # prefill passes in one step (captured_prefill_buckets): the pool's scratch rows hold
+    # their largest bucket; the tokens after a prefix hit of h tokens, or a blend pass
+    passes = build_prefill_rows(steps, prefill_buckets)  # last logits only; None: eager
+    passes.run([Row(slot, prompt_ids[h:], h)]).last(0)
+    passes.run([Row(slot, chosen_tokens, positions=chosen_positions)]).last(0)
     steps.pool.release(slot)
 
 A cache built over a slot keeps the length it was built with: before an eager pass on a
 sequence that captured steps moved on, build a new one with its current length.
 """
 
-from kvboost_rag.hf.captured.build import build_captured_rows
+from kvboost_rag.hf.captured.build import build_captured_rows, build_prefill_rows
 from kvboost_rag.hf.captured.pool import KV_BLOCK, Slot, SlotPool, plan_capacities
 from kvboost_rag.hf.captured.rows import Row, StepLogits
 from kvboost_rag.hf.captured.steps import (
@@ -52,6 +54,7 @@ __all__ = [
     "SlotPool",
     "StepLogits",
     "build_captured_rows",
+    "build_prefill_rows",
     "captured_steps_wanted",
     "plan_capacities",
 ]

@@ -27,6 +27,7 @@ def build_captured_rows(
     pool_bytes: int,
     token_buckets: Sequence[int],
     backend: str | None = "inductor",
+    scratch_tokens: int | None = None,
 ) -> CapturedRows | None:
     """Captured steps over a new slot pool, prepared; ``None`` where they are not wanted
     (:func:`~kvboost_rag.hf.captured.steps.captured_steps_wanted`) or cannot be built (the
@@ -38,11 +39,15 @@ def build_captured_rows(
         pool_bytes: Bytes of the pool's K and V (``captured_pool_bytes``).
         token_buckets: Token buckets of a step (``captured_token_buckets``).
         backend: ``torch.compile`` backend.
+        scratch_tokens: Scratch rows of the pool (padded tokens of the largest step that will
+            run on it: :func:`build_prefill_rows`' buckets too); default: the largest token
+            bucket.
     """
     if not captured_steps_wanted(mode, adapter.device):
         return None
     pool = SlotPool.planned(
-        adapter.layout, adapter.dtype, adapter.device, pool_bytes, adapter.context_window, max(token_buckets)
+        adapter.layout, adapter.dtype, adapter.device, pool_bytes, adapter.context_window,
+        scratch_tokens or max(token_buckets),
     )
     if pool is None:
         logger.warning(
@@ -51,4 +56,21 @@ def build_captured_rows(
         )
         return None
     steps = CapturedRows(adapter, pool, token_buckets, backend=backend)
+    return steps if steps.prepare() else None
+
+
+def build_prefill_rows(rows: CapturedRows | None, token_buckets: Sequence[int]) -> CapturedRows | None:
+    """Captured prefill passes (one row, the logits of its last token: the tokens after an
+    exact prefix hit, or a blend pass) over the pool of the decode steps ``rows``, built with
+    their backend and prepared; ``None`` without decode steps or buckets, or where they cannot
+    be built (the reason is logged; prefill stays eager).
+
+    Args:
+        rows: The engine's captured decode steps (:func:`build_captured_rows`).
+        token_buckets: Token buckets of a prefill pass (``captured_prefill_buckets``); the
+            pool's scratch region must hold the largest.
+    """
+    if rows is None or not token_buckets:
+        return None
+    steps = CapturedRows(rows.adapter, rows.pool, token_buckets, backend=rows.backend, last_logits=True)
     return steps if steps.prepare() else None

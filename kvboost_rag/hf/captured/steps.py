@@ -156,6 +156,11 @@ class CapturedRows:
         self.reason = "not prepared: call prepare()"
 
     @property
+    def backend(self) -> str | None:
+        """The ``torch.compile`` backend the steps are built with (``None``: uncompiled)."""
+        return self._backend
+
+    @property
     def available(self) -> bool:
         """Whether :meth:`prepare` built every bucket."""
         return bool(self._graphs)

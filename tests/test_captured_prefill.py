@@ -1,0 +1,102 @@
+"""Prefill passes as captured steps (``captured_prefill_buckets``): the tokens after an exact
+prefix hit, and the blend pass of a document repair, run as one compiled graph over the
+request's slot and give what the eager passes give (first-token logits within float32
+rounding, the same greedy tokens, the same reuse figures), on a global-attention family and
+one with sliding windows; a pass longer than the largest bucket, and a prompt with nothing
+cached, run eagerly.
+
+On the CPU the steps compile with ``aot_eager`` (as in test_captured_decoding.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from test_draft_decoding import assert_same_greedy
+
+import kvboost_rag.engine as engine_module
+from kvboost_rag import KVBoost
+from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.hf.captured import build_captured_rows
+
+SETTINGS = dict(
+    show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1, 4),
+    captured_prefill_buckets=(16, 64, 256), draft_tokens=0,
+)
+FAMILIES = ("llama", "gemma2")
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer, docs):
+    """``family -> (engine with captured prefill passes, eager engine)``, warmed alike."""
+    from kvboost_rag.dev.testing import tiny_model
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engine_module, "build_captured_rows", functools.partial(build_captured_rows, backend="aot_eager"))
+    built = {}
+    for family in FAMILIES:
+        captured = KVBoost.from_model(tiny_model(family), tokenizer, captured_steps="on", **SETTINGS)
+        eager = KVBoost.from_model(tiny_model(family), tokenizer, **{**SETTINGS, "captured_prefill_buckets": ()})
+        assert captured._captured_prefill is not None and eager._captured_prefill is None
+        for engine in (captured, eager):
+            engine.warm(SYSTEM_PROMPT)
+            engine.warm_documents(docs[:4])
+        built[family] = (captured, eager)
+    patch.undo()
+    return built
+
+
+def _passes(engine: KVBoost) -> int:
+    return engine._captured_prefill.runs
+
+
+def _same(result, reference) -> None:
+    """The same prefill (what was reused and recomputed), first-token logits within float32
+    rounding, greedy tokens up to a near tie."""
+    for field in ("strategy", "prefix_hit_tokens", "content_hit_tokens", "recomputed_tokens"):
+        assert getattr(result, field) == getattr(reference, field), field
+    torch.testing.assert_close(result.step_logits[0], reference.step_logits[0], rtol=0, atol=1e-4)
+    assert_same_greedy(result.token_ids, reference.token_ids, reference.step_logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_hit_and_a_blend_pass_run_captured_as_the_eager_passes(engines, docs, family):
+    captured, eager = engines[family]
+    repeated = SYSTEM_PROMPT + "\n\nQuestion: what is a list comprehension?\nAnswer:"
+    reordered = rag_prompt([docs[2], docs[0]], "Which one is about loops?")
+    for prompt, strategy in ((repeated, "exact"), (repeated, "exact"), (reordered, None)):
+        before = _passes(captured)
+        result = captured.generate(prompt, max_new_tokens=10, return_logits=True)
+        reference = eager.generate(prompt, max_new_tokens=10, return_logits=True)
+        _same(result, reference)
+        assert result.prefix_hit_tokens > 0 and _passes(captured) == before + 1
+        if strategy is not None:
+            assert result.strategy == strategy
+        else:
+            assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_passes_longer_than_the_largest_bucket_and_full_prefills_run_eagerly(engines, docs, family):
+    captured, eager = engines[family]
+    fresh = "Unrelated text that no tier holds. " * 12  # no prefix hit: a full prefill
+    long_tail = SYSTEM_PROMPT + "\n\n" + " ".join(d[::-1] for d in docs[4:6]) * 2 + "\nAnswer:"
+    for prompt in (fresh, long_tail):
+        before = _passes(captured)
+        result = captured.generate(prompt, max_new_tokens=6, return_logits=True)
+        _same(result, eager.generate(prompt, max_new_tokens=6, return_logits=True))
+        assert _passes(captured) == before
+    assert captured.count_tokens(long_tail) - captured.count_tokens(SYSTEM_PROMPT) > 256
+
+
+def test_prefill_buckets_are_powers_of_two_up_to_8192():
+    from kvboost_rag.config import KVBoostSettings
+
+    assert KVBoostSettings(captured_prefill_buckets=(256, 64, 64)).captured_prefill_buckets == (64, 256)
+    assert KVBoostSettings().captured_prefill_buckets == ()
+    for bad in ((48,), (16384,), (0,)):
+        with pytest.raises((InvalidInputError, ValueError), match="captured_prefill_buckets"):
+            KVBoostSettings(captured_prefill_buckets=bad)
