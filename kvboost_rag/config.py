@@ -186,9 +186,11 @@ class KVBoostSettings(BaseModel):
             draft-verify). More buckets cost more compile time at load.
         captured_prefill_buckets: Token counts of captured prefill passes (powers of two up to
             8,192; empty, the default: prefill passes run eagerly). With captured steps on, a
-            prompt's pass over its slot (the tokens after an exact prefix hit, or the blend
-            pass of a document repair: its chosen and live tokens at their positions) runs as
-            one compiled graph, one CUDA graph on CUDA, when its tokens fit the largest bucket,
+            prompt's pass over its slot (the tokens after an exact prefix hit; the attention
+            repair's probe, which also records the attention of its last ``probe_queries``
+            tokens; the blend pass of a document repair: its chosen and live tokens at their
+            positions) runs as one compiled graph, one CUDA graph on CUDA, when its tokens fit
+            the largest bucket,
             padded to the smallest that holds them; longer passes, and prompts without a slot,
             run eagerly. One graph per bucket is built when the engine loads. Tested on CPU
             against the eager passes, not yet timed on a GPU, so not on by default; such as

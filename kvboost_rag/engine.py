@@ -89,7 +89,9 @@ class KVBoost:
             adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
             scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
         )
-        self._captured_prefill = build_prefill_rows(self._captured, settings.captured_prefill_buckets)
+        self._captured_prefill = build_prefill_rows(
+            self._captured, settings.captured_prefill_buckets, record_queries=settings.probe_queries
+        )
         prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill)
         turns = ModelTurns()
         drafts = DraftPolicy(settings, adapter.device.type)

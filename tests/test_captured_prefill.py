@@ -1,9 +1,10 @@
 """Prefill passes as captured steps (``captured_prefill_buckets``): the tokens after an exact
-prefix hit, and the blend pass of a document repair, run as one compiled graph over the
-request's slot and give what the eager passes give (first-token logits within float32
-rounding, the same greedy tokens, the same reuse figures), on a global-attention family and
-one with sliding windows; a pass longer than the largest bucket, and a prompt with nothing
-cached, run eagerly.
+prefix hit, the attention repair's probe and the blend pass of a document repair run as one
+compiled graph each over the request's slot and give what the eager passes give (the probe's
+recorded attention within float32 rounding; first-token logits within float32 rounding, the
+same greedy tokens, the same reuse figures), on a global-attention family and one with
+sliding windows; a pass longer than the largest bucket, and a prompt with nothing cached, run
+eagerly.
 
 On the CPU the steps compile with ``aot_eager`` (as in test_captured_decoding.py).
 """
@@ -21,6 +22,7 @@ import kvboost_rag.engine as engine_module
 from kvboost_rag import KVBoost
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.hf.captured import build_captured_rows
+from kvboost_rag.repair.probe import run_probe
 
 SETTINGS = dict(
     show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1, 4),
@@ -67,16 +69,39 @@ def test_a_prefix_hit_and_a_blend_pass_run_captured_as_the_eager_passes(engines,
     captured, eager = engines[family]
     repeated = SYSTEM_PROMPT + "\n\nQuestion: what is a list comprehension?\nAnswer:"
     reordered = rag_prompt([docs[2], docs[0]], "Which one is about loops?")
-    for prompt, strategy in ((repeated, "exact"), (repeated, "exact"), (reordered, None)):
+    for prompt, passes in ((repeated, 1), (repeated, 1), (reordered, 2)):  # a repair: the probe and the blend
         before = _passes(captured)
         result = captured.generate(prompt, max_new_tokens=10, return_logits=True)
         reference = eager.generate(prompt, max_new_tokens=10, return_logits=True)
         _same(result, reference)
-        assert result.prefix_hit_tokens > 0 and _passes(captured) == before + 1
-        if strategy is not None:
-            assert result.strategy == strategy
+        assert result.prefix_hit_tokens > 0 and _passes(captured) == before + passes
+        if passes == 1:
+            assert result.strategy == "exact"
         else:
-            assert result.content_hit_tokens > 0 and result.recomputed_tokens > 0
+            assert result.strategy == "attention" and result.content_hit_tokens > 0 and result.recomputed_tokens > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_captured_probe_records_what_the_eager_probe_records(engines, docs, family, monkeypatch):
+    captured, _ = engines[family]
+    prefiller = captured._requests.prefiller
+    adapter, pool = prefiller.adapter, prefiller.captured.pool
+    compared = []
+
+    def probe_both(slot, length, tokens, positions, queries):
+        keys, values = (t.clone() for t in pool.buffers(slot))  # the slot as stitched, before either probe writes
+        recorded = original(slot, length, tokens, positions, queries)
+        eager = run_probe(adapter, tokens, positions, keys, values, length, queries=queries)
+        assert recorded is not None and len(recorded) == len(eager) == adapter.num_layers
+        for got, want in zip(recorded, eager):
+            torch.testing.assert_close(got, want[:length], rtol=1e-5, atol=1e-6)
+        compared.append(length)
+        return recorded
+
+    original = prefiller._captured_probe
+    monkeypatch.setattr(prefiller, "_captured_probe", probe_both)
+    result = captured.generate(rag_prompt([docs[3], docs[1]], "What is compared?"), max_new_tokens=2)
+    assert result.strategy == "attention" and compared
 
 
 @pytest.mark.parametrize("family", FAMILIES)

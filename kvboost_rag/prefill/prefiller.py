@@ -243,7 +243,7 @@ class Prefiller:
         cached = torch.zeros(n, dtype=torch.bool)  # [n] host mask of the positions loaded
         with stage("stitch", self.adapter.device):
             cached[stitch_documents(self.adapter, keys, values, hits.blocks, hits.runs)] = True
-        live, selection, keep = self._choose(plan, keys, values, h, cached)
+        live, selection, keep = self._choose(plan, keys, values, h, cached, slot)
         compute = live.clone()  # [n] bool: every position the blend pass runs
         compute[selection.positions] = True
         compute[keep] = True
@@ -270,7 +270,7 @@ class Prefiller:
         )
 
     def _choose(
-        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, cached: torch.Tensor
+        self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, cached: torch.Tensor, slot: Slot | None
     ) -> tuple[torch.Tensor, Selection, torch.Tensor]:
         """``(live, selection, keep)``: the positions computed whatever the repair (after the
         prefix, not loaded, and the last token), the cached ones the repair recomputes, and
@@ -283,7 +283,8 @@ class Prefiller:
         live[:h] = False
         live[n - 1] = True
         with stage("select", self.adapter.device):  # the probe inside it is timed apart
-            inputs = RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget)
+            probe = partial(self._captured_probe, slot, n) if self.captured is not None and slot is not None else None
+            inputs = RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe)
             selection = self.repair.choose(inputs)
         keep_start = self.settings.keep_document_start
         keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
@@ -314,6 +315,21 @@ class Prefiller:
                 return logits, 0.0
             stitched.arm(host_to_device(positions, adapter.device))
             return adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True), 0.0
+
+    def _captured_probe(
+        self, slot: Slot, length: int, tokens: torch.Tensor, positions: torch.Tensor, queries: int
+    ) -> list[torch.Tensor] | None:
+        """The attention repair's probe as one captured pass: the live ``tokens`` at their
+        ``positions`` over the slot as stitched, the attention of the last ``queries`` of them
+        per layer over the prompt's ``length`` rows (:func:`~kvboost_rag.repair.probe.run_probe`'s
+        result); ``None`` (run it eagerly) when the passes record another number of queries,
+        there are fewer live tokens than that, or they do not fit the largest bucket."""
+        captured = self.captured
+        count = len(tokens)
+        if captured.record_queries != queries or count < queries or count > captured.max_tokens:
+            return None
+        captured.run([Row(slot, tokens.tolist(), positions=positions.tolist())])
+        return captured.recorded(slot, length)
 
     def _captured_pass(self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
         """The ``[vocab]`` logits of the last of ``tokens`` run at ``positions`` (ascending) in

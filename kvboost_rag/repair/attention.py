@@ -39,10 +39,14 @@ class AttentionRepair(SelectingRepair):
         adapter, settings = self.adapter, self.settings
         positions = inputs.live.nonzero().view(-1)
         with stage("probe", adapter.device):
-            recorded = run_probe(
-                adapter, inputs.ids[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
-                layers=settings.probe_layers, queries=settings.probe_queries,
-            )
+            recorded = None
+            if inputs.captured_probe is not None and settings.probe_layers in (None, adapter.num_layers):
+                recorded = inputs.captured_probe(inputs.ids[positions], positions, settings.probe_queries)
+            if recorded is None:
+                recorded = run_probe(
+                    adapter, inputs.ids[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
+                    layers=settings.probe_layers, queries=settings.probe_queries,
+                )
         weighting = settings.probe_weighting
         attention = attention_scores(
             recorded, content, inputs.values if "value" in weighting else None, depth_weighted="depth" in weighting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,9 @@ class RepairInputs:
         values: Same for values.
         content_positions: Sorted positions whose K/V was loaded from document chunks.
         budget: Cached tokens to recompute, or ``None`` for ``recompute_ratio="auto"``.
+        captured_probe: Runs the probe as one captured pass when it can: ``(tokens,
+            positions, queries)`` -> what :func:`~kvboost_rag.repair.probe.run_probe` returns
+            over every layer, or ``None`` (then the probe runs eagerly).
     """
 
     ids: torch.Tensor
@@ -34,6 +38,7 @@ class RepairInputs:
     values: torch.Tensor
     content_positions: torch.Tensor
     budget: int | None
+    captured_probe: Callable[[torch.Tensor, torch.Tensor, int], list[torch.Tensor] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ How the engine uses them::
     # their largest bucket; the tokens after a prefix hit of h tokens, or a blend pass
     passes = build_prefill_rows(steps, prefill_buckets)  # last logits only; None: eager
     passes.run([Row(slot, prompt_ids[h:], h)]).last(0)
+    passes.run([Row(slot, live_tokens, positions=live_positions)])  # the repair's probe
+    passes.recorded(slot, prompt_tokens)  # [prompt_tokens] attention per layer, as run_probe's
     passes.run([Row(slot, chosen_tokens, positions=chosen_positions)]).last(0)
     steps.pool.release(slot)
 

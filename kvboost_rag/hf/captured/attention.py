@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -82,9 +83,11 @@ def block_mask(first_key: torch.Tensor, last_key: torch.Tensor, total_tokens: in
 
 class StepMask(BlockMask):
     """The block mask of a step's global layers, holding those of its sliding windows
-    (:attr:`windowed`, set by :func:`step_mask`)."""
+    (:attr:`windowed`, set by :func:`step_mask`) and, in a step that records attention,
+    what to record (:attr:`record`)."""
 
     windowed: dict[int, BlockMask]
+    record: AttentionRecord | None = None
 
     @property
     def ndim(self) -> int:
@@ -103,6 +106,45 @@ class StepMask(BlockMask):
         if mask is None:
             raise RuntimeError(f"captured step built no block mask for sliding window {window}")
         return mask
+
+
+class AttentionRecord(NamedTuple):
+    """What a step records of its attention: per layer, the attention weights of some of its
+    queries over the pool, mean over heads, summed over those queries (what the eager probe's
+    :func:`~kvboost_rag.hf.sparse_attention.last_query_attention` records over a prompt).
+
+    Attributes:
+        weights: ``[layers, pool tokens]`` float32, written by every layer of the step.
+        queries: ``[count]`` int64, the queries recorded (indexes on the step's token axis).
+        first_key: ``[count]`` int64, the first pool row each of them may read.
+        last_key: ``[count]`` int64, the last (its own row).
+    """
+
+    weights: torch.Tensor
+    queries: torch.Tensor
+    first_key: torch.Tensor
+    last_key: torch.Tensor
+
+
+def record_attention(
+    record: AttentionRecord, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None,
+    softcap: float | None,
+) -> None:
+    """Write layer ``layer``'s weights of the recorded queries into ``record.weights``: scores
+    in the keys' dtype, then float32 (softcap as the layer applies it), masked to each query's
+    rows (and window), softmax over the pool, mean over heads, sum over the queries."""
+    kv_heads = key.shape[1]
+    q = query[0][:, record.queries].to(key.dtype)  # [heads, count, dim]
+    q = q.view(kv_heads, -1, q.shape[1], q.shape[2])  # [kv_heads, groups, count, dim]
+    scores = torch.matmul(q, key[0].transpose(-1, -2).unsqueeze(1)).float() * scale  # [kv_heads, groups, count, pool]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(key.shape[2], device=key.device).view(1, -1)  # [1, pool]
+    visible = (rows >= record.first_key.view(-1, 1)) & (rows <= record.last_key.view(-1, 1))  # [count, pool]
+    if window:
+        visible &= rows > record.last_key.view(-1, 1) - window
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).mean(dim=(0, 1)).sum(dim=0)  # [pool]
+    record.weights[layer].copy_(weights)
 
 
 def step_mask(pool_rows: torch.Tensor, first_key: torch.Tensor, windows: Sequence[int | None], total_tokens: int) -> StepMask:
@@ -207,6 +249,11 @@ def rows_attention(
     # Several queries of a step read different rows: flex-decoding, the kernel inductor picks
     # for short query lengths, gave wrong rows for steps of more than one token on an H100
     # (one token: right), so those steps use the main FlexAttention kernel.
+    record = attention_mask.record
+    if record is not None:
+        window = kwargs.get("sliding_window") or None
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        record_attention(record, module.layer_idx, query, key, scale, window, softcap)
     options = {"FORCE_USE_FLEX_ATTENTION": True} if query.shape[2] > 1 else None
     out = flex_attention(
         query, key, value, score_mod=score_mod, block_mask=mask, scale=scaling,

@@ -59,18 +59,24 @@ def build_captured_rows(
     return steps if steps.prepare() else None
 
 
-def build_prefill_rows(rows: CapturedRows | None, token_buckets: Sequence[int]) -> CapturedRows | None:
+def build_prefill_rows(
+    rows: CapturedRows | None, token_buckets: Sequence[int], record_queries: int = 0
+) -> CapturedRows | None:
     """Captured prefill passes (one row, the logits of its last token: the tokens after an
-    exact prefix hit, or a blend pass) over the pool of the decode steps ``rows``, built with
-    their backend and prepared; ``None`` without decode steps or buckets, or where they cannot
-    be built (the reason is logged; prefill stays eager).
+    exact prefix hit, the attention repair's probe, a blend pass) over the pool of the decode
+    steps ``rows``, built with their backend and prepared; ``None`` without decode steps or
+    buckets, or where they cannot be built (the reason is logged; prefill stays eager).
 
     Args:
         rows: The engine's captured decode steps (:func:`build_captured_rows`).
         token_buckets: Token buckets of a prefill pass (``captured_prefill_buckets``); the
             pool's scratch region must hold the largest.
+        record_queries: Every pass also records the attention of its last this many tokens
+            (``probe_queries``: what the probe reads); 0: none.
     """
     if rows is None or not token_buckets:
         return None
-    steps = CapturedRows(rows.adapter, rows.pool, token_buckets, backend=rows.backend, last_logits=True)
+    steps = CapturedRows(
+        rows.adapter, rows.pool, token_buckets, backend=rows.backend, last_logits=True, record_queries=record_queries
+    )
     return steps if steps.prepare() else None

@@ -13,7 +13,9 @@ which the engine calls when it loads, never on a request.
 The same step runs a blend pass (one row: the chosen and live tokens of a prompt stitched
 into a slot, at their scattered positions, with ``last_logits``): their K/V replace the rows
 at their positions and attention is causal by position, what the eager pass over an armed
-cache computes.
+cache computes. With ``record_queries`` every layer of such a step also writes the attention
+of the step's last tokens over the pool into a fixed buffer (:meth:`CapturedRows.recorded`):
+the attention repair's probe in one step.
 
 What the caller keeps: each sequence's length (a host int; the slot holds positions
 ``0..length - 1``). After a step it keeps as many of a row's new tokens as it accepts and
@@ -36,9 +38,9 @@ import torch
 
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.hf.attention_switch import AttentionSwitch
-from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, PoolCache, missing_support, step_mask
+from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, AttentionRecord, PoolCache, missing_support, step_mask
 from kvboost_rag.hf.captured.graph import BucketGraph, StepFunction, compile_cache_counts
-from kvboost_rag.hf.captured.pool import SlotPool
+from kvboost_rag.hf.captured.pool import Slot, SlotPool
 from kvboost_rag.hf.captured.rows import FIELDS, POOL_ROWS, Row, StepLogits, pack_rows, token_bucket
 from kvboost_rag.hf.caches import cache_keyword
 
@@ -84,6 +86,7 @@ def _step_logits(
     windows: tuple[int | None, ...],
     pool: SlotPool,
     last_only: bool,
+    record: torch.Tensor | None,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     pool_rows: torch.Tensor,
@@ -93,14 +96,20 @@ def _step_logits(
     written at ``pool_rows`` (the rows ``cache`` writes at), each reading its slot from
     ``first_key``; returns ``[bucket, vocab]`` float32 logits, or with ``last_only`` the
     ``[1, vocab]`` logits of the last real token (the real tokens come first, the padded ones
-    write into the scratch rows)."""
-    keep: int | torch.Tensor = 0
-    if last_only:
-        keep = ((pool_rows < pool.scratch_start).sum() - 1).view(1)
+    write into the scratch rows). With ``record`` (``[layers, pool tokens]``), every layer
+    writes there the attention of the last ``record_queries`` real tokens (the row count of
+    ``record``'s companion: see :class:`CapturedRows`)."""
+    real = (pool_rows < pool.scratch_start).sum()
+    keep: int | torch.Tensor = (real - 1).view(1) if last_only else 0
+    mask = step_mask(pool_rows, first_key, windows, pool.total_tokens)
+    if record is not None:
+        weights, count = record
+        queries = (real - count + torch.arange(count, device=real.device)).clamp_min(0)  # [count]
+        mask.record = AttentionRecord(weights, queries, first_key[queries], pool_rows[queries])
     out = model(
         input_ids=tokens.view(1, -1),
         position_ids=positions.view(1, -1),
-        attention_mask=step_mask(pool_rows, first_key, windows, pool.total_tokens),
+        attention_mask=mask,
         **{keyword: cache},
         use_cache=True,
         logits_to_keep=keep,
@@ -122,6 +131,9 @@ class CapturedRows:
         last_logits: Steps of one row that return the logits of its last token only (a blend
             pass: its chosen tokens at scattered positions, the logits of the prompt's last
             token) instead of every token's.
+        record_queries: With ``last_logits``, every step also records, per layer, the
+            attention of its last ``record_queries`` tokens over the pool (the attention
+            repair's probe: :meth:`recorded`); 0: nothing recorded.
 
     Raises:
         InvalidInputError: A bucket that is not a power of two, or larger than the pool's
@@ -136,6 +148,7 @@ class CapturedRows:
         backend: str | None = "inductor",
         cuda_graphs: bool | None = None,
         last_logits: bool = False,
+        record_queries: int = 0,
     ) -> None:
         buckets = sorted(set(token_buckets))
         scratch = pool.total_tokens - pool.scratch_start
@@ -150,6 +163,16 @@ class CapturedRows:
         self._backend = backend
         self._cuda_graphs = adapter.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.last_logits = last_logits
+        if record_queries and not last_logits:
+            raise InvalidInputError("only steps of one row that return the last logits record attention")
+        self.record_queries = record_queries
+        #: ``[layers, pool tokens]`` float32: the attention the last step recorded, per layer.
+        self.record: torch.Tensor | None = None
+        if record_queries:
+            with torch.inference_mode(False):  # an ordinary tensor, as the pool
+                self.record = torch.zeros(
+                    (adapter.num_layers, pool.total_tokens), dtype=torch.float32, device=adapter.device
+                )
         self._switch = AttentionSwitch(adapter.model)
         self._graphs: dict[int, BucketGraph] = {}
         #: Why the steps are not available (empty once :meth:`prepare` succeeded).
@@ -186,9 +209,10 @@ class CapturedRows:
         model = self.adapter.model
         cache = PoolCache(self.pool, pool_rows)
         keyword, windows, pool, last_only = cache_keyword(model), self.windows, self.pool, self.last_logits
+        record = None if self.record is None else (self.record, self.record_queries)
 
         def step(*table_rows: torch.Tensor) -> torch.Tensor:
-            return _step_logits(model, cache, keyword, windows, pool, last_only, *table_rows)
+            return _step_logits(model, cache, keyword, windows, pool, last_only, record, *table_rows)
 
         if self._backend is None:
             return step
@@ -228,6 +252,17 @@ class CapturedRows:
             len(graphs), list(graphs), time.perf_counter() - started, now_hits - hits, now_misses - misses,
         )
         return True
+
+    def recorded(self, slot: Slot, length: int) -> list[torch.Tensor]:
+        """What the last step recorded over ``slot``'s first ``length`` rows: one ``[length]``
+        float32 tensor per layer (copies), as the eager probe records them.
+
+        Raises:
+            RuntimeError: The steps record nothing (``record_queries`` 0).
+        """
+        if self.record is None:
+            raise RuntimeError("these captured steps record no attention (record_queries=0)")
+        return list(self.record[:, slot.start : slot.start + length].clone().unbind(0))
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row]) -> StepLogits:
