@@ -26,6 +26,8 @@
 # GPU_CHECK_SHAPES (the TTFT benches' shapes, default "Llama-3.1-8B Qwen2.5-7B"; empty: none),
 # GPU_CHECK_DECODE_ARGS (the decode table's columns, default "--captured --engine-captured
 # --captured-buckets 1,4,16": each bucket is compiled at load, 45 s at the 8B shape on an H100),
+# GPU_CHECK_PREFILL_BUCKETS (the TTFT benches' engine runs its prefill passes captured in these
+# token buckets, such as 64,256,1024,4096: each compiled at load; empty by default: eager),
 # GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT, GPU_CHECK_DECODE_LIMIT and GPU_CHECK_BENCH_LIMIT
 # (seconds: the whole check, the tests, the decode table, each bench; GPU_CHECK_DECODE_LIMIT=0
 # leaves the decode table out), GPU_CHECK_PROFILE (rows of a profile of one repair call at the longest
@@ -178,6 +180,7 @@ if [ "$DECODE_LIMIT" -gt 0 ]; then
     --tokenizer "$TOKENIZER" --decode-only "${DECODE_ARGS[@]}" "${BENCH_ARGS[@]}" --decode-tokens 64
 fi
 
+[ -n "${GPU_CHECK_PREFILL_BUCKETS:-}" ] && BENCH_ARGS+=(--captured-prefill "$GPU_CHECK_PREFILL_BUCKETS")
 for i in "${!SHAPES[@]}"; do
   shape=${SHAPES[$i]}
   later=$(((${#SHAPES[@]} - i - 1) * BENCH_LIMIT))
