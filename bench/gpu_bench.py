@@ -48,7 +48,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,15 +236,15 @@ def sync(device: torch.device) -> None:
 
 class ForwardTimer:
     """Wall time spent inside the model's forward calls (outermost call only), and inside the
-    captured prefill passes of ``captured`` when given (a CUDA graph replays the model without
+    captured passes of each of ``captured`` (a CUDA graph replays the model without
     calling its ``forward``)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, captured=None) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, captured: Sequence = ()) -> None:
         self.seconds = 0.0
         self._depth = 0
         self._device = device
         base = getattr(model, model.base_model_prefix)
-        self._patched = [(model, "forward"), (base, "forward")] + ([(captured, "run")] if captured is not None else [])
+        self._patched = [(model, "forward"), (base, "forward")] + [(rows, "run") for rows in captured if rows is not None]
         for owner, name in self._patched:
             setattr(owner, name, self._timed(getattr(owner, name)))
 
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     with use_backend(backend):
         if args.decode_only:
             return _decode_table(engine, lengths, args, device)
-        timer = ForwardTimer(model, device, engine._captured_prefill)
+        timer = ForwardTimer(model, device, (engine._captured_prefill, engine._captured_probe))
         rows = _table(engine, timer, lengths, args, device)
         timer.remove()
         if args.captured or args.engine_captured:

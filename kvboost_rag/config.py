@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -255,24 +256,14 @@ class KVBoostSettings(BaseModel):
         ``max_batch_cache_bytes`` when that is ``"auto"``."""
         return self.max_batch_cache_bytes if self.captured_pool_bytes == "auto" else self.captured_pool_bytes
 
-    @field_validator("captured_token_buckets")
+    @field_validator("captured_token_buckets", "captured_prefill_buckets")
     @classmethod
-    def _power_of_two_buckets(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if not value or any(b < 1 or b > MAX_CAPTURED_TOKENS or b & (b - 1) for b in value):
-            raise ValueError(
-                f"captured_token_buckets must be powers of two from 1 to {MAX_CAPTURED_TOKENS}, such as "
-                f"(1, 2, 4, 8, 16); got {value}"
-            )
-        return tuple(sorted(set(value)))
-
-    @field_validator("captured_prefill_buckets")
-    @classmethod
-    def _power_of_two_prefill_buckets(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(b < 1 or b > MAX_CAPTURED_PREFILL_TOKENS or b & (b - 1) for b in value):
-            raise ValueError(
-                f"captured_prefill_buckets must be powers of two from 1 to {MAX_CAPTURED_PREFILL_TOKENS}, such as "
-                f"(64, 256, 1024, 4096), or empty (eager prefill passes); got {value}"
-            )
+    def _power_of_two_buckets(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        decode = info.field_name == "captured_token_buckets"
+        largest = MAX_CAPTURED_TOKENS if decode else MAX_CAPTURED_PREFILL_TOKENS
+        if (decode and not value) or any(b < 1 or b > largest or b & (b - 1) for b in value):
+            example = "(1, 2, 4, 8, 16)" if decode else "(64, 256, 1024, 4096), or empty (eager prefill passes)"
+            raise ValueError(f"{info.field_name} must be powers of two from 1 to {largest}, such as {example}; got {value}")
         return tuple(sorted(set(value)))
 
     @field_validator("redis_url")

@@ -19,7 +19,7 @@ from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
-from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows
+from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, probe_buckets
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -89,10 +89,15 @@ class KVBoost:
             adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
             scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
         )
-        self._captured_prefill = build_prefill_rows(
-            self._captured, settings.captured_prefill_buckets, record_queries=settings.probe_queries
-        )
-        prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill)
+        # The probe records attention over the whole pool: its own passes, so the others skip that.
+        prefill_buckets = settings.captured_prefill_buckets
+        self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets)
+        self._captured_probe = None
+        if self._captured_prefill is not None:
+            self._captured_probe = build_prefill_rows(
+                self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries
+            )
+        prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe)
         turns = ModelTurns()
         drafts = DraftPolicy(settings, adapter.device.type)
         step = partial(decode_step, adapter, policy=drafts, captured=self._captured)

@@ -52,7 +52,7 @@ def engines(tokenizer, docs):
 
 
 def _passes(engine: KVBoost) -> int:
-    return engine._captured_prefill.runs
+    return engine._captured_prefill.runs + engine._captured_probe.runs
 
 
 def _same(result, reference) -> None:
@@ -85,7 +85,7 @@ def test_a_prefix_hit_and_a_blend_pass_run_captured_as_the_eager_passes(engines,
 def test_the_captured_probe_records_what_the_eager_probe_records(engines, docs, family, monkeypatch):
     captured, _ = engines[family]
     prefiller = captured._requests.prefiller
-    adapter, pool = prefiller.adapter, prefiller.captured.pool
+    adapter, pool = prefiller.adapter, prefiller.captured_probe.pool
     compared = []
 
     def probe_both(slot, length, tokens, positions, queries):

@@ -82,15 +82,22 @@ class Prefiller:
         captured: Captured prefill passes (``captured_prefill_buckets``): a prompt prefilled
             into a slot runs the tokens after its prefix hit, or its blend pass, through them
             when they fit the largest bucket; else (and without them) eagerly.
+        captured_probe: Captured passes that record attention: the attention repair's probe
+            of a prompt in a slot, when its live tokens fit; else the probe runs eagerly.
     """
 
     def __init__(
-        self, adapter: ModelAdapter, cache: CacheManager, settings: KVBoostSettings, captured: CapturedRows | None = None
+        self,
+        adapter: ModelAdapter,
+        cache: CacheManager,
+        settings: KVBoostSettings,
+        captured: CapturedRows | None = None,
+        captured_probe: CapturedRows | None = None,
     ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.settings = settings
-        self.captured = captured
+        self.captured, self.captured_probe = captured, captured_probe
         self._strategies: dict[str, RepairStrategy] = {}
 
     @property
@@ -283,7 +290,7 @@ class Prefiller:
         live[:h] = False
         live[n - 1] = True
         with stage("select", self.adapter.device):  # the probe inside it is timed apart
-            probe = partial(self._captured_probe, slot, n) if self.captured is not None and slot is not None else None
+            probe = partial(self._captured_probe, slot, n) if self.captured_probe is not None and slot is not None else None
             inputs = RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe)
             selection = self.repair.choose(inputs)
         keep_start = self.settings.keep_document_start
@@ -324,12 +331,12 @@ class Prefiller:
         per layer over the prompt's ``length`` rows (:func:`~kvboost_rag.repair.probe.run_probe`'s
         result); ``None`` (run it eagerly) when the passes record another number of queries,
         there are fewer live tokens than that, or they do not fit the largest bucket."""
-        captured = self.captured
+        probe = self.captured_probe
         count = len(tokens)
-        if captured.record_queries != queries or count < queries or count > captured.max_tokens:
+        if probe.record_queries != queries or count < queries or count > probe.max_tokens:
             return None
-        captured.run([Row(slot, tokens.tolist(), positions=positions.tolist())])
-        return captured.recorded(slot, length)
+        probe.run([Row(slot, tokens.tolist(), positions=positions.tolist())])
+        return probe.recorded(slot, length)
 
     def _captured_pass(self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
         """The ``[vocab]`` logits of the last of ``tokens`` run at ``positions`` (ascending) in

@@ -27,8 +27,9 @@ How the engine uses them::
     # their largest bucket; the tokens after a prefix hit of h tokens, or a blend pass
     passes = build_prefill_rows(steps, prefill_buckets)  # last logits only; None: eager
     passes.run([Row(slot, prompt_ids[h:], h)]).last(0)
-    passes.run([Row(slot, live_tokens, positions=live_positions)])  # the repair's probe
-    passes.recorded(slot, prompt_tokens)  # [prompt_tokens] attention per layer, as run_probe's
+    probe = build_prefill_rows(steps, probe_buckets(prefill_buckets), record_queries=1)
+    probe.run([Row(slot, live_tokens, positions=live_positions)])  # the repair's probe
+    probe.recorded(slot, prompt_tokens)  # [prompt_tokens] attention per layer, as run_probe's
     passes.run([Row(slot, chosen_tokens, positions=chosen_positions)]).last(0)
     steps.pool.release(slot)
 
@@ -36,7 +37,7 @@ A cache built over a slot keeps the length it was built with: before an eager pa
 sequence that captured steps moved on, build a new one with its current length.
 """
 
-from kvboost_rag.hf.captured.build import build_captured_rows, build_prefill_rows
+from kvboost_rag.hf.captured.build import build_captured_rows, build_prefill_rows, probe_buckets
 from kvboost_rag.hf.captured.pool import KV_BLOCK, Slot, SlotPool, plan_capacities
 from kvboost_rag.hf.captured.rows import Row, StepLogits
 from kvboost_rag.hf.captured.steps import (
@@ -57,6 +58,7 @@ __all__ = [
     "StepLogits",
     "build_captured_rows",
     "build_prefill_rows",
+    "probe_buckets",
     "captured_steps_wanted",
     "plan_capacities",
 ]

@@ -59,6 +59,19 @@ def build_captured_rows(
     return steps if steps.prepare() else None
 
 
+#: Largest token bucket of the probe's passes (its live tokens: the question, separators, the
+#: last token): a probe reads only the smallest prefill buckets.
+MAX_PROBE_TOKENS = 512
+
+
+def probe_buckets(prefill_buckets: Sequence[int]) -> tuple[int, ...]:
+    """The prefill buckets the probe's passes are built for: those up to
+    :data:`MAX_PROBE_TOKENS`, or the smallest when none is."""
+    if not prefill_buckets:
+        return ()
+    return tuple(b for b in prefill_buckets if b <= MAX_PROBE_TOKENS) or (min(prefill_buckets),)
+
+
 def build_prefill_rows(
     rows: CapturedRows | None, token_buckets: Sequence[int], record_queries: int = 0
 ) -> CapturedRows | None:
@@ -72,7 +85,8 @@ def build_prefill_rows(
         token_buckets: Token buckets of a prefill pass (``captured_prefill_buckets``); the
             pool's scratch region must hold the largest.
         record_queries: Every pass also records the attention of its last this many tokens
-            (``probe_queries``: what the probe reads); 0: none.
+            over the whole pool, in every layer (``probe_queries``: the attention repair's
+            probe, built apart with :func:`probe_buckets`); 0: none.
     """
     if rows is None or not token_buckets:
         return None
