@@ -256,17 +256,19 @@ def _captured_rows(
     captured: CapturedRows, sequences: Sequence[DecodeSequence], drafts: Sequence[list[int]]
 ) -> list[tuple[torch.Tensor, list[int] | None]]:
     """Each sequence's logits from captured steps over the pool (as few steps as their tokens
-    allow), read before the next step reuses the graph's output."""
+    allow): views of the step's output, copied only when a second step would overwrite it."""
     out: list[tuple[torch.Tensor, list[int] | None]] = []
     group: list[Row] = []
     members: list[DecodeSequence] = []
 
     def flush() -> None:
+        if out:  # the graph's output is overwritten by its next run: keep what was read so far
+            out[:] = [(logits.clone(), argmax) for logits, argmax in out]
         step = captured.run(group)
         greedy = any(plain_greedy(s.options, s.sampling) for s in members)
         argmax = step.flat.argmax(dim=-1).tolist() if greedy else None
         for index, sequence in enumerate(members):
-            logits = step.row(index).clone()  # the graph's output is overwritten by its next run
+            logits = step.row(index)
             start, count = step.offsets[index], step.counts[index]
             plain = argmax is not None and plain_greedy(sequence.options, sequence.sampling)
             out.append((logits, argmax[start : start + count] if plain else None))
