@@ -107,7 +107,8 @@ class Request:
             handle.cancel()
 
     def release_slot(self) -> None:
-        """The request is done reading its buffers (after its write-back; again: nothing)."""
+        """The request is done reading its buffers (once its write-back read them; again:
+        nothing)."""
         if self.lease is not None:
             self.lease.release("request")
 
@@ -337,13 +338,7 @@ class Requests:
             decoded = _decoded(sequence, options)  # what decoding produced, read once it is over
         finally:
             request.close(self.scheduler)
-            try:
-                if options.reuse:  # off the path to the first token: counters, write-back, diagnosis
-                    self.cache.record(plan, outcome)
-                    self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
-                    self._warn_if_documents_missed(plan, outcome)
-            finally:
-                request.release_slot()  # the write-back read the prompt's K/V from it
+            self._store_what_it_taught(request)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
         token_ids, text, finish_reason, step_logits = decoded
         n = plan.num_tokens
@@ -374,11 +369,25 @@ class Requests:
             step_logits=step_logits,
         )
 
+    def _store_what_it_taught(self, request: Request) -> None:
+        """Off the path to the first token: counters, the write-back (staged now, stored
+        behind the call), diagnosis. The request's buffers go back once the write-back read
+        them (at once without reuse)."""
+        plan, outcome = request.plan, request.outcome
+        handed_over = False
+        try:
+            if request.options.reuse:
+                self.cache.record(plan, outcome)
+                handed_over = True  # write_back calls on_read whatever happens
+                self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=request.release_slot)
+                self._warn_if_documents_missed(plan, outcome)
+        finally:
+            if not handed_over:
+                request.release_slot()
+
     def _kv_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers of ``tokens`` positions."""
-        layout = self.adapter.layout
-        element = torch.empty((), dtype=self.adapter.dtype).element_size()
-        return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
+        return self.adapter.kv_bytes_per_token * tokens
 
     def _tokenize(self, prompt: str, options: GenerationOptions, what: str = "prompt") -> PromptTokens:
         """The prompt's tokens; with reuse, the documents in it are found first (known ones and

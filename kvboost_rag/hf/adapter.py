@@ -104,6 +104,12 @@ class ModelAdapter:
         return self.layout.layers
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over every layer, in the model's dtype."""
+        layout = self.layout
+        return 2 * layout.layers * layout.kv_heads * layout.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def context_window(self) -> int:
         """Largest number of positions the model accepts."""
         for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
