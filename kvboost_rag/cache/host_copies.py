@@ -17,6 +17,7 @@ chunk it stores, in two steps that run on different threads:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,9 @@ class HostCopies:
         #: Host memory the copies are carved from (page-locked on CUDA).
         self.arena = HostArena(dtype, pinned=self._on_cuda)
         self._stream = torch.cuda.Stream(device) if self._on_cuda else None
+        #: Bytes :meth:`to_host` copied so far, and the seconds it took (its throughput).
+        self.bytes_copied = 0
+        self.seconds_copying = 0.0
 
     @property
     def frees_buffers_at_once(self) -> bool:
@@ -56,16 +60,19 @@ class HostCopies:
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Contiguous host copies of ``tensors`` (what :meth:`gather` returned) in arena memory,
         complete when this returns. Call it from one thread at a time."""
+        started = time.perf_counter()
         copies = [self.arena.take(tuple(tensor.shape)) for tensor in tensors]
         if self._stream is None:
             for copy, tensor in zip(copies, tensors):
                 copy.copy_(tensor)
-            return copies
-        # Everything the compute stream queued so far comes first: the gathers, and reads of
-        # arena memory freed since (a promotion to the device tier) before it is written again.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            for copy, tensor in zip(copies, tensors):
-                copy.copy_(tensor, non_blocking=True)
-        self._stream.synchronize()
+        else:
+            # Everything the compute stream queued so far comes first: the gathers, and reads of
+            # arena memory freed since (a promotion to the device tier) before it is written again.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for copy, tensor in zip(copies, tensors):
+                    copy.copy_(tensor, non_blocking=True)
+            self._stream.synchronize()
+        self.seconds_copying += time.perf_counter() - started
+        self.bytes_copied += sum(copy.numel() * copy.element_size() for copy in copies)
         return copies
