@@ -6,8 +6,10 @@ again with the same documents in a new order. It prints, per round:
 
 - ``tail_ms``: wall time from the moment the last text piece was received to the end of the
   iteration (what a streaming client waits for after the answer);
-- ``found``: share of the second prompt's document tokens read from cache (``content_hit_tokens``
-  over the tokens of its documents);
+- ``found``: share of the second prompt's document tokens found in the cache
+  (``content_hit_tokens`` over the tokens of its documents), and the share of its tokens read
+  from cache (``cached_tokens`` over ``prompt_tokens``: the repair's recomputed tokens and the
+  question are not);
 - ``flush_ms``: how long ``engine.flush()`` then still waited for the tiers.
 
 Run: ``python bench/writeback_bench.py [--threads 2] [--rounds 3] [--disk]`` (``--disk``: a
@@ -75,6 +77,7 @@ def _round(engine: KVBoost, pool: list[str], target: int, new_tokens: int, rng: 
         "prompt_tokens": prompt_tokens,
         "tail_ms": tail_ms,
         "found": again.content_hit_tokens / document_tokens,
+        "cached": again.cached_tokens / again.prompt_tokens,
         "flush_ms": flush_ms,
     }
 
@@ -99,10 +102,12 @@ def main() -> None:
     rows = [_round(engine, pool, args.tokens, args.new_tokens, rng) for _ in range(args.rounds)]
     print(f"# write-back bench: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{args.threads} threads, load {os.getloadavg()[0]:.2f}, disk tier: {'write-through' if folder else 'default'}")
-    print("| round | prompt tokens | tail after last piece (ms) | found after reorder | flush waited (ms) |")
-    print("|---|---|---|---|---|")
+    print("| round | prompt tokens | tail after last piece (ms) | document tokens found after reorder | "
+          "prompt tokens read from cache | flush waited (ms) |")
+    print("|---|---|---|---|---|---|")
     for i, row in enumerate(rows):
-        print(f"| {i} | {row['prompt_tokens']:.0f} | {row['tail_ms']:.1f} | {row['found']:.2f} | {row['flush_ms']:.1f} |")
+        print(f"| {i} | {row['prompt_tokens']:.0f} | {row['tail_ms']:.1f} | {row['found']:.2f} | {row['cached']:.2f} | "
+              f"{row['flush_ms']:.1f} |")
     print(f"median tail {statistics.median(r['tail_ms'] for r in rows):.1f} ms, "
           f"median found {statistics.median(r['found'] for r in rows):.2f}")
 

@@ -19,7 +19,8 @@ import threading
 import time
 
 import pytest
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from devices import CUDA
+from rag_prompts import rag_prompt
 
 import kvboost_rag.engine as engine_module
 from kvboost_rag import KVBoost
@@ -182,3 +183,20 @@ def test_a_second_process_finds_the_first_ones_compiled_code(tmp_path):
     (hits1, misses1), (hits2, misses2) = counts
     assert misses1 >= 1 and hits2 >= 1 and misses2 == 0, counts
     assert (tmp_path / "torch-compile").is_dir()
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_on_cuda_steps_built_in_the_background_decode_the_eager_tokens(tokenizer, docs, device):
+    """The default on a GPU: inductor and CUDA graphs built on a thread of their own while the
+    engine answers (eagerly, then captured): every answer is the eager engine's."""
+    settings = dict(show_progress=False, chunk_size=32, device=device, captured_token_buckets=(1, 4), draft_tokens=0)
+    eager = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings, captured_steps="off")
+    engine = KVBoost.from_model(tiny_model("llama"), tokenizer, **settings)
+    prompts = [rag_prompt(docs[:2]), rag_prompt([docs[2]], "Summarize."), rag_prompt(docs[3:5])]
+    expected = [eager.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    during = [engine.generate(p, max_new_tokens=12).token_ids for p in prompts]  # the build goes on meanwhile
+    assert engine.wait_for_captured_steps(timeout=600) and engine._captured.ready_buckets == (1, 4)
+    runs = engine.captured_steps_run
+    after = [engine.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    assert during == expected and after == expected
+    assert engine.captured_steps_run > runs

@@ -230,16 +230,25 @@ class WriteBack:
 
     # ------------------------------------------------------------------ the worker
     def _persist(self, job: WriteJob) -> None:
-        """Copy the job's chunks into memory of the cache's own, hand the buffers back, put the
-        copies into the tiers, then settle the index."""
+        """Copy the job's chunks into memory of the cache's own and stage those copies instead
+        of the views, hand the buffers back, put the copies into the tiers, then settle the
+        index."""
         try:
             owned = self._owned(job.chunks)
+            # Only copies are staged from here on: nothing reads the buffers any more.
+            kept = [
+                (chunk, entry) for chunk, entry in zip(job.chunks, owned)
+                if chunk.staged is not None and self._store.restage(chunk.key, chunk.staged, entry)
+            ]  # the others were deleted (or staged anew) since
+        except BaseException:
+            for chunk in job.chunks:
+                if chunk.staged is not None:
+                    self._store.settle(chunk.key, chunk.staged)  # the views must not outlive the buffers
+            raise
         finally:
             job.release_buffers()
         stored = 0
-        for chunk, entry in zip(job.chunks, owned):
-            if chunk.staged is None or not self._store.restage(chunk.key, chunk.staged, entry):
-                continue  # deleted (or staged anew) since
+        for chunk, entry in kept:
             self._store.put(chunk.key, entry, device=not self._on_device)
             self._store.settle(chunk.key, entry)
             stored += 1

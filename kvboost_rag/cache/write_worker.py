@@ -6,22 +6,23 @@ call that computed them has returned. What a later request needs to see at once 
 the tier stack before a job is queued (:meth:`~kvboost_rag.cache.storage.TieredStore.stage`);
 the jobs only make it durable.
 
-Jobs run one at a time, first queued first run. :meth:`WriteWorker.flush` waits until every job
-queued before it has run (warming, ``clear_cache``, tests, shutdown; at interpreter exit the
-queue is flushed too). A job that fails is logged and counted; the next one runs. Queued bytes
-are bounded: a submit waits while the jobs queued before it hold more than ``max_queued_bytes``
-(a slow tier then slows its writers down instead of filling memory).
+The thread is a one-worker :class:`concurrent.futures.ThreadPoolExecutor`: jobs run one at a
+time, first queued first run, and at interpreter exit Python lets the queue run out and joins
+the thread before it tears anything down (a thread still freeing tensors while the interpreter
+finalizes aborts the process). :meth:`WriteWorker.flush` waits until every job queued before it
+has run and let go of its memory (warming, ``clear_cache``, tests, shutdown). A job that fails
+is logged and counted; the next one runs. Queued bytes are bounded: a submit waits while the
+jobs queued before it hold more than ``max_queued_bytes`` (a slow tier then slows its writers
+down instead of filling memory).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from kvboost_rag.log_limits import RateLimitedLogger
 
@@ -30,37 +31,36 @@ _warnings = RateLimitedLogger(logger)
 
 #: A queued write: runs on the worker thread, returns nothing.
 Job = Callable[[], None]
-#: Seconds the thread waits for a job before it ends (the next submit starts another).
-IDLE_SECONDS = 5.0
+#: Name of the worker thread.
+THREAD_NAME = "kvboost-write-back"
+
+_on_worker = threading.local()
 
 
 class WriteWorker:
-    """Runs queued jobs on one daemon thread, started on the first submit.
+    """Runs queued jobs on one thread, in order.
 
     Args:
         max_queued_bytes: Bytes the queued jobs may hold before a submit waits (one job is
             always taken when none is queued).
-        name: Name of the thread.
     """
 
-    def __init__(self, max_queued_bytes: int, name: str = "kvboost-write-back") -> None:
+    def __init__(self, max_queued_bytes: int) -> None:
         self.max_queued_bytes = max_queued_bytes
-        self._name = name
-        self._jobs: deque[tuple[Job, int]] = deque()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
         self._state = threading.Condition()
         self._queued_bytes = 0
-        self._running = 0  # jobs taken off the queue and not finished
-        self._thread: threading.Thread | None = None
+        self._outstanding = 0  # jobs submitted and not finished
         self._closed = False
-        self._exit_hook = False
         #: Jobs that raised.
         self.errors = 0
         #: Jobs run so far.
         self.completed = 0
 
-    def on_worker(self) -> bool:
-        """Whether the calling thread is the worker."""
-        return threading.current_thread() is self._thread
+    @staticmethod
+    def on_worker() -> bool:
+        """Whether the calling thread is running a job of a write worker."""
+        return getattr(_on_worker, "active", False)
 
     def submit(self, job: Job, nbytes: int = 0) -> None:
         """Queue ``job`` (run on the worker thread after every job queued before it).
@@ -70,7 +70,7 @@ class WriteWorker:
             nbytes: Bytes it holds until it ran (counted against ``max_queued_bytes``).
 
         Raises:
-            RuntimeError: The worker was closed.
+            RuntimeError: The worker was closed (or the interpreter is exiting).
         """
         if self.on_worker():  # a job queuing more work runs it in place: the queue is behind it
             job()
@@ -78,21 +78,24 @@ class WriteWorker:
         with self._state:
             if self._closed:
                 raise RuntimeError("the cache's write-back worker is closed")
-            while self._jobs and self._queued_bytes + nbytes > self.max_queued_bytes:
+            while self._outstanding and self._queued_bytes + nbytes > self.max_queued_bytes:
                 self._state.wait()
-            self._jobs.append((job, nbytes))
             self._queued_bytes += nbytes
-            self._start()
-            self._state.notify_all()
+            self._outstanding += 1
+        try:
+            self._executor.submit(self._run, [job], nbytes)  # the list is emptied before the job counts as done
+        except BaseException:
+            self._finished(nbytes, failed=False)
+            raise
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job queued so far has run; whether they all did within ``timeout``
-        seconds (``None``: no limit). From the worker thread itself, returns at once."""
+        seconds (``None``: no limit). From a job itself, returns at once."""
         if self.on_worker():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._state:
-            while self._jobs or self._running:
+            while self._outstanding:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -103,7 +106,7 @@ class WriteWorker:
     def idle(self) -> bool:
         """Whether no job is queued or running."""
         with self._state:
-            return not self._jobs and not self._running
+            return not self._outstanding
 
     def close(self, timeout: float | None = None) -> bool:
         """Run what is queued, then stop the thread; later submits raise. Whether the queue
@@ -111,58 +114,29 @@ class WriteWorker:
         done = self.flush(timeout)
         with self._state:
             self._closed = True
-            self._state.notify_all()
+        self._executor.shutdown(wait=done)
         return done
 
-    def _start(self) -> None:
-        """Start the thread (called with the state lock held)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=_serve, args=(self,), name=self._name, daemon=True)
-        self._thread.start()
-        if not self._exit_hook:
-            self._exit_hook = True
-            atexit.register(_flush_at_exit, weakref.ref(self))
-
-    def _next(self) -> Job | None:
-        """The next job (waits for one); ``None`` once closed and empty, or idle for
-        :data:`IDLE_SECONDS` (the thread then ends)."""
-        with self._state:
-            deadline = time.monotonic() + IDLE_SECONDS
-            while not self._jobs and not self._closed and time.monotonic() < deadline:
-                self._state.wait(deadline - time.monotonic())
-            if not self._jobs:
-                self._thread = None
-                return None
-            job, nbytes = self._jobs.popleft()
-            self._queued_bytes -= nbytes
-            self._running += 1
-            self._state.notify_all()
-            return job
-
-    def _run(self, job: Job) -> None:
+    def _run(self, box: list[Job], nbytes: int) -> None:
+        """Run the job in ``box`` on the worker thread; its memory is let go of before it
+        counts as done."""
+        _on_worker.active = True
+        failed = False
         try:
-            job()
+            box.pop()()
         except Exception as error:  # noqa: BLE001 - one failed write must not stop the others
-            self.errors += 1
+            failed = True
             _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, error)
             logger.debug("the failed cache write", exc_info=error)
+            del error  # its traceback holds the job's frames
         finally:
-            with self._state:
-                self._running -= 1
-                self.completed += 1
-                self._state.notify_all()
+            _on_worker.active = False
+            self._finished(nbytes, failed)
 
-
-def _serve(worker: WriteWorker) -> None:
-    """The worker thread: runs jobs until its worker is closed or idle."""
-    while (job := worker._next()) is not None:
-        worker._run(job)
-        del job
-
-
-def _flush_at_exit(owner: weakref.ref[WriteWorker]) -> None:
-    """At interpreter exit: what was queued reaches the tiers (within a minute)."""
-    worker = owner()
-    if worker is not None and not worker.flush(timeout=60):
-        logger.warning("cache writes still queued at exit were not finished within 60 s")
+    def _finished(self, nbytes: int, failed: bool) -> None:
+        with self._state:
+            self._queued_bytes -= nbytes
+            self._outstanding -= 1
+            self.completed += 1
+            self.errors += failed
+            self._state.notify_all()

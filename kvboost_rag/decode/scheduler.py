@@ -205,7 +205,9 @@ class DecodeScheduler:
         with self._state:
             self._incoming.extend(handles)
             if handles and self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="kvboost-decode", daemon=True)
+                # Not a daemon: at interpreter exit Python joins it once the running sequences
+                # are done, so it never frees tensors while the interpreter tears down.
+                self._worker = threading.Thread(target=self._run, name="kvboost-decode")
                 self._worker.start()
         return handles
 

@@ -107,10 +107,16 @@ class Request:
             handle.cancel()
 
     def release_slot(self) -> None:
-        """The request is done reading its buffers (once its write-back read them; again:
+        """The request is done reading its buffers (again, or once handed to the write-back:
         nothing)."""
         if self.lease is not None:
             self.lease.release("request")
+
+    def release_slot_later(self) -> Callable[[], None]:
+        """What releases the request's hold on its buffers, for whoever reads them last (the
+        write-back); nothing to release without a lease."""
+        lease = self.lease
+        return (lambda: None) if lease is None else partial(lease.release, "request")
 
 
 def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
@@ -374,16 +380,16 @@ class Requests:
         behind the call), diagnosis. The request's buffers go back once the write-back read
         them (at once without reuse)."""
         plan, outcome = request.plan, request.outcome
-        handed_over = False
         try:
             if request.options.reuse:
                 self.cache.record(plan, outcome)
-                handed_over = True  # write_back calls on_read whatever happens
-                self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=request.release_slot)
+                # The buffers go back when the write-back read them (it calls this whatever
+                # happens); the request lets go of them now.
+                on_read, request.lease = request.release_slot_later(), None
+                self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=on_read)
                 self._warn_if_documents_missed(plan, outcome)
         finally:
-            if not handed_over:
-                request.release_slot()
+            request.release_slot()
 
     def _kv_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers of ``tokens`` positions."""

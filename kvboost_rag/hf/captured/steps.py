@@ -65,6 +65,12 @@ RECOMPILE_LIMIT = 64
 _RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
+#: Set when the interpreter starts to exit: a build in the background stops after the bucket
+#: it is on (its thread is not a daemon: Python joins it before tearing anything down).
+_EXITING = threading.Event()
+threading._register_atexit(_EXITING.set)  # noqa: SLF001 - what concurrent.futures uses to stop its workers
+
+
 def _compiling():
     """Dynamo's settings while a step may compile: room for every bucket of every model."""
     return torch._dynamo.config.patch(**{_RECOMPILE_LIMIT: RECOMPILE_LIMIT})
@@ -277,9 +283,7 @@ class CapturedRows:
             self._built.set()
             return False
         if background:
-            threading.Thread(
-                target=self._build_after, args=(view, after), name="kvboost-captured-build", daemon=True
-            ).start()
+            threading.Thread(target=self._build_after, args=(view, after), name="kvboost-captured-build").start()
             return True
         return self._build_all(view, False)
 
@@ -296,6 +300,8 @@ class CapturedRows:
         try:
             with torch.inference_mode(), _compiling():
                 for bucket in self.buckets:
+                    if background and _EXITING.is_set():
+                        raise InterruptedError("the interpreter is exiting")
                     graph = BucketGraph(FIELDS, bucket, self.adapter.device, self._cuda_graphs, self.memory_pool)
                     graph.warm(self._function(view, graph.table[POOL_ROWS]), pack_rows([], bucket, self.pool.scratch_start))
                     held[bucket] = graph
