@@ -53,7 +53,8 @@ def _reordered(docs: list[str]) -> list[str]:
     return docs[1:] + docs[:1]
 
 
-def test_a_call_puts_and_serializes_nothing_on_its_own_thread(make_engine, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_call_puts_and_serializes_nothing_on_its_own_thread(make_engine, device, tmp_path, monkeypatch):
     """A counting store: every put into a host tier and every serialization, with the thread
     that made it. A warmed system prompt, then a call with new documents: none on the caller's
     thread; after ``flush`` the worker made them all."""
@@ -102,7 +103,8 @@ def test_the_next_request_finds_every_document_before_the_tiers_hold_it(make_eng
     assert staged.token_ids == stored.token_ids
 
 
-def test_eight_threads_each_find_what_their_own_call_stored(make_engine):
+@pytest.mark.parametrize("device", DEVICES)
+def test_eight_threads_each_find_what_their_own_call_stored(make_engine, device):
     """Eight threads at once, each with documents of its own: right after its call returns, each
     finds every document it stored (the worker held at a gate), as many tokens as after flush."""
     engine = make_engine("llama", max_batch_size=8)
@@ -121,7 +123,8 @@ def test_eight_threads_each_find_what_their_own_call_stored(make_engine):
     assert found == after and all(found)
 
 
-def test_a_blocked_disk_tier_holds_up_no_call_and_flush_waits_for_it(make_engine, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_blocked_disk_tier_holds_up_no_call_and_flush_waits_for_it(make_engine, device, tmp_path):
     """Every disk write waits at a gate: calls still return (streamed and blocking), flush
     with a timeout says the writes are not done, and once the gate opens they reach the disk."""
     engine = make_engine("llama", disk_cache_dir=tmp_path / "kv")
@@ -136,7 +139,8 @@ def test_a_blocked_disk_tier_holds_up_no_call_and_flush_waits_for_it(make_engine
     assert engine.is_document_warm(docs[0]) and len(disk) > 0
 
 
-def test_clear_cache_waits_for_the_queued_writes_and_drops_them(make_engine):
+@pytest.mark.parametrize("device", DEVICES)
+def test_clear_cache_waits_for_the_queued_writes_and_drops_them(make_engine, device):
     engine = make_engine("llama")
     docs = DOCS[41:44]
     engine.generate(rag_prompt(docs), max_new_tokens=2, documents=docs)
