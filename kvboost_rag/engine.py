@@ -89,6 +89,8 @@ class KVBoost:
             adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
             scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
         )
+        if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
+            adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
         # The probe records attention over the whole pool: its own passes, so the others skip that.
         prefill_buckets = settings.captured_prefill_buckets
         self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets)
@@ -163,6 +165,12 @@ class KVBoost:
         whether the attention repair can read its attention (else results report the
         CacheBlend fallback as their ``strategy``)."""
         return self._adapter.features
+
+    @property
+    def small_row_kernel(self) -> str:
+        """The linear layers' kernel in decode and verify steps, chosen at load
+        (``small_row_kernels``): ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
+        return self._adapter.small_rows.kernel
 
     # ------------------------------------------------------------------ text
     @property
