@@ -91,8 +91,8 @@ def test_the_timing_rule_needs_a_clear_gain_and_no_loss():
     }
     assert small_rows.TIMED_ROWS == (1, 8)
     for (off, candidate), expected in cases.items():
-        median = {("off", 1): off[0], ("off", 8): off[1], ("packed", 1): candidate[0], ("packed", 8): candidate[1]}
-        assert small_rows.decide(median, ["packed"]) == expected
+        seconds = {("off", 1): off[0], ("off", 8): off[1], ("packed", 1): candidate[0], ("packed", 8): candidate[1]}
+        assert small_rows.decide(seconds, ["packed"]) == expected
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
