@@ -88,10 +88,10 @@ def ragged_decode_attention(
         real = counts[b]
         q = query[b : b + 1, :, :real]
         every_key = softcap is None and (window is None or window >= k.shape[-2])
-        if every_key and query.device.type == "cpu" and query.dtype == torch.float32:
-            out[b : b + 1, :, :real] = last_tokens_attention(q, k, v, scale)
-        elif real == 1 and window is None and softcap is None:  # the last position: every key is visible
+        if real == 1 and window is None and softcap is None:  # the last position: every key is visible
             out[b : b + 1, :, :1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        elif every_key and query.device.type == "cpu" and query.dtype == torch.float32:  # a verify row
+            out[b : b + 1, :, :real] = last_tokens_attention(q, k, v, scale)
         else:  # a row's real tokens are its last keys; their positions are made on the device (no copy)
             length = k.shape[-2]
             on_device = torch.arange(length - real, length, device=query.device)
