@@ -20,11 +20,15 @@ Which kernel runs is chosen once per model when the engine loads (:func:`choose_
 ``"auto"`` measures. Where oneDNN applies (a CPU, float32 ``nn.Linear`` layers with plain
 weights, oneDNN in this torch build), the candidate (``"packed"``, or ``"onednn"`` when the
 copy would not fit) must first compute what ``F.linear`` computes on the model's own layers,
-then is timed against ``F.linear`` over the model's layers at 1 and 8 rows, in interleaved
-rounds, keeping the fastest pass of each (other work on the machine only ever adds time: on a
-shared machine a pass of 32 ms was once timed at 1.2 s); it is chosen only when it is nowhere
+then is timed against ``F.linear`` over the model's layers at 1 and 8 rows, on one thread, in
+interleaved rounds, keeping the fastest pass of each; it is chosen only when it is nowhere
 slower and the two together are :data:`MIN_GAIN` faster, so a choice that only noise favours
-is not made. On CUDA, with
+is not made. One thread measures the kernels' own work: with two, a pass waits for whichever
+thread other work on the machine held up (on a shared 2-core VM the same choice, timed on two
+threads four times, went three times to ``F.linear``, its 1-row pass timed at 25-130 ms; on one
+thread it went four times to the packed copy, the passes within 15%), and the kernels keep
+their standing on more threads (on two, quiet: 23 and 33 ms for ``F.linear`` at 1 and 8 rows,
+12 and 13 ms for the packed copy; on one: 31 and 61, 17-20 and 23-27). On CUDA, with
 16-bit or quantized weights, or without oneDNN, ``F.linear`` stays (the ``"auto"`` result is
 ``"off"``).
 
@@ -60,7 +64,7 @@ PACKED_FOR_ROWS = 16
 #: Rows the candidates are timed at: a plain step and a verify step of 7 drafts.
 TIMED_ROWS = (1, 8)
 #: Interleaved timing rounds per candidate and row count (the fastest is kept).
-ROUNDS = 5
+ROUNDS = 3
 #: How much faster (1 and 8 rows together) a kernel must be than ``F.linear`` to be chosen.
 MIN_GAIN = 1.15
 #: How much slower than ``F.linear`` a chosen kernel may be at any one timed row count (noise).
@@ -238,13 +242,18 @@ def _fastest(modules: Sequence[torch.nn.Linear], candidates: dict[SmallRowKernel
     }
     inputs = {rows: [torch.randn(rows, m.in_features) for m in timed] for rows in TIMED_ROWS}
     seconds: dict[tuple[str, int], list[float]] = {(name, rows): [] for name in passes for rows in TIMED_ROWS}
-    for _ in range(ROUNDS + 1):  # the first round warms up and is not kept
-        for name, calls in passes.items():
-            for rows in TIMED_ROWS:
-                start = time.perf_counter()
-                for call, x in zip(calls, inputs[rows]):
-                    call(x)
-                seconds[(name, rows)].append(time.perf_counter() - start)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(ROUNDS + 1):  # the first round warms up and is not kept
+            for name, calls in passes.items():
+                for rows in TIMED_ROWS:
+                    start = time.perf_counter()
+                    for call, x in zip(calls, inputs[rows]):
+                        call(x)
+                    seconds[(name, rows)].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     fastest = {key: min(values[1:]) for key, values in seconds.items()}
     logger.info(
         "small-row kernels, ms at %s rows: %s",
