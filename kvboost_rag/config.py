@@ -172,7 +172,7 @@ class KVBoostSettings(BaseModel):
         small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) in
             decode and verify steps, chosen when the engine loads
             (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16 rows
-            costs up to 3x one row, while oneDNN over weights reordered once into its blocked
+            costs 2-5x one row, while oneDNN over weights reordered once into its blocked
             layout costs about one row's whatever the rows. ``"auto"`` (default) times the
             candidates that apply against ``F.linear`` on the model's own layers and keeps one
             only where it is clearly faster (on CUDA, 16-bit or quantized weights, or without

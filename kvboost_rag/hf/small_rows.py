@@ -4,11 +4,11 @@ A decode step feeds each sequence one token; a verify step the pending token and
 drafted ones. Its linear layers (projections, MLPs, the logits) multiply a few rows by weights
 that stream from memory once either way, so a step of 8 rows should cost about what a step of
 one costs. On a CPU, torch's float32 ``F.linear`` (MKL ``sgemm``) does not behave so: measured
-on a 2-core AMD EPYC, 2 threads, 2-16 rows cost 1.5-3.6x one row (the output layer of a
-150k-token vocabulary: 31 ms for one row, 55-77 ms for 2-16). oneDNN's inner product over the
+on a 2-core AMD EPYC, 2 threads, 2-16 rows cost 2-5x one row (the output layer of a
+150k-token vocabulary: 31 ms for one row, 61-77 ms for 2-16). oneDNN's inner product over the
 weights reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
 the layout torch's compiler packs weights into) streams them at close to the memory's speed
-whatever the rows: 11-15 ms for 1-16 rows of that layer, within float32 rounding of ``F.linear``.
+whatever the rows: 10-15 ms for 1-16 rows of that layer, within float32 rounding of ``F.linear``.
 
 Which kernel runs is chosen once per model when the engine loads (:func:`choose_kernel`):
 
