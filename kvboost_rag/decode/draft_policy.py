@@ -3,15 +3,16 @@
 A verify step runs the pending token and ``k`` drafted ones in one forward pass. What that pass
 costs against a plain one-token step depends on the machine and the cache's length: on a GPU a
 few more tokens cost almost nothing; on a CPU, with the small-row kernels, 2, 4 and 8 tokens
-cost about 1.05x, 1.15x and 1.4x one over a 2k-token cache (8 rows of a 0.5B model take about
-as long to compute as its weights take to read; attention grows with the tokens). What it gains depends on the
-text: a draft from a long match in a document the answer quotes is mostly accepted, one from a
-two-token match often is not. :class:`DraftPolicy` weighs both: it keeps the wall time of recent
-steps per rows and tokens per row (:class:`StepCosts`: the median of the last few, priors by
-device until measured, so a step slowed by other work moves it little), and the share of drafted tokens accepted, by source and match length, across
-the engine and for the sequence (:class:`Acceptance`), and drafts the length (padded to a token
-bucket) with the most expected tokens per unit of step time; none when no length is expected to
-beat a plain step. The tokens decoded never depend on this choice, only the time they take.
+cost about 1.05x, 1.15x and 1.4x one over a 2k-token cache (8 rows of a 0.5B model take about as
+long to compute as its weights take to read; attention grows with the tokens). What it gains
+depends on the text: a draft from a long match in a document the answer quotes is mostly
+accepted, one from a two-token match often is not. :class:`DraftPolicy` weighs both: it keeps
+the wall time of recent steps per rows and tokens per row (:class:`StepCosts`: the median of the
+last few, priors by device until measured, so a step slowed by other work moves it little), and
+the share of drafted tokens accepted, by source and match length, across the engine and for the
+sequence (:class:`Acceptance`), and drafts the length (padded to a token bucket) with the most
+expected tokens per unit of step time; none when no length is expected to beat a plain step. The
+tokens decoded never depend on this choice, only the time they take.
 """
 
 from __future__ import annotations
