@@ -170,6 +170,20 @@ class KVBoostSettings(BaseModel):
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
+        small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) in
+            decode and verify steps, chosen when the engine loads
+            (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16 rows
+            costs 2-5x one row, while oneDNN over weights reordered once into its blocked
+            layout costs about one row's whatever the rows. ``"auto"`` (default) times the
+            candidates that apply against ``F.linear`` on the model's own layers and keeps one
+            only where it is clearly faster (on CUDA, 16-bit or quantized weights, or without
+            oneDNN: ``F.linear``); ``"packed"`` (oneDNN over a copy of the weights, within
+            ``packed_weights_bytes``), ``"onednn"`` (oneDNN over the model's own weights), or
+            ``"off"``. Prefill passes, and calls of the model outside the engine, always run
+            the model's own ``F.linear``. Not used with captured steps.
+        packed_weights_bytes: Most bytes the packed weight copies of ``small_row_kernels``
+            may take (they cost the float32 weights' bytes again: a 0.5B model, 2 GB);
+            beyond it, ``"packed"`` is not chosen.
         captured_steps: Whether decode and draft-verify steps run as compiled graphs over a
             static K/V pool (:mod:`kvboost_rag.hf.captured`; on CUDA each step is one CUDA
             graph launch instead of a launch per kernel): ``"auto"`` (default) on CUDA only (on
@@ -250,6 +264,8 @@ class KVBoostSettings(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
     draft_tokens: int = Field(15, ge=0, le=15)
+    small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
+    packed_weights_bytes: int = Field(4 * 1024**3, ge=0)
     captured_steps: Literal["auto", "on", "off"] = "auto"
     captured_pool_bytes: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     captured_token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)

@@ -89,6 +89,8 @@ class KVBoost:
         tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
         self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
+        if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
+            adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
         prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe)
         turns = ModelTurns()
         drafts = DraftPolicy(settings, adapter.device.type)
@@ -203,6 +205,12 @@ class KVBoost:
         whether the attention repair can read its attention (else results report the
         CacheBlend fallback as their ``strategy``)."""
         return self._adapter.features
+
+    @property
+    def small_row_kernel(self) -> str:
+        """The linear layers' kernel in decode and verify steps, chosen at load
+        (``small_row_kernels``): ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
+        return self._adapter.small_rows.kernel
 
     # ------------------------------------------------------------------ text
     @property
