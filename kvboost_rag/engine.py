@@ -24,6 +24,7 @@ from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
     ModelNotFoundError,
+    RequestCancelled,
     UnsupportedModelError,
 )
 from kvboost_rag.generation.host_buffers import HostBufferPool
@@ -273,11 +274,14 @@ class KVBoost:
             InvalidInputError: Empty prompt, bad options (the message names the field), an
                 invalid constraint, or a constraint without llguidance installed.
             PromptTooLongError: The prompt does not fit the context window.
+            RequestCancelled: The call was cancelled (run by an async bridge whose task was
+                cancelled, see :mod:`kvboost_rag.integration.async_stream`).
         """
         stream = self.stream(prompt, options, **overrides)
         for _ in stream:
             pass
-        assert stream.result is not None
+        if stream.result is None:
+            raise RequestCancelled("the call was cancelled before its answer was complete")
         return stream.result
 
     def stream(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationStream:
