@@ -16,7 +16,8 @@ from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.decode.sampling import eos_token_ids
-from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
+from kvboost_rag.decode.scheduler import DecodeScheduler
+from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
 from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, probe_buckets
@@ -31,6 +32,7 @@ from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
+from kvboost_rag.hf.layers import DecoderLayers
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -98,8 +100,14 @@ class KVBoost:
             self._captured_probe = build_prefill_rows(
                 self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries
             )
-        prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe)
-        turns = ModelTurns()
+        turns = ModelTurns(lambda: settings.max_decode_wait)
+        # Prefill passes pause between chunks, and between decoder layers where decode steps
+        # run eagerly (a captured step is compiled over the model: nothing may run mid-forward).
+        layers = DecoderLayers(model, adapter.num_layers) if self._captured is None else None
+        prefiller = Prefiller(
+            adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
+            pause=turns.between_chunks, layers=layers,
+        )
         drafts = DraftPolicy(settings, adapter.device.type)
         step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
         self._scheduler = DecodeScheduler(step, turns, settings)

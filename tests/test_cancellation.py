@@ -1,5 +1,5 @@
 """A cancelled request stops at every stage: waiting for a place, waiting for its turn on the
-model, decoding (at the next step, its reader at
+model, in its prefill (at the next chunk boundary), decoding (at the next step, its reader at
 once); its place and buffers go back, nothing leaks across many, and the others' greedy
 outputs are unchanged. Threads are sequenced with gates and counters, never with timing."""
 
@@ -132,6 +132,33 @@ def test_closing_a_stream_that_waits_for_the_model_ends_it_before_its_prefill(ma
     _assert_nothing_held(engine, ledger)
 
 
+def test_a_cancelled_prefill_stops_at_its_next_chunk_boundary(make_engine, docs):
+    engine = _engine(make_engine, docs, prefill_chunk_tokens=16)
+    ledger = Ledger(engine)
+    prefiller = engine._requests.prefiller
+    forwards, boundaries = [], []
+    forward = prefiller.adapter.forward
+    prefiller.adapter.forward = lambda *a, **k: forwards.append(1) or forward(*a, **k)
+    pause = prefiller._pause
+    stream = engine.stream(_prompts(docs)[2], max_new_tokens=8, reuse=False)  # full prefill: many chunks
+
+    def boundary() -> None:
+        boundaries.append(1)
+        if len(boundaries) == 3:
+            stream.cancellation.cancel()  # as a client leaving does, from its own thread
+        pause()
+
+    prefiller._pause = boundary
+    assert list(stream) == [] and stream.result is None
+    cancelled_at = len(forwards)
+    prefiller._pause = pause
+    forwards.clear()
+    full = engine.generate(_prompts(docs)[2], max_new_tokens=1, reuse=False)
+    assert full.prompt_tokens > 4 * 16
+    assert 0 < cancelled_at < len(forwards)  # it stopped before its prefill's end
+    _assert_nothing_held(engine, ledger)
+
+
 def test_closing_a_decoding_stream_frees_its_reader_at_once_and_its_sequence_at_the_next_step(make_engine, docs):
     engine = _engine(make_engine, docs)
     ledger, steps = Ledger(engine), GatedSteps(engine)
@@ -150,7 +177,7 @@ def test_closing_a_decoding_stream_frees_its_reader_at_once_and_its_sequence_at_
 def test_many_clients_leaving_at_every_stage_leak_nothing_and_change_no_answer(make_engine, docs):
     prompts = _prompts(docs)
     reference = [_engine(make_engine, docs).generate(p, max_new_tokens=12) for p in prompts[:3]]
-    engine = _engine(make_engine, docs)
+    engine = _engine(make_engine, docs, prefill_chunk_tokens=16)
     ledger = Ledger(engine)
     results: list = [None] * 3
 
