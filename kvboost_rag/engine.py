@@ -86,28 +86,8 @@ class KVBoost:
         self._chat = ChatTemplate(tokenizer)
         tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
-        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), and with
-        # captured_prefill_buckets prefill passes too, built now, not on a request; None: eager.
-        self._captured = build_captured_rows(
-            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
-            scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
-        )
-        # The probe records attention over the whole pool: its own passes, so the others skip that.
-        prefill_buckets = settings.captured_prefill_buckets
-        self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets)
-        self._captured_probe = None
-        if self._captured_prefill is not None:
-            self._captured_probe = build_prefill_rows(
-                self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries
-            )
         turns = ModelTurns(lambda: settings.max_decode_wait)
-        # Prefill passes pause between chunks, and between decoder layers where decode steps
-        # run eagerly (a captured step is compiled over the model: nothing may run mid-forward).
-        layers = DecoderLayers(model, adapter.num_layers) if self._captured is None else None
-        prefiller = Prefiller(
-            adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
-            pause=turns.between_chunks, layers=layers,
-        )
+        prefiller = self._build_prefiller(adapter, cache, turns)
         drafts = DraftPolicy(settings, adapter.device.type)
         step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
         self._scheduler = DecodeScheduler(step, turns, settings)
@@ -129,6 +109,32 @@ class KVBoost:
                     f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
                 )
             logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
+
+    def _build_prefiller(self, adapter: ModelAdapter, cache: CacheManager, turns: ModelTurns) -> Prefiller:
+        """The prefiller, after the captured steps and passes it may run (built now, not on a
+        request); its passes pause for ``turns``."""
+        settings = self.settings
+        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), and with
+        # captured_prefill_buckets prefill passes too; None: eager.
+        self._captured = build_captured_rows(
+            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
+            scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
+        )
+        # The probe records attention over the whole pool: its own passes, so the others skip that.
+        prefill_buckets = settings.captured_prefill_buckets
+        self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets)
+        self._captured_probe = None
+        if self._captured_prefill is not None:
+            self._captured_probe = build_prefill_rows(
+                self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries
+            )
+        # Prefill passes pause between chunks, and between decoder layers where decode steps
+        # run eagerly (a captured step is compiled over the model: nothing may run mid-forward).
+        layers = DecoderLayers(adapter.model, adapter.num_layers) if self._captured is None else None
+        return Prefiller(
+            adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
+            pause=turns.between_chunks, layers=layers,
+        )
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | Path | None = None, **settings: Any) -> KVBoost:

@@ -321,20 +321,7 @@ class Requests:
                 outcome = self.prefiller.run(
                     plan, reuse=options.reuse, buffers=lease.buffers if lease else None, slot=lease.slot if lease else None
                 )
-            sequence = DecodeSequence(
-                cache=outcome.cache,
-                position=n,
-                budget=budget,
-                options=options,
-                sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
-                assembler=TextAssembler(self.adapter.tokenizer, options.stop),
-                eos_ids=self.eos_ids,
-                make_drafter=partial(drafter_for, plan),
-                slot=None if lease is None else lease.slot,
-            )
-            first_pieces = sequence.choose(outcome.logits)
-            if outcome.follow_up is not None and not sequence.done:
-                sequence.before_first_step = partial(_look_ahead, outcome, sequence)
+            sequence, first_pieces = self._first_token(plan, outcome, budget, options, guide, lease)
         except BaseException:
             self.scheduler.release(reservation)
             if lease is not None:
@@ -350,6 +337,32 @@ class Requests:
         elif not hold:
             request.submit(self.scheduler)
         return request
+
+    def _first_token(
+        self,
+        plan: PromptPlan,
+        outcome: PrefillOutcome,
+        budget: int,
+        options: GenerationOptions,
+        guide: GrammarGuide | None,
+        lease: Lease | None,
+    ) -> tuple[DecodeSequence, list[str]]:
+        """The prefilled prompt's decode state, and the text pieces of its first token."""
+        sequence = DecodeSequence(
+            cache=outcome.cache,
+            position=plan.num_tokens,
+            budget=budget,
+            options=options,
+            sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
+            assembler=TextAssembler(self.adapter.tokenizer, options.stop),
+            eos_ids=self.eos_ids,
+            make_drafter=partial(drafter_for, plan),
+            slot=None if lease is None else lease.slot,
+        )
+        first_pieces = sequence.choose(outcome.logits)
+        if outcome.follow_up is not None and not sequence.done:
+            sequence.before_first_step = partial(_look_ahead, outcome, sequence)
+        return sequence, first_pieces
 
     def _lease(self, capacity: int) -> Lease | None:
         """K/V buffers of ``capacity`` tokens on loan: a slot of the captured steps' pool, else
