@@ -13,18 +13,9 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost, RequestCancelled
 from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
-
-#: Bound on every wait below: only ends a hung test, never decides one.
-HUNG = 60.0
+from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
 
 
-def wait_for(condition) -> None:
-    event = threading.Event()
-    for _ in range(int(HUNG / 0.001)):
-        if condition():
-            return
-        event.wait(0.001)
-    raise AssertionError("condition not reached")
 
 
 def _engine(make_engine, docs, **settings) -> KVBoost:
@@ -61,7 +52,7 @@ class GatedSteps:
 
         def gated(sequences):
             self.waiting += 1
-            self.gate.wait(HUNG)
+            self.gate.wait(HUNG_SECONDS)
             return step(sequences)
 
         engine._scheduler._step = gated
@@ -107,7 +98,7 @@ def test_closing_a_stream_that_waits_for_a_place_takes_it_out_of_the_line(make_e
     consumer.start()
     wait_for(lambda: len(engine._scheduler._waiting) == 1)
     second.close()  # from another thread than the one inside next()
-    consumer.join(HUNG)
+    consumer.join(HUNG_SECONDS)
     assert not consumer.is_alive() and consumer.pieces == [] and consumer.error is None
     assert second.result is None and not engine._scheduler._waiting
     first.close()
@@ -127,7 +118,7 @@ def test_closing_a_stream_that_waits_for_the_model_ends_it_before_its_prefill(ma
         consumer.start()
         wait_for(lambda: engine._requests.turns._prompt_waiting == 1)
         stream.close()
-        consumer.join(HUNG)
+        consumer.join(HUNG_SECONDS)
     assert not consumer.is_alive() and consumer.pieces == [] and runs == []
     _assert_nothing_held(engine, ledger)
 
@@ -167,7 +158,7 @@ def test_closing_a_decoding_stream_frees_its_reader_at_once_and_its_sequence_at_
     consumer.start()
     wait_for(lambda: steps.waiting == 1)  # prefilled; its reader waits for a step held at the gate
     stream.close()
-    consumer.join(HUNG)  # its reader left though the step still waits
+    consumer.join(HUNG_SECONDS)  # its reader left though the step still waits
     assert not consumer.is_alive() and consumer.error is None and stream.result is None
     assert engine._scheduler.admitted == 1  # its sequence leaves at the next step
     steps.open()
@@ -193,15 +184,15 @@ def test_many_clients_leaving_at_every_stage_leak_nothing_and_change_no_answer(m
         consumers = [Consumer(s, take=take) for s, take in zip(leavers[1:], (1, 3, None))]
         for consumer in consumers:
             consumer.start()
-        consumers[0].took.wait(HUNG)
-        consumers[1].took.wait(HUNG)
+        consumers[0].took.wait(HUNG_SECONDS)
+        consumers[1].took.wait(HUNG_SECONDS)
         for stream in leavers[1:]:  # after a piece, after three, and wherever the third one is
             stream.close()
         for consumer in consumers:
-            consumer.join(HUNG)
+            consumer.join(HUNG_SECONDS)
             assert not consumer.is_alive() and consumer.error is None
     for thread in stayers:
-        thread.join(HUNG)
+        thread.join(HUNG_SECONDS)
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     _assert_nothing_held(engine, ledger)
     assert len(ledger.leases) >= 3 + 8 * 2 and engine._requests.host_buffers.idle_buffers <= len(ledger.leases)

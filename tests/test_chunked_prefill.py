@@ -18,13 +18,12 @@ from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.passes import Chunking
 from kvboost_rag.repair.probe import run_probe
+from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
 
 #: Chunked and whole passes round differently (other matrix shapes), nothing else.
 ATOL = 1e-4
 #: Chunk sizes tried: the smallest allowed, and one that leaves a short last chunk.
 CHUNKS = (16, 37)
-#: Bound on every wait below: only ends a hung test, never decides one.
-HUNG = 60.0
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -140,11 +139,7 @@ def _lend_once_decode_waits(engine: KVBoost) -> list[int]:
 
     def boundary() -> None:
         if turns.lent_steps == 0 and engine._scheduler.admitted > 1:
-            waited = threading.Event()
-            for _ in range(int(HUNG / 0.001)):
-                if turns._decode_waiting:
-                    break
-                waited.wait(0.001)
+            wait_for(lambda: turns._decode_waiting > 0)
         seen.append(1)
         pause()
 
@@ -173,7 +168,7 @@ def test_decode_steps_lent_between_chunks_or_layers_change_no_answer(make_engine
     thread = threading.Thread(target=lambda: other.append(engine.generate(prefilling, max_new_tokens=8)))
     thread.start()
     pieces += list(stream)
-    thread.join(HUNG)
+    thread.join(HUNG_SECONDS)
     assert engine._requests.turns.lent_steps >= 1 and boundaries
     assert stream.result.token_ids == alone[0].token_ids and "".join(pieces) == alone[0].output_text
     assert other[0].token_ids == alone[1].token_ids

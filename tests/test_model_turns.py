@@ -8,21 +8,12 @@ import threading
 
 import pytest
 
-from kvboost_rag.hf.turns import ModelTurns
-from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.cancellation import Cancellation, ambient, cancelling
+from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
+from kvboost_rag.errors import RequestCancelled
+from kvboost_rag.hf.turns import ModelTurns
 
-#: Bound on every wait below: only ends a hung test, never decides one.
-HUNG = 30.0
 
-
-def wait_for(condition) -> None:
-    event = threading.Event()
-    for _ in range(int(HUNG / 0.001)):
-        if condition():
-            return
-        event.wait(0.001)
-    raise AssertionError("condition not reached")
 
 
 class Clock:
@@ -55,7 +46,7 @@ def test_a_decode_step_waits_for_prompt_work_until_it_is_lent_a_turn():
         assert log == ["step"] and turns.lent_steps == 1
         turns.between_chunks()  # nobody waits: nothing lent
         assert turns.lent_steps == 1
-    stepper.join(HUNG)
+    stepper.join(HUNG_SECONDS)
 
 
 def test_the_lent_model_comes_back_to_the_same_prompt_work():
@@ -70,14 +61,14 @@ def test_the_lent_model_comes_back_to_the_same_prompt_work():
     with turns.prompt_work():
         other = threading.Thread(target=other_prompt)
         other.start()
-        other_started.wait(HUNG)
+        other_started.wait(HUNG_SECONDS)
         wait_for(lambda: turns._prompt_waiting == 1)
         stepper = _decode_in_thread(turns, log)
         wait_for(lambda: turns._decode_waiting == 1)
         turns.between_chunks()
         log.append("first prompt again")
-    other.join(HUNG)
-    stepper.join(HUNG)
+    other.join(HUNG_SECONDS)
+    stepper.join(HUNG_SECONDS)
     assert log == ["step", "first prompt again", "other prompt"]
 
 
@@ -96,7 +87,7 @@ def test_decode_waits_its_share_of_a_step_before_it_is_lent_the_model():
         clock.now = 0.85
         turns.between_chunks()  # waited 0.35, the last slice 0.25: 0.6 s >= one step
         assert turns.lent_steps == 1 and log == ["step"]
-    stepper.join(HUNG)
+    stepper.join(HUNG_SECONDS)
 
 
 def test_prompt_work_is_reentrant_and_boundaries_elsewhere_do_nothing():
@@ -125,10 +116,10 @@ def test_a_cancelled_request_stops_waiting_for_its_turn():
     with turns.prompt_work():
         thread = threading.Thread(target=prefill)
         thread.start()
-        waiting.wait(HUNG)
+        waiting.wait(HUNG_SECONDS)
         wait_for(lambda: turns._prompt_waiting == 1)
         cancellation.cancel()
-        thread.join(HUNG)
+        thread.join(HUNG_SECONDS)
         assert not thread.is_alive() and isinstance(outcome[0], RequestCancelled)
         assert turns._prompt_waiting == 0
     with turns.prompt_work(Cancellation()):  # the turn is free: nothing leaked

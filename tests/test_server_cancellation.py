@@ -19,18 +19,9 @@ import pytest
 from server_helpers import MODEL, SETTINGS, server_engine
 
 from kvboost_rag.server import BackgroundServer
-
-#: Bound on every wait below: only ends a hung test, never decides one.
-HUNG = 60.0
+from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
 
 
-def wait_for(condition) -> None:
-    event = threading.Event()
-    for _ in range(int(HUNG / 0.002)):
-        if condition():
-            return
-        event.wait(0.002)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +57,7 @@ def _send_raw(server, path: str, body: dict) -> socket.socket:
     """A POST over a plain socket, its answer never read (the test hangs up by closing it)."""
     url = urlsplit(server.url)
     payload = json.dumps(body).encode()
-    connection = socket.create_connection((url.hostname, url.port), timeout=HUNG)
+    connection = socket.create_connection((url.hostname, url.port), timeout=HUNG_SECONDS)
     head = (f"POST {url.path}{path} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\n\r\n").encode()
     connection.sendall(head + payload)
@@ -90,7 +81,7 @@ def _assert_all_back(engine, server) -> None:
 
 def test_a_streaming_client_gone_after_its_first_event_costs_no_prefill(server, engine, prefills):
     with model_held(engine):
-        with httpx.stream("POST", f"{server.url}/chat/completions", json=_chat("Hang up now.", True), timeout=HUNG) as r:
+        with httpx.stream("POST", f"{server.url}/chat/completions", json=_chat("Hang up now.", True), timeout=HUNG_SECONDS) as r:
             lines = r.iter_lines()  # kept: dropping the iterator would close the response at once
             assert next(lines).startswith("data: ")  # the role chunk
             wait_for(lambda: engine._requests.turns._prompt_waiting == 1)  # waiting for the model
@@ -115,17 +106,17 @@ def test_a_client_gone_before_its_answer_is_sent_cancels_its_request(server, eng
 
 def test_many_clients_hanging_up_leave_nothing_behind_and_change_no_answer(server, engine, prefills):
     questions = [f"What does statement number {i} do?" for i in range(3)]
-    alone = [httpx.post(f"{server.url}/chat/completions", json=_chat(q, False), timeout=HUNG).json() for q in questions]
+    alone = [httpx.post(f"{server.url}/chat/completions", json=_chat(q, False), timeout=HUNG_SECONDS).json() for q in questions]
     prefills.clear()
     with model_held(engine):
         for i in range(12):  # each one queued, then gone
             with httpx.stream("POST", f"{server.url}/chat/completions", json=_chat(f"Leaving {i}.", True),
-                              timeout=HUNG) as response:
+                              timeout=HUNG_SECONDS) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")
                 wait_for(lambda: engine._requests.turns._prompt_waiting == 1)
             wait_for(lambda: _waiting_requests(engine) == 0)
     _assert_all_back(engine, server)
     assert prefills == []
-    again = [httpx.post(f"{server.url}/chat/completions", json=_chat(q, False), timeout=HUNG).json() for q in questions]
+    again = [httpx.post(f"{server.url}/chat/completions", json=_chat(q, False), timeout=HUNG_SECONDS).json() for q in questions]
     assert [a["choices"][0]["message"]["content"] for a in again] == [a["choices"][0]["message"]["content"] for a in alone]
