@@ -5,8 +5,10 @@ the last token) over the stitched cache as loaded, with no repair, and records t
 of the last ``queries`` of them (:func:`~kvboost_rag.hf.sparse_attention.last_query_attention`). Its
 cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
 live tokens' K/V it writes is overwritten by the blend pass either way). Many live tokens run
-in chunks (:class:`~kvboost_rag.hf.passes.Chunking`, no pause between layers: the pass runs a
-range of layers), the last one holding the recorded queries.
+in chunks (:class:`~kvboost_rag.hf.passes.Chunking`), the last one holding the recorded
+queries; a probe of every layer is a whole forward pass (the last token's logits are computed
+and dropped), which may pause between its decoder layers, while a probe of fewer layers runs
+that range of layers alone and pauses between chunks only.
 
 :func:`attention_scores` turns the recorded attention into one score per cached token.
 """
@@ -60,8 +62,13 @@ def run_probe(
     recorded: list[torch.Tensor] = []
     for start, stop in chunking.chunks(len(positions), last_at_least=queries):
         probe.arm(host_to_device(positions[start:stop], adapter.device))
+        ids, at = input_ids[start:stop], positions[start:stop]
         with last_query_attention(queries) as layers_recorded:
-            adapter.hidden_through_layers(input_ids[start:stop], positions[start:stop], probe, 0, depth - 1, None)
+            if depth == adapter.num_layers:
+                with chunking.within_pass():
+                    adapter.forward(ids, at, probe, sparse_queries=True)
+            else:
+                adapter.hidden_through_layers(ids, at, probe, 0, depth - 1, None)
         recorded = layers_recorded
     return recorded
 
