@@ -82,6 +82,10 @@ class BatchWarmer:
     def run(self, jobs: Sequence[WarmJob]) -> dict[int, int] | None:
         """Compute one batch of documents and store their chunks.
 
+        The context's K/V is copied, and each document stored, a row at a time, with a pause
+        between two rows (as between two chunks of the pass): open streams' decode steps may
+        run there.
+
         Args:
             jobs: Documents planned behind the same document context.
 
@@ -95,23 +99,34 @@ class BatchWarmer:
         lead = plan0.tokens.ids[:h]
         if h != plan0.lookup_limit or any(job.plan.lookup_limit != h or job.plan.tokens.ids[:h] != lead for job in jobs):
             return None
+        chunking = self.chunking()
         rows = len(jobs)
         width = max(job.plan.num_tokens for job in jobs) - h
         keys, values = self.adapter.batch_buffers(rows, h + width)
-        for piece in pieces:
-            end = piece.start + piece.length
-            keys[:, :, :, piece.start : end] = piece.block.keys[:, None, :, : piece.length]
-            values[:, :, :, piece.start : end] = piece.block.values[:, None, :, : piece.length]
+        for r in range(rows):
+            if r:
+                chunking.pause()
+            for piece in pieces:
+                end = piece.start + piece.length
+                keys[:, r, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+                values[:, r, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         input_ids = torch.zeros((rows, width), dtype=torch.long)
         for r, job in enumerate(jobs):
             ids = job.plan.tokens.ids[h:]
             input_ids[r, : len(ids)] = torch.tensor(ids)
             input_ids[r, len(ids) :] = ids[-1]  # padding after the document: never attended to
         positions = torch.arange(h, h + width).expand(rows, width)
-        cache = self.adapter.batch_cache(keys, values, h)
-        batch_pass(self.adapter, self.chunking(), input_ids, positions, cache)
+        batch_pass(self.adapter, chunking, input_ids, positions, self.adapter.batch_cache(keys, values, h))
+        return self._store(jobs, pieces, keys, values, chunking)
+
+    def _store(
+        self, jobs: Sequence[WarmJob], pieces: Sequence, keys: torch.Tensor, values: torch.Tensor, chunking: Chunking
+    ) -> dict[int, int]:
+        """Write back each row's document (new tokens stored, by job index), pausing between two."""
+        h = sum(piece.length for piece in pieces)
         stored: dict[int, int] = {}
         for r, job in enumerate(jobs):
+            chunking.pause()
             n = job.plan.num_tokens
             outcome = PrefillOutcome(
                 logits=None,
