@@ -219,12 +219,17 @@ async def _keep_streaming(bench: Bench, session: httpx.AsyncClient, replies: lis
 
 
 async def beside(bench: Bench, work: Any) -> dict[str, float]:
-    """Scenario 3: ``work(session)`` (returns when it ends) while ``--streams`` streams stay open."""
+    """Scenario 3: ``work(session)`` (returns when it ends) while ``--streams`` streams stay open.
+
+    The decode step is the median gap between pieces over ``--settle`` seconds once every
+    stream decodes (each has sent a few pieces) and before ``work`` starts."""
     replies: list[Reply] = []
     stop = asyncio.Event()
-    async with bench.session(bench.args.streams + 4) as session:
-        keepers = [asyncio.ensure_future(_keep_streaming(bench, session, replies, stop, k)) for k in range(bench.args.streams)]
-        await asyncio.sleep(bench.args.settle)  # the streams reach their decode steps
+    streams = bench.args.streams
+    async with bench.session(streams + 4) as session:
+        keepers = [asyncio.ensure_future(_keep_streaming(bench, session, replies, stop, k)) for k in range(streams)]
+        while len(replies) < streams or any(len(r.arrivals) < 5 for r in replies[-streams:]):
+            await asyncio.sleep(0.05)
         before = time.perf_counter()
         await asyncio.sleep(bench.args.settle)
         start = time.perf_counter()
@@ -236,8 +241,9 @@ async def beside(bench: Bench, work: Any) -> dict[str, float]:
     during = [b - a for r in replies for a, b in _pairs(r) if b > start and a < end]
     step = statistics.median(steps) if steps else float("nan")
     longest = max(during) if during else float("nan")
-    return {"step_ms": step * 1000, "longest_ms": longest * 1000, "ratio": longest / step, "gaps": len(during),
-            "work_s": end - start, **extra}
+    p99 = percentile(during, 0.99) if during else float("nan")
+    return {"step_ms": step * 1000, "longest_ms": longest * 1000, "p99_ms": p99 * 1000, "ratio": longest / step,
+            "gaps": len(during), "work_s": end - start, **extra}
 
 
 def _pairs(reply: Reply) -> list[tuple[float, float]]:
@@ -268,7 +274,9 @@ def start_server(args: argparse.Namespace, cache_dir: Path) -> tuple[subprocess.
     for setting in args.set:
         command += ["--set", setting]
     env = {**os.environ, "KVBOOST_RAG_KV_CACHE": str(cache_dir)}
-    process = subprocess.Popen(command, env=env)
+    # Started in the cache folder: ``python -c`` puts the working directory first on the path,
+    # and the server must import the kvboost_rag this bench's environment names.
+    process = subprocess.Popen(command, env=env, cwd=cache_dir)
     url = f"http://127.0.0.1:{args.port}/v1"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -307,6 +315,18 @@ def _row(name: str, figures: dict[str, float], same: str, lost: int) -> str:
             f"{figures['ttft_p99_ms']:.0f} | {figures['longest_pause_ms']:.0f} | {same} | {lost} |")
 
 
+def engine_checkout() -> str:
+    """Where the kvboost_rag this process (and the server it starts) imports lives, and its
+    git revision (the server may run another checkout than the bench's: ``PYTHONPATH``)."""
+    import kvboost_rag
+
+    root = Path(kvboost_rag.__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kvboost_rag"], capture_output=True,
+                           text=True)
+    return f"{root} at git {sha.stdout.strip() or '?'}" + (" with local changes" if dirty.stdout.strip() else "")
+
+
 def _round_lines(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     n, rounds_, hang = args.requests, out.get("rounds"), out.get("hang_ups")
     lines = ["| round | wall s | tokens/s | TTFT p50 ms | TTFT p99 ms | longest pause ms | answers as alone | not 200 |",
@@ -332,19 +352,19 @@ def _beside_lines(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     if "new_request" not in out:
         return []
     new, warm = out["new_request"], out["warm"]
-    return [f"| {args.streams} open streams beside | decode step ms | longest pause ms | ratio | gaps | work s |",
-            "|---|---:|---:|---:|---:|---:|",
-            f"| a request of {args.docs} new documents (TTFT {new['new_ttft_s']:.2f} s) | {new['step_ms']:.0f} | "
-            f"{new['longest_ms']:.0f} | {new['ratio']:.2f} | {new['gaps']} | {new['work_s']:.1f} |",
-            f"| {args.warm_docs} documents warming through the server | {warm['step_ms']:.0f} | {warm['longest_ms']:.0f} "
-            f"| {warm['ratio']:.2f} | {warm['gaps']} | {warm['work_s']:.1f} |"]
+    header = [f"| {args.streams} open streams beside | decode step ms | longest pause ms | ratio | p99 pause ms | gaps "
+              "| work s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [(f"a request of {args.docs} new documents (TTFT {new['new_ttft_s']:.2f} s)", new),
+            (f"{args.warm_docs} documents warming through the server", warm)]
+    return header + [f"| {name} | {f['step_ms']:.0f} | {f['longest_ms']:.0f} | {f['ratio']:.2f} | {f['p99_ms']:.0f} | "
+                     f"{f['gaps']} | {f['work_s']:.1f} |" for name, f in rows]
 
 
 def report(args: argparse.Namespace, machine: str, out: dict[str, Any]) -> str:
     """The Markdown report."""
     lines = ["# kvboost-rag server under load", "", f"Command: `python bench/server_load.py {' '.join(sys.argv[1:])}`",
              "", f"Machine: {machine}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}", "",
-             f"Code: {code_version()}", "",
+             f"Code: bench {code_version()}; the server's kvboost_rag: {engine_checkout()}", "",
              f"{args.requests} RAG chat requests of {args.docs} documents ({args.doc_chars} characters each, from a pool "
              f"of {args.pool} warmed through `POST /v1/documents`), greedy, {args.tokens} new tokens, every other one "
              "streamed. TTFT and pauses: streamed requests, as their client saw them.", "",
@@ -364,12 +384,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=24, help="documents warmed at ingest")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--stream-tokens", type=int, default=400)
     parser.add_argument("--hang-up-after", type=float, default=0.05,
                         help="seconds a client that hangs up waits after its first event (reading it)")
     parser.add_argument("--warm-docs", type=int, default=100)
     parser.add_argument("--warm-chars", type=int, default=400)
-    parser.add_argument("--settle", type=float, default=3.0, help="seconds the streams decode before, and measured")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds the open streams' decode step is measured, once they all decode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", type=lambda text: text.split(","), default=["rounds", "hang-ups", "beside"],
                         help="comma-separated: rounds, hang-ups, beside (default: all)")
