@@ -130,8 +130,13 @@ class EngineDecode:
     Attributes:
         tokens_per_s: Tokens after the first over the time from the first token to the last
             piece streamed.
-        write_back_ms: From the last piece to the call's end: the write-back of the prompt's
-            K/V into the cache, which a blocking ``generate`` waits for.
+        write_back_ms: From the last piece to the call's end (the write-back's staging: the
+            copies into host memory and the tier puts run after the call).
+        flush_ms: How long ``engine.flush()`` then waited for those.
+        copy_gb_per_s: The write-back's copies into host memory in that call (GB/s; NaN when it
+            copied nothing).
+        found_share: Share of the prompt's tokens a second call right after the first
+            (before the flush) read from cache.
         drafted_share: Share of the generated tokens that were accepted drafts.
         tokens_per_step: Tokens after the first per decode step.
         captured_steps: Steps the call ran as captured graphs.
@@ -140,6 +145,9 @@ class EngineDecode:
 
     tokens_per_s: float
     write_back_ms: float
+    flush_ms: float
+    copy_gb_per_s: float
+    found_share: float
     drafted_share: float
     tokens_per_step: float
     captured_steps: int
@@ -150,18 +158,28 @@ def engine_decode(engine, prompt: str, tokens: int) -> EngineDecode:
     """Greedy-decode ``tokens`` tokens of ``prompt`` through ``engine.stream`` (what
     ``generate`` runs), timing the first token, the last piece and the call's end."""
     before = engine.captured_steps_run or 0
+    copies = engine._cache.copies
+    copied, copying = copies.bytes_copied, copies.seconds_copying
     start = time.perf_counter()  # the engine takes its own start just after, in stream()
     stream = engine.stream(prompt, max_new_tokens=tokens)
     last = start
     for _ in stream:
         last = time.perf_counter()
     end = time.perf_counter()
+    again = engine.generate(prompt, max_new_tokens=1)  # what the call stored, before it reached the tiers
+    flushed = time.perf_counter()
+    engine.flush()
+    flush_ms = (time.perf_counter() - flushed) * 1000
+    copied, copying = copies.bytes_copied - copied, copies.seconds_copying - copying
     result = stream.result
     steps = result.generated_tokens - 1
     seconds = last - (start + result.ttft_ms / 1000)  # first token to last piece
     return EngineDecode(
         tokens_per_s=steps / seconds if steps > 0 and seconds > 0 else float("nan"),
         write_back_ms=(end - last) * 1000,
+        flush_ms=flush_ms,
+        copy_gb_per_s=copied / copying / 1e9 if copied and copying > 0 else float("nan"),
+        found_share=again.cached_tokens / again.prompt_tokens,
         drafted_share=result.drafted_tokens / max(1, result.generated_tokens),
         tokens_per_step=steps / max(1, result.decode_steps),
         captured_steps=(engine.captured_steps_run or 0) - before,

@@ -23,19 +23,28 @@ each row and their ratios to ``generate`` (decode: ``(tokens - 1) / (total - ttf
 whole answer's ratio (``generate`` total over engine total). Whether the engine's tokens equal
 the no-draft row's (they must: drafting changes no greedy token) is checked on every prompt.
 
+Before the prompts, the **verify cost per row count**: one forward of 1, 2, 4, 8 and 16 tokens
+over the first prompt's cache (its full prefill), as decode and verify steps run it
+(``forward_rows``), with the linear layers' small-row kernel the engine chose at load
+(:mod:`kvboost_rag.hf.small_rows`) and with the model's own ``F.linear``, interleaved, the
+median of ``--cost-reps``; each as a ratio to the one-token step. After the table, medians by
+kind of question.
+
 ``--tiny-host`` adds the host-cost check: a random 32-layer Llama with 64-wide layers (its
 forward passes cost little, so what is measured is the work around them), one thread, the
 engine without drafts against ``generate``, decode ms per token.
 
 Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
 ``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
-``--out FILE`` for the markdown report).
+``--cost-reps 7``, ``--out FILE`` for the markdown report). An instruct model of another family:
+``--model "$(python bench/qwen_model.py)"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import statistics
 import sys
@@ -166,6 +175,7 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
         "|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|---|",
     ]
     decode, whole, nodraft, copying, same = [], [], [], [], 0
+    by_kind: dict[str, list[tuple[float, float]]] = {}
     default_drafts = engine.settings.draft_tokens
     for i, (kind, prompt) in enumerate(prompts):
         order = ["engine", "off", "generate"]
@@ -188,6 +198,7 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
         if own >= 0.5:
             copying.append(d_ratio)
         decode.append(d_ratio), whole.append(w_ratio), nodraft.append(o_ratio)
+        by_kind.setdefault(kind, []).append((d_ratio, w_ratio))
         identical = e.tokens == off.tokens
         same += identical
         per_verify = e.drafted / e.draft_steps if e.draft_steps else 0.0
@@ -208,7 +219,57 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
             f"{len(copying)}, decode min {min(copying):.2f}x, median {statistics.median(copying):.2f}x."
             if copying else "No answer had a copy share of 0.5 or more."
         ),
+        "",
+        "| kind | prompts | decode engine / generate, median (min) | whole answer, median (min) |",
+        "|---|---:|---|---|",
+        *(
+            f"| {kind} | {len(pairs)} | {statistics.median(d for d, _ in pairs):.2f}x ({min(d for d, _ in pairs):.2f}x) | "
+            f"{statistics.median(w for _, w in pairs):.2f}x ({min(w for _, w in pairs):.2f}x) |"
+            for kind, pairs in by_kind.items()
+        ),
     ]
+    return lines
+
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+@torch.inference_mode()
+def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
+    """One forward of 1-16 tokens over ``prompt``'s cache, as decode and verify steps run it,
+    with the engine's small-row kernel and with ``F.linear``: median ms and ratio to 1 token."""
+    from kvboost_rag.hf.caches import truncate_cache
+    from kvboost_rag.hf.small_rows import SmallRowLinears
+
+    adapter = engine._adapter
+    ids = engine.tokenizer(prompt).input_ids
+    cache = adapter.new_cache(len(ids) + max(WIDTHS))
+    adapter.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+    chosen, plain = adapter.small_rows, SmallRowLinears()  # an "off" instance routes nothing
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for rep in range(reps + 1):  # the first round warms up
+        for name, kernel in (("kernel", chosen), ("F.linear", plain)):
+            adapter.small_rows = kernel
+            for width in WIDTHS:
+                start = time.perf_counter()
+                adapter.forward_rows(torch.tensor([ids[-width:]]), torch.tensor([len(ids)]), [width], [cache])
+                if rep:
+                    seconds.setdefault((name, width), []).append(time.perf_counter() - start)
+                truncate_cache(cache, len(ids))
+    adapter.small_rows = chosen
+    ms = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
+    lines = [
+        f"Verify cost per row count over a {len(ids)}-token cache (median of {reps}; small-row kernel: "
+        f"{chosen.kernel}):",
+        "",
+        "| tokens | ms, engine's kernel | / 1 token | ms, F.linear | / 1 token | F.linear / engine's kernel |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for width in WIDTHS:
+        k, f = ms[("kernel", width)], ms[("F.linear", width)]
+        lines.append(
+            f"| {width} | {k:.1f} | {k / ms[('kernel', 1)]:.2f}x | {f:.1f} | {f / ms[('F.linear', 1)]:.2f}x | {f / k:.2f}x |"
+        )
     return lines
 
 
@@ -249,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plain", action="store_true", help="plain prompts instead of the chat template")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-host", action="store_true", help="also the host-cost check on a tiny 32-layer model")
+    parser.add_argument("--cost-reps", type=int, default=7, help="rounds of the verify-cost table (0: none)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -264,9 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__}, small-row kernel {engine.small_row_kernel}, load average "
+        f"{os.getloadavg()[0]:.1f} at the start"
     )
-    lines = [header, "", *whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens)]
+    lines = [header, ""]
+    if args.cost_reps:
+        lines += [*verify_cost_table(engine, prompts[0][1], args.cost_reps), ""]
+    lines += whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens)
+    lines.append(f"Load average {os.getloadavg()[0]:.1f} at the end.")
     if args.tiny_host:
         lines += ["", *tiny_host_table(64)]
     report = "\n".join(lines)

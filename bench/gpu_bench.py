@@ -32,9 +32,13 @@ run for each length: ``model.generate``, the engine's eager decode steps, and ca
 shared with ``generate``, and the time to build the step (compile and capture, with the compiled
 graphs found in torch's on-disk cache). ``--engine-captured`` adds the engine's own calls on an
 engine built with captured steps (``--captured-buckets``, each compiled at load; drafting on):
-decode tokens/s, the write-back after the last token, the drafted share, the steps run
-captured, and where its greedy tokens part from ``generate``'s, ``generate``'s logit margin
-there (top less second: near zero is a tie within rounding).
+decode tokens/s, the call's end after its last piece, how long a flush then waited for the
+write-back, the write-back's copies into host memory in GB/s, the share of the prompt a call
+right after it read from cache, the drafted share, the steps run captured, and where its greedy
+tokens part from ``generate``'s, ``generate``'s logit margin there (top less second: near zero
+is a tie within rounding). ``--engine-defaults`` builds that engine with every setting at its
+default (the pool and the device tier sized from the free device memory, the buckets built in
+the background).
 
 Run on a GPU: ``python bench/gpu_bench.py --device cuda --dtype bfloat16 --shape Llama-3.1-8B``.
 A CPU smoke run: ``python bench/gpu_bench.py --shape Llama-3.1-8B --layers 1 --lengths 1024,2048``.
@@ -485,18 +489,29 @@ def measure_decode(
 
 
 def _captured_engine(engine: KVBoost, lengths: list[int], args) -> KVBoost | None:
-    """An engine over the same model with captured steps built at load (``--engine-captured``):
-    its pool holds a slot for the longest prompt and its decoded tokens."""
+    """An engine over the same model with captured steps (``--engine-captured``): with
+    ``--engine-defaults`` every setting at its default (the pool and the device tier planned
+    from the free device memory, the buckets built in the background, waited for here); else
+    its pool holds a slot for the longest prompt and its decoded tokens, and ``--captured-buckets``
+    are built at load."""
     started = time.perf_counter()
-    built = KVBoost.from_model(
-        engine.model, engine.tokenizer, show_progress=False, chunk_size=args.chunk_size, captured_steps="on",
-        captured_token_buckets=tuple(int(b) for b in args.captured_buckets.split(",")),
-        captured_pool_bytes=pool_bytes(engine.model, lengths, args.decode_tokens),
-    )
-    if built.captured_steps_run is None:
+    if args.engine_defaults:
+        built = KVBoost.from_model(engine.model, engine.tokenizer, show_progress=False)
+        constructed = time.perf_counter() - started
+        built.wait_for_captured_steps()
+        what = f"defaults: constructor {constructed:.1f} s, buckets ready after"
+    else:
+        built = KVBoost.from_model(
+            engine.model, engine.tokenizer, show_progress=False, chunk_size=args.chunk_size, captured_steps="on",
+            captured_token_buckets=tuple(int(b) for b in args.captured_buckets.split(",")),
+            captured_pool_bytes=pool_bytes(engine.model, lengths, args.decode_tokens), captured_build="at_load",
+        )
+        what = f"buckets {args.captured_buckets}, built at load in"
+    if built.captured_steps_run is None or not built._captured.available:
         print("the engine's captured steps were not built (see the log): its column is left out")
         return None
-    print(f"engine with captured steps (buckets {args.captured_buckets}) built in {time.perf_counter() - started:.1f} s")
+    slots = sorted((slot.capacity for slot in built._captured.pool.slots), reverse=True)
+    print(f"engine with captured steps ({what} {time.perf_counter() - started:.1f} s); pool slots {slots}")
     return built
 
 
@@ -533,10 +548,11 @@ def _decode_table(engine: KVBoost, lengths: list[int], args, device: torch.devic
         "| prompt tokens | model.generate tok/s | engine (eager steps) tok/s | captured tok/s | captured / generate | "
         "captured / eager | launches per step eager / captured | host ms per step eager / captured | "
         f"greedy tokens as generate (of {args.decode_tokens}) | generate's margin there | "
-        "engine.generate captured tok/s | / generate | write-back after the last token ms | drafted share | "
+        "engine.generate captured tok/s | / generate | call end after the last piece ms | flush after it ms | "
+        "write-back copies GB/s | next call's tokens from cache | drafted share | "
         "tokens per step | captured steps | greedy tokens as generate | generate's margin there |"
     )
-    print("|---" * 18 + "|")
+    print("|---" * 21 + "|")
     rows = []
     for tokens in lengths:
         row = measure_decode(engine, loop, captured_engine, tokens, args, device)
@@ -549,9 +565,10 @@ def _decode_table(engine: KVBoost, lengths: list[int], args, device: torch.devic
             if c is not None else "- | - | - | - | - | - | -"
         )
         through = (
-            f"{e.tokens_per_s:.1f} | {e.tokens_per_s / row.generate_tps:.2f} | {e.write_back_ms:.0f} | {e.drafted_share:.2f} | "
+            f"{e.tokens_per_s:.1f} | {e.tokens_per_s / row.generate_tps:.2f} | {e.write_back_ms:.1f} | {e.flush_ms:.0f} | "
+            f"{e.copy_gb_per_s:.1f} | {e.found_share:.3f} | {e.drafted_share:.2f} | "
             f"{e.tokens_per_step:.2f} | {e.captured_steps} | {row.engine_same_tokens} | {_margin(row.engine_margin)}"
-            if e is not None else "- | - | - | - | - | - | - | -"
+            if e is not None else "- | - | - | - | - | - | - | - | - | - | -"
         )
         print(f"| {row.prompt_tokens} | {row.generate_tps:.1f} | {row.engine_tps:.1f} | {captured} | {through} |", flush=True)
     return rows
@@ -593,6 +610,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     parser.add_argument(
         "--captured-buckets", default="1,2,4,8,16", help="token buckets of --engine-captured's steps (each is compiled at load)"
+    )
+    parser.add_argument(
+        "--engine-defaults", action="store_true",
+        help="--engine-captured's engine with every setting at its default (pool and device tier from free memory, "
+        "buckets built in the background and waited for)",
     )
     parser.add_argument(
         "--captured-prefill", default="", metavar="BUCKETS",

@@ -95,10 +95,11 @@ class KVBoostSettings(BaseModel):
         device_cache_bytes: Byte budget of the hot tier in GPU memory, above the memory tier,
             used when the model runs on CUDA (the memory tier then keeps entries in pinned
             memory, so copies to the GPU are asynchronous). ``"auto"`` (default): half the GPU
-            memory free when the engine is built (after the model's weights; the other half is
-            left for prompts' buffers and activations), so the documents of long prompts stay
-            on the GPU (the K/V of a 32k-token prompt of an 8B model is about 4 GiB). A number
-            of bytes sets it; 0 disables it; ignored on CPU.
+            memory free when the engine is built once a headroom for activations and the
+            captured steps' pool are set aside
+            (:func:`~kvboost_rag.cache.device_memory.plan_device_memory`), so the documents of
+            long prompts stay on the GPU (the K/V of a 32k-token prompt of an 8B model is
+            about 4 GiB). A number of bytes sets it; 0 disables it; ignored on CPU.
         disk_cache_dir: Folder of the disk tier. ``"auto"`` (default): an overflow tier in
             ``$KVBOOST_RAG_KV_CACHE``, else ``$KVBOOST_RAG_HOME/kv-cache`` (default
             ``~/.cache/kvboost-rag/kv-cache``), that receives only what the memory tier evicts,
@@ -186,18 +187,37 @@ class KVBoostSettings(BaseModel):
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
+        small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) in
+            decode and verify steps, chosen when the engine loads
+            (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16 rows
+            costs 2-5x one row, while oneDNN over weights reordered once into its blocked
+            layout costs about one row's whatever the rows. ``"auto"`` (default) times the
+            candidates that apply against ``F.linear`` on the model's own layers and keeps one
+            only where it is clearly faster (on CUDA, 16-bit or quantized weights, or without
+            oneDNN: ``F.linear``); ``"packed"`` (oneDNN over a copy of the weights, within
+            ``packed_weights_bytes``), ``"onednn"`` (oneDNN over the model's own weights), or
+            ``"off"``. Prefill passes, and calls of the model outside the engine, always run
+            the model's own ``F.linear``. Not used with captured steps.
+        packed_weights_bytes: Most bytes the packed weight copies of ``small_row_kernels``
+            may take (they cost the float32 weights' bytes again: a 0.5B model, 2 GB);
+            beyond it, ``"packed"`` is not chosen.
         captured_steps: Whether decode and draft-verify steps run as compiled graphs over a
             static K/V pool (:mod:`kvboost_rag.hf.captured`; on CUDA each step is one CUDA
             graph launch instead of a launch per kernel): ``"auto"`` (default) on CUDA only (on
             a CPU decoding is memory-bound and compiling gained nothing where measured,
             docs/gpu.md), ``"on"``, ``"off"``. The graphs are built when the engine loads
-            (compiled once per token bucket; later processes take them from torch's on-disk
-            compile cache). A sequence that finds no free slot, or a model whose steps cannot
-            be captured, decodes on the eager path. Read by
+            (compiled once per token bucket, see ``captured_build``; later processes take them
+            from torch's on-disk compile cache). A sequence that finds no free slot, or a model
+            whose steps cannot be captured, decodes on the eager path. Read by
             :func:`kvboost_rag.hf.captured.build_captured_rows` when the engine loads.
         captured_pool_bytes: Bytes of the static K/V pool of captured steps (K and V of every
             slot; slots of capacities from 1,024 tokens doubling up to the model's context
-            window, largest first, while the budget lasts). ``"auto"``: ``max_batch_cache_bytes``.
+            window, largest first, while the budget lasts). ``"auto"``: on CUDA sized with the
+            device tier from the GPU memory free after the model loaded
+            (:func:`~kvboost_rag.cache.device_memory.plan_device_memory`: up to one slot of
+            every capacity from the context window down, within 40% of what a headroom for
+            activations leaves), so long prompts decode captured too; elsewhere
+            ``max_batch_cache_bytes``.
         captured_token_buckets: Token counts captured steps are built for (powers of two, one
             graph each): a step of several rows runs their tokens end to end, padded to the
             smallest bucket that holds them (one token per row for decoding, ``1 + drafts`` for
@@ -213,6 +233,15 @@ class KVBoostSettings(BaseModel):
             run eagerly. One graph per bucket is built when the engine loads. Tested on CPU
             against the eager passes, not yet timed on a GPU, so not on by default; such as
             ``(64, 256, 1024, 4096)``.
+        captured_build: When the captured steps' graphs are built: ``"background"`` (default)
+            on a thread of their own as the engine loads, smallest bucket first (decode steps,
+            then prefill passes), each used as soon as it is ready while requests are served on
+            the eager path meanwhile (the log says which are ready;
+            :meth:`~kvboost_rag.KVBoost.wait_for_captured_steps` waits for all); ``"at_load"``:
+            all of them before the engine's constructor returns. Compiled code is kept in
+            torch's on-disk caches under the engine's cache folder
+            (:func:`~kvboost_rag.default_model.cache_home`), so a later process builds them
+            in seconds.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -254,10 +283,13 @@ class KVBoostSettings(BaseModel):
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
     max_decode_wait: float = Field(1.0, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
+    small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
+    packed_weights_bytes: int = Field(4 * 1024**3, ge=0)
     captured_steps: Literal["auto", "on", "off"] = "auto"
     captured_pool_bytes: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     captured_token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     captured_prefill_buckets: tuple[int, ...] = ()
+    captured_build: Literal["background", "at_load"] = "background"
 
     @field_validator("device")
     @classmethod
@@ -271,8 +303,8 @@ class KVBoostSettings(BaseModel):
 
     @property
     def captured_pool_budget(self) -> int:
-        """Bytes of the captured steps' K/V pool: ``captured_pool_bytes``, or
-        ``max_batch_cache_bytes`` when that is ``"auto"``."""
+        """Bytes of the captured steps' K/V pool where device memory is not planned (a CPU):
+        ``captured_pool_bytes``, or ``max_batch_cache_bytes`` when that is ``"auto"``."""
         return self.max_batch_cache_bytes if self.captured_pool_bytes == "auto" else self.captured_pool_bytes
 
     def prefill_chunk_for(self, device_type: str) -> int:

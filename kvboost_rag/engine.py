@@ -11,16 +11,18 @@ from typing import Any
 
 import torch
 
+from kvboost_rag.cache.device_memory import DeviceMemoryPlan, free_device_memory, plan_device_memory
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.scheduler import DecodeScheduler
-from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
-from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, probe_buckets
+from kvboost_rag.default_model import cache_home
+from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, captured_steps_wanted, probe_buckets
+from kvboost_rag.hf.captured.graph import keep_compiled_code_in
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
@@ -33,6 +35,7 @@ from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
 from kvboost_rag.hf.layers import DecoderLayers
+from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -73,6 +76,7 @@ class KVBoost:
         if settings.device is not None:
             check_device(settings.device)
             model = model.to(settings.device)
+        self._keep_compiled_code(model, settings)
         self._adapter = adapter = ModelAdapter(model, tokenizer)
         if settings.check_layer >= adapter.num_layers:
             raise InvalidInputError(f"check_layer={settings.check_layer} but the model has {adapter.num_layers} layers")
@@ -81,11 +85,15 @@ class KVBoost:
         # The text documents are warmed behind changes their K/V only as much as any other
         # context would: it is not part of the namespace, so documents hit under any prompt.
         self.fingerprint = adapter.fingerprint([f"bits={settings.kv_cache_bits}", f"group={settings.kv_group_size}"])
-        store = build_store(settings, adapter.device)
+        memory = self._device_memory_plan(adapter, settings)
+        store = build_store(settings, adapter.device, None if memory is None else memory.device_tier_bytes)
         self._cache = cache = CacheManager(store, self.fingerprint, adapter.layout, settings, adapter.device, adapter.dtype)
         self._chat = ChatTemplate(tokenizer)
         tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
+        self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
+        if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
+            adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
         turns = ModelTurns(lambda: settings.max_decode_wait)
         prefiller = self._build_prefiller(adapter, cache, turns)
         drafts = DraftPolicy(settings, adapter.device.type)
@@ -111,30 +119,62 @@ class KVBoost:
             logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
 
     def _build_prefiller(self, adapter: ModelAdapter, cache: CacheManager, turns: ModelTurns) -> Prefiller:
-        """The prefiller, after the captured steps and passes it may run (built now, not on a
-        request); its passes pause for ``turns``."""
-        settings = self.settings
-        # Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA), and with
-        # captured_prefill_buckets prefill passes too; None: eager.
+        """The prefiller over the captured passes built (if any); its passes pause for
+        ``turns`` between chunks, and between decoder layers where decode steps run eagerly (a
+        captured step is compiled over the model: nothing may run mid-forward)."""
+        layers = DecoderLayers(adapter.model, adapter.num_layers) if self._captured is None else None
+        return Prefiller(
+            adapter, cache, self.settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
+            pause=turns.between_chunks, layers=layers,
+        )
+
+    @staticmethod
+    def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:
+        """Where the engine compiles (captured steps; FlexAttention on CUDA), keep torch's
+        compile caches in the engine's cache folder, so a later process reuses the code."""
+        parameter = next(model.parameters(), None)
+        device = torch.device("cpu") if parameter is None else parameter.device
+        if device.type == "cuda" or captured_steps_wanted(settings.captured_steps, device):
+            logger.info("compiled code kept in %s", keep_compiled_code_in(cache_home() / "torch-compile"))
+
+    def _build_captured(self, adapter: ModelAdapter, settings: KVBoostSettings, pool_bytes: int) -> None:
+        """Decode and draft-verify steps as compiled graphs (CUDA graphs on CUDA) over a pool of
+        ``pool_bytes``, and with ``captured_prefill_buckets`` prefill passes too, built when the
+        engine loads (``captured_build``: in the background, or before this returns), never on
+        a request; ``None`` each where they are not used (eager)."""
+        background = settings.captured_build == "background"
         self._captured = build_captured_rows(
-            adapter, settings.captured_steps, settings.captured_pool_budget, settings.captured_token_buckets,
+            adapter, settings.captured_steps, pool_bytes, settings.captured_token_buckets,
             scratch_tokens=max((*settings.captured_token_buckets, *settings.captured_prefill_buckets)),
+            background=background,
         )
         # The probe records attention over the whole pool: its own passes, so the others skip that.
         prefill_buckets = settings.captured_prefill_buckets
-        self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets)
+        self._captured_prefill = build_prefill_rows(self._captured, prefill_buckets, background=background)
         self._captured_probe = None
         if self._captured_prefill is not None:
             self._captured_probe = build_prefill_rows(
-                self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries
+                self._captured, probe_buckets(prefill_buckets), record_queries=settings.probe_queries,
+                background=background, after=self._captured_prefill,
             )
-        # Prefill passes pause between chunks, and between decoder layers where decode steps
-        # run eagerly (a captured step is compiled over the model: nothing may run mid-forward).
-        layers = DecoderLayers(adapter.model, adapter.num_layers) if self._captured is None else None
-        return Prefiller(
-            adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
-            pause=turns.between_chunks, layers=layers,
+
+    @staticmethod
+    def _device_memory_plan(adapter: ModelAdapter, settings: KVBoostSettings) -> DeviceMemoryPlan | None:
+        """The captured steps' pool and the device tier sized together from the device memory
+        free after the model loaded; ``None`` where free memory cannot be read (a CPU)."""
+        free = free_device_memory(adapter.device)
+        if free is None:
+            return None
+        wanted = captured_steps_wanted(settings.captured_steps, adapter.device)
+        plan = plan_device_memory(
+            free, adapter.kv_bytes_per_token, adapter.context_window,
+            pool=settings.captured_pool_bytes if wanted else None, device_tier=settings.device_cache_bytes,
         )
+        logger.info(
+            "device memory: %.1f GiB free; captured steps' pool %.1f GiB, device tier %.1f GiB",
+            free / 1024**3, plan.pool_bytes / 1024**3, plan.device_tier_bytes / 1024**3,
+        )
+        return plan
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | Path | None = None, **settings: Any) -> KVBoost:
@@ -179,6 +219,12 @@ class KVBoost:
         CacheBlend fallback as their ``strategy``)."""
         return self._adapter.features
 
+    @property
+    def small_row_kernel(self) -> str:
+        """The linear layers' kernel in decode and verify steps, chosen at load
+        (``small_row_kernels``): ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
+        return self._adapter.small_rows.kernel
+
     # ------------------------------------------------------------------ text
     @property
     def captured_steps_run(self) -> int | None:
@@ -186,6 +232,15 @@ class KVBoost:
         ``None`` when every step runs eagerly (``captured_steps`` off, not wanted on this
         device, or not built: the log says why)."""
         return None if self._captured is None else self._captured.runs
+
+    def wait_for_captured_steps(self, timeout: float | None = None) -> bool:
+        """Wait until the captured steps (and passes) built in the background
+        (``captured_build="background"``) are all built or given up (the log says why);
+        whether they are within ``timeout`` seconds. Meanwhile requests are served: on the
+        eager path until a step's first bucket is ready. True at once without captured steps.
+        """
+        steps = [s for s in (self._captured, self._captured_prefill, self._captured_probe) if s is not None]
+        return all(s.wait_until_built(timeout) for s in steps)
 
     @property
     def context_window(self) -> int:
@@ -378,5 +433,23 @@ class KVBoost:
         return self._cache.stats()
 
     def clear_cache(self) -> None:
-        """Drop every cached entry and registered document."""
+        """Drop every cached entry and registered document (after the cache writes queued
+        so far)."""
         self._cache.clear()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every cache write queued so far has reached the tiers (memory, disk,
+        Redis).
+
+        A call returns at its last token: what its prompt taught the cache is visible to every
+        later request at once, and is copied into host memory and written to the tiers behind
+        it. Flush before reading the tiers from outside this process or before shutting down
+        (interpreter exit flushes too, for up to a minute).
+
+        Args:
+            timeout: Seconds to wait at most (``None``: no limit).
+
+        Returns:
+            Whether every queued write finished.
+        """
+        return self._cache.flush(timeout)

@@ -11,7 +11,12 @@
 #      decode steps, captured steps (compiled graphs, CUDA graphs) with launches per step, and
 #      the engine's own generate on an engine built with captured steps, in one run;
 #   5. bench/gpu_bench.py at the Llama-3.1-8B and Qwen2.5-7B shapes in bfloat16 at about 2k,
-#      8k and 32k prompt tokens (random weights, the carried tokenizer).
+#      8k and 32k prompt tokens (random weights, the carried tokenizer);
+#   6. start-up with default settings (bench/startup_bench.py at the decode table's shape,
+#      8k-token requests), twice over one fresh cache folder: a machine that never compiled
+#      (the first token must not wait for the compiles), then one that compiled before.
+# GPU_CHECK_PARTS picks the parts (default "tests decode bench startup"; install and versions
+# always run), so a check too long for one call runs as several.
 # Each step has a time limit, and the limits are cut to keep the whole check inside
 # GPU_CHECK_BUDGET seconds (default 600: 10 minutes; the tests keep the decode table's and the
 # benches' limits for them, the decode table the benches', the first bench 90 s for the second); a
@@ -25,7 +30,10 @@
 # the wheels go, default /tmp/site), GPU_CHECK_WORKERS (pytest-xdist workers),
 # GPU_CHECK_SHAPES (the TTFT benches' shapes, default "Llama-3.1-8B Qwen2.5-7B"; empty: none),
 # GPU_CHECK_DECODE_ARGS (the decode table's columns, default "--captured --engine-captured
-# --captured-buckets 1,4,16": each bucket is compiled at load, 45 s at the 8B shape on an H100),
+# --captured-buckets 1,4,16": each bucket is compiled at load, 45 s at the 8B shape on an H100;
+# "--engine-captured --engine-defaults": the engine with every setting at its default, its
+# buckets built in the background and waited for), GPU_CHECK_STARTUP_LIMIT (seconds of each
+# start-up run, default 300; its compile cache: GPU_CHECK_HOME, default a new folder),
 # GPU_CHECK_PREFILL_BUCKETS (the TTFT benches' engine runs its prefill passes captured in these
 # token buckets, such as 64,256,1024,4096: each compiled at load; empty by default: eager),
 # GPU_CHECK_BUDGET, GPU_CHECK_TEST_LIMIT, GPU_CHECK_DECODE_LIMIT and GPU_CHECK_BENCH_LIMIT
@@ -61,6 +69,8 @@ case "$MODE" in
     # Qwen2.5-7B's context window is 32768 tokens: its longest prompt leaves room for decoding.
     declare -A LENGTHS=([Llama-3.1-8B]=2048,8192,32768 [Qwen2.5-7B]=2048,8192,32640)
     BENCH_ARGS=(--device cuda --dtype bfloat16 --repeats 2 --decode-tokens 8 --profile "${GPU_CHECK_PROFILE:-0}")
+    STARTUP_TOKENS=8192
+    STARTUP_ARGS=(--device cuda --dtype bfloat16)
     ;;
   cpu)
     WORKERS="${GPU_CHECK_WORKERS:-$("$PYTHON" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
@@ -73,6 +83,8 @@ case "$MODE" in
     SHAPES=(tiny)
     declare -A LENGTHS=([tiny]=512,1024)
     BENCH_ARGS=(--device cpu --dtype bfloat16 --repeats 1 --decode-tokens 4 --chunk-size 32)
+    STARTUP_TOKENS=512
+    STARTUP_ARGS=(--device cpu --dtype float32 --captured on)
     ;;
   *)
     echo "GPU_CHECK_DEVICE must be cuda or cpu, got $MODE" >&2
@@ -80,7 +92,13 @@ case "$MODE" in
     ;;
 esac
 
-BENCH_RESERVE=$((${#SHAPES[@]} * BENCH_LIMIT))  # seconds kept for the TTFT benches
+read -r -a PARTS <<<"${GPU_CHECK_PARTS:-tests decode bench startup}"
+part() { [[ " ${PARTS[*]} " == *" $1 "* ]]; }
+part bench || SHAPES=()
+part decode || DECODE_LIMIT=0
+STARTUP_LIMIT="${GPU_CHECK_STARTUP_LIMIT:-300}"
+part startup || STARTUP_LIMIT=0
+BENCH_RESERVE=$((${#SHAPES[@]} * BENCH_LIMIT + 2 * STARTUP_LIMIT))  # seconds kept for the later steps
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 SUMMARY=()
@@ -136,8 +154,9 @@ EOF
 TEST_LOG="$LOGS/cuda-tests.log"
 XML="$LOGS/cuda-tests.xml"
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -q -p no:warnings)
-timeout --kill-after=5 "$(within 60 270)" "${PYTEST[@]}" --collect-only --continue-on-collection-errors -m cuda \
+part tests && timeout --kill-after=5 "$(within 60 270)" "${PYTEST[@]}" --collect-only --continue-on-collection-errors -m cuda \
   >"$LOGS/collected.tmp" 2>&1
+if part tests; then
 mapfile -t FILES < <(grep '::' "$LOGS/collected.tmp" | cut -d: -f1 | sort -u)
 COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
 {
@@ -145,6 +164,8 @@ COLLECTED=$(grep -c '::' "$LOGS/collected.tmp")
   grep '^ERROR ' "$LOGS/collected.tmp" | sed 's/^/not importable here (no CUDA variants run from it): /'
 } | tee -a "$TEST_LOG"
 rm -f "$LOGS/collected.tmp"
+fi
+if part tests; then
 step "CUDA tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + BENCH_RESERVE)))" "$TEST_LOG" \
   "${PYTEST[@]}" -rfEs -m cuda -n "$WORKERS" --dist load --durations=5 --junitxml="$XML" "${FILES[@]}"
 step "CUDA tests: count" 30 "$TEST_LOG" "$PYTHON" - "$XML" "$MODE" "$COLLECTED" <<'EOF'
@@ -171,6 +192,7 @@ if [ "$MODE" = cpu ]; then
   step "CPU variants of the same tests" "$(within "$TEST_LIMIT" $((DECODE_LIMIT + BENCH_RESERVE)))" "$TEST_LOG" \
     "${PYTEST[@]}" -rfEs -m "not cuda" -k cpu -n "$WORKERS" --dist load "${FILES[@]}"
 fi
+fi
 
 read -r -a DECODE_ARGS <<<"${GPU_CHECK_DECODE_ARGS:---captured --engine-captured --captured-buckets 1,4,16}"
 if [ "$DECODE_LIMIT" -gt 0 ]; then
@@ -187,6 +209,16 @@ for i in "${!SHAPES[@]}"; do
   step "gpu_bench $shape" "$(within "$BENCH_LIMIT" "$later")" "$LOGS/bench-$shape.log" \
     "$PYTHON" bench/gpu_bench.py --shape "$shape" --lengths "${LENGTHS[$shape]}" --tokenizer "$TOKENIZER" "${BENCH_ARGS[@]}"
 done
+
+if [ "$STARTUP_LIMIT" -gt 0 ]; then
+  # Two processes over one fresh compile cache: never compiled, then compiled before.
+  HOME_DIR="${GPU_CHECK_HOME:-$(mktemp -d -t kvboost-home-XXXXXX)}"
+  for run in "never compiled" "compiled before"; do
+    step "start-up, $run" "$(within "$STARTUP_LIMIT" 0)" "$LOGS/startup.log" \
+      env KVBOOST_RAG_HOME="$HOME_DIR" "$PYTHON" bench/startup_bench.py --shape "$DECODE_SHAPE" \
+      --tokenizer "$TOKENIZER" --tokens "${STARTUP_TOKENS}" "${STARTUP_ARGS[@]}"
+  done
+fi
 
 {
   echo "=== summary ($MODE, logs in $LOGS)"

@@ -24,7 +24,10 @@ from kvboost_rag.generation import lifecycle
 from kvboost_rag.generation.slots import SlotLease
 from kvboost_rag.hf.captured import SlotPool, build_captured_rows
 
-SETTINGS = dict(show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1, 4, 16))
+SETTINGS = dict(
+    show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1, 4, 16),
+    captured_build="at_load",
+)
 
 
 @pytest.fixture(scope="module")

@@ -359,15 +359,21 @@ def test_a_step_that_cannot_be_captured_leaves_the_eager_path(tokenizer, monkeyp
         steps.run([Row(pool.slots[0], [1], 0)])
     monkeypatch.undo()
     norm = adapter.model.model.norm
-    original = norm.forward
+    original = type(norm).forward
 
-    def breaking(hidden):
+    def breaking(self, hidden):
         torch._dynamo.graph_break()
-        return original(hidden)
+        return original(self, hidden)
 
-    monkeypatch.setattr(norm, "forward", breaking)
+    monkeypatch.setattr(type(norm), "forward", breaking)
     steps = CapturedRows(adapter, pool, (1,), backend="aot_eager")
     assert not steps.prepare() and "could not be built" in steps.reason
+    monkeypatch.undo()
+    # A forward replaced on the instance (accelerate's dispatch hooks) would run the original
+    # module's code, not the view's: refused with its reason.
+    monkeypatch.setattr(norm, "forward", norm.forward)
+    steps = CapturedRows(adapter, pool, (1,), backend="aot_eager")
+    assert not steps.prepare() and "own forward code" in steps.reason
 
 
 def test_pool_plan_and_slots():

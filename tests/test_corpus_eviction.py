@@ -51,7 +51,9 @@ def _memory(engine: KVBoost) -> MemoryTier:
 
 def check_agreement(engine: KVBoost, memory_only: bool) -> None:
     """The registry, the prefix index and the tiers agree: no orphan chunk, no record
-    without its chunks (memory only), no index entry for what no tier holds."""
+    without its chunks (memory only), no index entry for what no tier holds; checked once
+    the writes queued so far are done (a call returns before its writes reach the tiers)."""
+    engine.flush()
     cache = engine._cache
     memory = _memory(engine)
     held = set(memory.keys())

@@ -107,7 +107,7 @@ def cuda_layout_on(device: str, monkeypatch: pytest.MonkeyPatch, device_bytes: i
     if device == "cpu":
         from kvboost_rag import engine as engine_module
 
-        def cuda_layout(settings, device=None):
+        def cuda_layout(settings, device=None, device_tier_bytes=None):
             return TieredStore([DeviceTier(settings.device_cache_bytes, "cpu"), *build_store(settings, device).tiers])
 
         monkeypatch.setattr(engine_module, "build_store", cuda_layout)

@@ -27,6 +27,7 @@ from kvboost_rag.decode.drafting import Proposal
 from kvboost_rag.generation import lifecycle
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler
 from kvboost_rag.decode.step import DecodeSequence, decode_step
+from kvboost_rag.hf.small_rows import onednn_available
 from kvboost_rag.request.options import GenerationOptions
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "stablelm", "gpt2")
@@ -114,6 +115,30 @@ def test_greedy_tokens_are_plain_greedy_decodings_alone_and_batched(make_engine,
                 assert run.generated_tokens == 1 + run.decode_steps + run.drafted_tokens
     for run in (*alone, *batched):
         assert run.drafted_tokens > 0 and run.draft_steps >= run.decode_steps - 1  # each step but the last verified a draft
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2", "gemma3_text"])
+def test_greedy_tokens_stay_plain_greedy_decodings_on_the_packed_small_row_kernel(make_engine, docs, family, oracle_drafts):
+    """On tiny models ``"auto"`` keeps ``F.linear`` (oneDNN's call costs more than such layers'
+    product): the kernel real models get is forced here, with drafts, against plain decoding on
+    the model's own product."""
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    prompts = [_repetitive_prompt(docs), rag_prompt([docs[1], docs[0]], "Summarize.")]
+    plain = _engine(make_engine, family, docs, draft_tokens=0, small_row_kernels="off")
+    references = [plain.generate(p, max_new_tokens=40, return_logits=True) for p in prompts]
+    oracle_drafts.update({p: r.token_ids for p, r in zip(prompts, references)})
+    packed = _engine(make_engine, family, docs, small_row_kernels="packed")
+    assert packed.small_row_kernel == "packed" and plain.small_row_kernel == "off"
+    alone = [packed.generate(p, max_new_tokens=40, return_logits=True) for p in prompts]
+    batched = packed.generate_batch(prompts, max_new_tokens=40)
+    for reference, one, batch in zip(references, alone, batched):
+        assert one.drafted_tokens > 0 and batch.drafted_tokens > 0
+        assert_same_greedy(one.token_ids, reference.token_ids, reference.step_logits)
+        assert_same_greedy(batch.token_ids, reference.token_ids, reference.step_logits)
+        steps = min(len(one.token_ids), len(reference.token_ids))
+        if one.token_ids[:steps] == reference.token_ids[:steps]:
+            torch.testing.assert_close(one.step_logits[:steps], reference.step_logits[:steps], atol=1e-4, rtol=1e-4)
 
 
 def test_stop_strings_budgets_and_returned_logits_match_plain_decoding(make_engine, docs, oracle_drafts, device):

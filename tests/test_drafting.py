@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvboost_rag import KVBoostSettings
-from kvboost_rag.decode.draft_policy import DraftPolicy, SequenceDrafts, StepCosts, token_bucket
+from kvboost_rag.decode.draft_policy import COST_WINDOW, MIN_COST_SAMPLES, DraftPolicy, SequenceDrafts, StepCosts, token_bucket
 from kvboost_rag.decode.drafting import Drafter, drafter_for
 from kvboost_rag.request.documents import make_record
 from kvboost_rag.request.ngrams import GrowingIndex, TokenIndex
@@ -113,16 +113,25 @@ def test_token_buckets():
     assert [token_bucket(n) for n in (1, 2, 3, 4, 5, 9, 16, 40)] == [1, 2, 4, 4, 8, 16, 16, 16]
 
 
-def test_step_costs_start_from_the_device_prior_and_follow_measurements():
+def test_step_costs_start_from_the_device_prior_and_follow_the_median_of_recent_steps():
     costs = StepCosts("cpu")
     assert costs.ratio(1, 1) == 1.0
     assert costs.ratio(1, 8) > costs.ratio(1, 2) > 1.0
     assert StepCosts("cuda").ratio(1, 8) < costs.ratio(1, 8)
+    prior = costs.ratio(1, 8)
+    for _ in range(MIN_COST_SAMPLES - 1):
+        costs.record(1, 1, 0.1)
+        costs.record(1, 8, 0.13)
+    assert costs.ratio(1, 8) == prior  # too few steps yet
     costs.record(1, 1, 0.1)
-    costs.record(1, 8, 0.3)
-    assert costs.ratio(1, 8) == pytest.approx(3.0)
-    costs.record(1, 8, 0.1)
-    assert 1.0 < costs.ratio(1, 8) < 3.0  # a moving average
+    costs.record(1, 8, 0.13)
+    assert costs.ratio(1, 8) == pytest.approx(1.3)
+    costs.record(1, 8, 2.0)  # one step slowed by other work on the machine: the estimate holds
+    costs.record(1, 1, 0.5)
+    assert costs.ratio(1, 8) == pytest.approx(1.3)
+    for _ in range(COST_WINDOW):
+        costs.record(1, 8, 0.2)  # longer steps that got dearer for good: it follows
+    assert costs.ratio(1, 8) == pytest.approx(2.0)
     assert costs.ratio(2, 8) == StepCosts("cpu").ratio(2, 8)  # other batch sizes keep their prior
 
 
@@ -150,9 +159,10 @@ def test_the_policy_follows_the_measured_cost_of_longer_steps():
     sequence = SequenceDrafts()
     for _ in range(10):
         policy.record(sequence, "document", 3, accepted=1, evaluated=2)  # about one token accepted a draft
-    policy.costs.record(1, 1, 0.1)
-    for bucket in (2, 4, 8, 16):
-        policy.costs.record(1, bucket, 0.1)  # longer steps cost nothing more: draft
+    for _ in range(MIN_COST_SAMPLES):
+        policy.costs.record(1, 1, 0.1)
+        for bucket in (2, 4, 8, 16):
+            policy.costs.record(1, bucket, 0.1)  # longer steps cost nothing more: draft
     assert policy.length(sequence, "document", 3, 15, 1) > 0
     for bucket in (2, 4, 8, 16):
         for _ in range(20):

@@ -398,6 +398,7 @@ def test_second_engine_reuses_documents_another_engine_stored_in_redis(make_engi
         writer.warm_documents(docs[:3])
         prompt = _prompt(docs[:3][::-1])
         expected = writer.generate(prompt, max_new_tokens=6)
+        assert writer.flush(timeout=60)  # its prefix chunks in Redis too
 
         reader = make_engine(redis_url=redis_url)
         assert all(r.new_tokens == 0 for r in reader.warm_documents(docs[:3]))

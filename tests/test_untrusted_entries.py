@@ -227,6 +227,7 @@ def test_engine_drops_crafted_entries_and_answers_like_full_prefill(make_engine,
     warm.warm_documents(docs[:3])
     prompt = _prompt(docs[:3])
     warm.generate(prompt, max_new_tokens=4)  # prefix chunks too
+    assert warm.flush(timeout=60)  # its files written before they are read below
     crafted: dict[str, bytes] = {}
     for path in tmp_path.glob(f"*{SUFFIX}"):
         key = path.name[: -len(SUFFIX)]

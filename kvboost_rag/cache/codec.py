@@ -91,14 +91,7 @@ def encode_block(block: KVBlock, *, fingerprint: str, bits: int | None = None, g
     Returns:
         The entry to hand to a storage tier.
     """
-    metadata = {
-        "format": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "start_position": str(block.start_position),
-        "dtype": str(block.keys.dtype).removeprefix("torch."),
-        "shape": ",".join(str(d) for d in block.keys.shape),
-        "bits": str(bits or 0),
-    }
+    metadata = _metadata(block, fingerprint, bits)
     tensors: dict[str, torch.Tensor] = {"token_ids": block.token_ids.detach().to("cpu", torch.int64).contiguous()}
     if bits is None:
         tensors["keys"] = block.keys.detach().to("cpu").contiguous()  # [L, H, tokens, D]
@@ -107,6 +100,27 @@ def encode_block(block: KVBlock, *, fingerprint: str, bits: int | None = None, g
         tensors.update(quant.quantize_kv(block.keys.detach().cpu(), block.values.detach().cpu(), bits, group_size))
         metadata["group_size"] = str(group_size)
     return StoredEntry(tensors=tensors, metadata=metadata)
+
+
+def entry_in_place(block: KVBlock, *, fingerprint: str) -> StoredEntry:
+    """An unquantized entry over ``block``'s own tensors (no copy, no move: K/V stay where
+    they are, on the device or in host memory; token ids must be a host int64 tensor). It
+    decodes as :func:`encode_block`'s entry does; until its tensors are copied, it is only
+    valid while the memory it views is not written."""
+    tensors = {"token_ids": block.token_ids, "keys": block.keys, "values": block.values}
+    return StoredEntry(tensors=tensors, metadata=_metadata(block, fingerprint, None))
+
+
+def _metadata(block: KVBlock, fingerprint: str, bits: int | None) -> dict[str, str]:
+    """The metadata of ``block``'s entry."""
+    return {
+        "format": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "start_position": str(block.start_position),
+        "dtype": str(block.keys.dtype).removeprefix("torch."),
+        "shape": ",".join(str(d) for d in block.keys.shape),
+        "bits": str(bits or 0),
+    }
 
 
 def decode_block(

@@ -29,6 +29,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
@@ -175,7 +176,15 @@ class DocumentShelf:
         #: Called with every record read or saved (the cache learns which chunks it owns).
         self.on_record: Callable[[DocumentRecord], None] | None = None
         self.parsed = RecordCache()
+        #: Writes a record's entry: ``(key, entry, on_missing)``; ``on_missing`` is called when
+        #: no tier kept it. Default: a put into the tiers now; the cache's write-back queues it.
+        self.write: Callable[[str, StoredEntry, Callable[[], None]], None] = self._put
         store.on_gone(self._gone)
+
+    def _put(self, key: str, entry: StoredEntry, on_missing: Callable[[], None]) -> None:
+        self.store.put(key, entry)
+        if not self.store.contains(key):
+            on_missing()
 
     def _gone(self, key: str) -> None:
         parsed = self.parse_key(key)
@@ -199,7 +208,7 @@ class DocumentShelf:
         if self.on_record is not None:
             self.on_record(record)
         if not self.store.contains(key):
-            self.store.put(key, record_to_entry(record, self.fingerprint))
+            self.write(key, record_to_entry(record, self.fingerprint), partial(self.parsed.drop, record.digest))
         if self.store.contains(key):  # not kept when larger than every budget
             self.parsed.put(record)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +32,10 @@ from kvboost_rag.cache.codec import (
     decode_block,
     encode_block,
 )
+from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
+from kvboost_rag.cache.write_back import WriteBack
+from kvboost_rag.cache.write_worker import WriteWorker
 from kvboost_rag.cache.storage import DeviceTier, DiskTier, TieredStore
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -47,6 +50,8 @@ _warnings = RateLimitedLogger(logger)
 
 #: Owner name of the indexes' reservation in the memory tier.
 INDEX_RESERVATION = "indexes"
+#: Smallest bound on the bytes of queued write-backs (``max_batch_cache_bytes`` when larger).
+MIN_QUEUED_BYTES = 256 * 1024**2
 
 
 class Prefilled(Protocol):
@@ -104,10 +109,20 @@ class CacheManager:
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._bytes_per_token: float | None = None
+        self._charge_queued = False
+        #: Runs the stores of every write-back, one after another, off the requests' threads.
+        self.worker = WriteWorker(max(settings.max_batch_cache_bytes, MIN_QUEUED_BYTES))
         #: The documents and prefix chunks the tiers hold.
         self.index = CacheIndex(
             store, fingerprint, settings.chunk_size, self.charge_indexes, lambda: self._count({"documents_evicted": 1})
         )
+        #: Gathers and host copies of what the write-back stores (its arena: ``copies.arena``).
+        self.copies = HostCopies(torch.device(device), dtype)
+        self._write_back = WriteBack(
+            store, self.index, self.copies, self.worker, fingerprint, settings.kv_cache_bits, settings.kv_group_size,
+            self._count, self.charge_indexes,
+        )
+        self.index.shelf.write = self._write_back.write_later
         self.index.attach_stored_documents()
 
     @property
@@ -121,7 +136,23 @@ class CacheManager:
         return self.index.nbytes
 
     def charge_indexes(self) -> None:
-        """Count the indexes' bytes against the memory budget (evicting entries if needed)."""
+        """Count the indexes' bytes against the memory budget (evicting entries if needed).
+
+        An eviction may spill entries to disk, so the charge runs on the write-back's worker:
+        at once when called there, else queued (once, however often it is asked for meanwhile).
+        """
+        if self.worker.on_worker():
+            self._store.reserve(INDEX_RESERVATION, self.index.nbytes)
+            return
+        with self._lock:
+            if self._charge_queued:
+                return
+            self._charge_queued = True
+        self.worker.submit(self._charge_now)
+
+    def _charge_now(self) -> None:
+        with self._lock:
+            self._charge_queued = False
         self._store.reserve(INDEX_RESERVATION, self.index.nbytes)
 
     # ------------------------------------------------------------------ blocks
@@ -145,15 +176,6 @@ class CacheManager:
             self._store.delete(key)
             self._count({"corrupt_entries": 1})
             return None
-
-    def _save(self, key: str, keys: torch.Tensor, values: torch.Tensor, token_ids: Sequence[int], start: int) -> None:
-        block = KVBlock(
-            keys=keys, values=values, token_ids=torch.tensor(list(token_ids), dtype=torch.long), start_position=start
-        )
-        entry = encode_block(
-            block, fingerprint=self.fingerprint, bits=self.settings.kv_cache_bits, group_size=self.settings.kv_group_size
-        )
-        self._store.put(key, entry)
 
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, plan: PromptPlan) -> list[PrefixPiece]:
@@ -233,9 +255,21 @@ class CacheManager:
         return [i for i in indices if not self._store.contains(record.chunk_keys[i])]
 
     # ------------------------------------------------------------------ write-back
-    def write_back(self, plan: PromptPlan, outcome: Prefilled, *, store_documents: bool, pin: bool = False) -> int:
+    def write_back(
+        self,
+        plan: PromptPlan,
+        outcome: Prefilled,
+        *,
+        store_documents: bool,
+        pin: bool = False,
+        on_read: Callable[[], None] | None = None,
+    ) -> int:
         """Store what the prompt taught: its exact leading part as prefix chunks, and the
         chunks of its documents that no tier holds yet, cut from the prompt's own K/V.
+
+        Returns as soon as the new chunks are staged: every lookup from then on finds them;
+        copying them into host memory and putting them into the tiers (serializing them for
+        disk and Redis) runs on the write-back's worker (:meth:`flush` waits for it).
 
         Args:
             plan: The prompt's plan.
@@ -243,65 +277,18 @@ class CacheManager:
             store_documents: Store document chunks too.
             pin: Pin the prefix chunks that serve the leading part (an explicit warm).
                 Pinning writes nothing: a text already stored costs no write.
+            on_read: Called once when the prompt's buffers are no longer read (they may be
+                lent again), even when this raises.
 
         Returns:
             Document tokens newly stored.
         """
-        saved = self._store_prefix(plan, outcome, pin)
-        stored_chunks: list[str] = []
-        document_tokens = 0
-        if store_documents:
-            for document in outcome.documents:
-                document_tokens += self._store_document(document, outcome, stored_chunks)
-        if saved or stored_chunks:
-            self._count({"stored_entries": saved + len(stored_chunks)})
-        self.charge_indexes()
-        return document_tokens
+        return self._write_back.submit(plan, outcome, store_documents=store_documents, pin=pin, on_read=on_read)
 
-    def _store_prefix(self, plan: PromptPlan, outcome: Prefilled, pin: bool) -> int:
-        """Store the chunks of the prompt's leading part the prefix hit did not serve, index
-        them, pin them all with ``pin``; returns how many were written."""
-        ids = plan.tokens.ids
-        saved = 0
-        served = list(outcome.prefix_keys)
-        for chunk in plan.stored_prefix:
-            if chunk.stop <= outcome.prefix_tokens:
-                continue  # served by the chunks that hit
-            rows = slice(chunk.start, chunk.stop)
-            if not self._store.contains(chunk.key):
-                self._save(chunk.key, outcome.keys[:, :, rows].clone(), outcome.values[:, :, rows].clone(), ids[rows], chunk.start)
-                saved += 1
-            if self._store.contains(chunk.key):  # not stored when larger than every budget
-                self.index.prefixes.add(chunk.parent, chunk.key, ids[rows])
-            served.append(chunk.key)
-        if pin:
-            for key in served:
-                self._store.pin(key)
-        return saved
-
-    def _store_document(self, document: PlacedDocument, outcome: Prefilled, stored_chunks: list[str]) -> int:
-        """Store the chunks of ``document`` that no tier holds and that sit whole in the prompt
-        (appending their keys to ``stored_chunks``), then its record; returns the tokens stored."""
-        record = document.record
-        self.index.note_document(record)
-        tokens = 0
-        for index, key in enumerate(record.chunk_keys):
-            if key in outcome.loaded_chunks or key in stored_chunks or self._store.contains(key):
-                continue
-            first = document.chunk_span(index)
-            if first is None:
-                continue  # not wholly in this prompt, or split by a boundary merge
-            lo, length = index * record.chunk_size, record.chunk_length(index)
-            rows = slice(first, first + length)  # the chunk's rows in the prompt's buffers
-            self._save(
-                key, outcome.keys[:, :, rows].clone(), outcome.values[:, :, rows].clone(),
-                record.token_ids[lo : lo + length], first,
-            )
-            stored_chunks.append(key)
-            tokens += length
-        if tokens:  # the record goes in after its chunks: the document's newest entry
-            self.index.known_documents().register(record)
-        return tokens
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued so far reached the tiers; whether it did within
+        ``timeout`` seconds (``None``: no limit)."""
+        return self.worker.flush(timeout)
 
     # ------------------------------------------------------------------ counters
     def record(self, plan: PromptPlan, outcome: Prefilled) -> None:
@@ -318,7 +305,8 @@ class CacheManager:
         )
 
     def stats(self) -> CacheStats:
-        """Counters of the cache and its tiers."""
+        """Counters of the cache and its tiers, once the writes queued so far are done."""
+        self.flush()
         memory = self._store.memory_tier
         return CacheStats(
             entries=len(list(memory.keys())),
@@ -355,7 +343,8 @@ class CacheManager:
             self.counters.update(amounts)
 
     def clear(self) -> None:
-        """Drop every entry and index."""
+        """Drop every entry and index (after the writes queued so far)."""
+        self.flush()
         self._store.clear()
         self.index.clear()
         self.charge_indexes()

@@ -1,29 +1,36 @@
 """How many drafted tokens a decode step carries: as many as pay for themselves here.
 
 A verify step runs the pending token and ``k`` drafted ones in one forward pass. What that pass
-costs against a plain one-token step depends on the machine: on a GPU a few more tokens cost
-almost nothing; on a CPU, matrix products of 2-16 rows can cost 1.5-2.5x one row. What it gains
+costs against a plain one-token step depends on the machine and the cache's length: on a GPU a
+few more tokens cost almost nothing; on a CPU, with the small-row kernels, 2, 4 and 8 tokens
+cost about 1.05x, 1.15x and 1.4x one over a 2k-token cache (8 rows of a 0.5B model take about as
+long to compute as its weights take to read; attention grows with the tokens). What it gains
 depends on the text: a draft from a long match in a document the answer quotes is mostly
 accepted, one from a two-token match often is not. :class:`DraftPolicy` weighs both: it keeps
-the wall time of recent steps per rows and tokens per row (:class:`StepCosts`, priors by device
-until measured), and the share of drafted tokens accepted, by source and match length, across
-the engine and for the sequence (:class:`Acceptance`), and drafts the length (padded to a token
-bucket) with the most expected tokens per unit of step time; none when no length is expected to
-beat a plain step. The tokens decoded never depend on this choice, only the time they take.
+the wall time of recent steps per rows and tokens per row (:class:`StepCosts`: the median of the
+last few, priors by device until measured, so a step slowed by other work moves it little), and
+the share of drafted tokens accepted, by source and match length, across the engine and for the
+sequence (:class:`Acceptance`), and drafts the length (padded to a token bucket) with the most
+expected tokens per unit of step time; none when no length is expected to beat a plain step. The
+tokens decoded never depend on this choice, only the time they take.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvboost_rag.config import KVBoostSettings
 
 #: Tokens per row a step runs (the pending token plus drafts), rows padded up to one of these.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)
-#: Weight of a new step time in its exponential average.
-COST_SMOOTHING = 0.2
+#: Recent step times kept per rows and tokens per row; the estimate is their median, so a
+#: step slowed by other work on the machine moves it little and one run decides as the next.
+COST_WINDOW = 15
+#: Steps of a kind measured before their median replaces the device's prior.
+MIN_COST_SAMPLES = 3
 #: How much better than a plain step a draft must be expected to do (noise margin).
 MIN_GAIN = 1.05
 #: Match lengths told apart (longer ones count as the last).
@@ -46,14 +53,18 @@ def token_bucket(tokens: int) -> int:
 
 
 def _prior_cost_ratio(device_type: str, tokens: int) -> float:
-    """Step time of ``tokens`` tokens per row over a one-token step, before any is measured."""
+    """Step time of ``tokens`` tokens per row over a one-token step, before any is measured:
+    on a CPU, what the embedded model's steps cost with the small-row kernels
+    (:mod:`kvboost_rag.hf.small_rows`) over a 2.4k-token cache (1.07x, 1.2x, 1.5x, 1.9x at 2,
+    4, 8, 16 tokens). Where steps cost more, :data:`MIN_COST_SAMPLES` steps of a kind replace it."""
     if device_type == "cuda":
         return 1.0 + 0.03 * (tokens - 1)
-    return 1.0 + 0.3 * math.log2(tokens)
+    return 1.0 + 0.06 * (tokens - 1)
 
 
 class StepCosts:
-    """Recent wall time of decode steps by ``(rows, tokens per row)``.
+    """Recent wall time of decode steps by ``(rows, tokens per row)``: the median of the last
+    :data:`COST_WINDOW` of each, the device's prior until :data:`MIN_COST_SAMPLES` are in.
 
     Args:
         device_type: The model's device type (sets the priors).
@@ -61,23 +72,26 @@ class StepCosts:
 
     def __init__(self, device_type: str) -> None:
         self._device_type = device_type
-        self._seconds: dict[tuple[int, int], float] = {}
+        self._seconds: dict[tuple[int, int], deque[float]] = {}
         self._lock = threading.Lock()
 
     def record(self, rows: int, tokens: int, seconds: float) -> None:
         """Account for one step."""
-        key = (rows, tokens)
         with self._lock:
-            old = self._seconds.get(key)
-            self._seconds[key] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
+            self._seconds.setdefault((rows, tokens), deque(maxlen=COST_WINDOW)).append(seconds)
+
+    def seconds(self, rows: int, tokens: int) -> float | None:
+        """The median time of such steps, ``None`` before :data:`MIN_COST_SAMPLES`."""
+        with self._lock:
+            recent = list(self._seconds.get((rows, tokens), ()))
+        return statistics.median(recent) if len(recent) >= MIN_COST_SAMPLES else None
 
     def ratio(self, rows: int, tokens: int) -> float:
         """Time of a step of ``tokens`` tokens per row over a one-token step of as many rows
         (measured where both were, else the device's prior); at least 1."""
         if tokens == 1:
             return 1.0
-        with self._lock:
-            base, cost = self._seconds.get((rows, 1)), self._seconds.get((rows, tokens))
+        base, cost = self.seconds(rows, 1), self.seconds(rows, tokens)
         if base is None or cost is None:
             return _prior_cost_ratio(self._device_type, tokens)
         return max(1.0, cost / base)

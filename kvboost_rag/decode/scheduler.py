@@ -30,11 +30,11 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
+from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.step import DecodeSequence, FinishReason, StepResult
-from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.errors import RequestCancelled
-from kvboost_rag.cancellation import Cancellation
+from kvboost_rag.hf.turns import ModelTurns
 
 __all__ = ["DecodeHandle", "DecodeScheduler", "ModelTurns", "Reservation"]
 
@@ -201,7 +201,9 @@ class DecodeScheduler:
         with self._state:
             self._incoming.extend(handles)
             if handles and self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="kvboost-decode", daemon=True)
+                # Not a daemon: at interpreter exit Python joins it once the running sequences
+                # are done, so it never frees tensors while the interpreter tears down.
+                self._worker = threading.Thread(target=self._run, name="kvboost-decode")
                 self._worker.start()
         return handles
 

@@ -85,10 +85,8 @@ class HostBufferPool:
             if chosen is not None:
                 self._idle = [b for b in self._idle if b is not chosen]
         if chosen is None:
-            chosen = self._allocate(-(-capacity // GRANULE) * GRANULE)
-        else:
-            _fill_uninitialized(chosen)
-        return BufferLease(self, chosen)
+            return BufferLease(self, self._allocate(-(-capacity // GRANULE) * GRANULE))
+        return BufferLease(self, chosen, reused=True)
 
     def give_back(self, buffers: Buffers) -> None:
         """Keep ``buffers`` for later requests (the oldest idle ones go beyond the budget)."""
@@ -105,11 +103,14 @@ class BufferLease(Lease):
     Args:
         pool: The pool they go back to.
         buffers: The K and V buffers lent.
+        reused: They were lent before: filled as new memory is (where torch fills it) when the
+            request first asks for them, inside its prefill (a write-back's staged views of the
+            previous request's K/V may be read until then, by a prefill that holds the model).
     """
 
-    def __init__(self, pool: HostBufferPool, buffers: Buffers) -> None:
+    def __init__(self, pool: HostBufferPool, buffers: Buffers, reused: bool = False) -> None:
         super().__init__()
-        self.pool, self._buffers = pool, buffers
+        self.pool, self._buffers, self._unfilled = pool, buffers, reused
 
     @property
     def capacity(self) -> int:
@@ -120,6 +121,9 @@ class BufferLease(Lease):
         """The lent K and V (``capacity`` must fit them)."""
         if capacity > self.capacity:
             raise ValueError(f"{capacity} tokens do not fit buffers of {self.capacity}")
+        if self._unfilled:
+            self._unfilled = False
+            _fill_uninitialized(self._buffers)
         return self._buffers
 
     def _give_back(self) -> None:

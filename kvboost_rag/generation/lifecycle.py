@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from kvboost_rag.cancellation import Cancellation, ambient
 from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.decode.drafting import drafter_for
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
@@ -36,7 +37,6 @@ from kvboost_rag.hf.captured import SlotPool
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.prefiller import SPARE_ROWS
-from kvboost_rag.cancellation import Cancellation, ambient
 from kvboost_rag.request.inputs import check_documents, check_text
 from kvboost_rag.request.options import GenerationOptions
 from kvboost_rag.request.plan import PromptPlan, PromptTokens
@@ -128,9 +128,16 @@ class Request:
             handle.cancel()
 
     def release_slot(self) -> None:
-        """The request is done reading its buffers (after its write-back; again: nothing)."""
+        """The request is done reading its buffers (again, or once handed to the write-back:
+        nothing)."""
         if self.lease is not None:
             self.lease.release("request")
+
+    def release_slot_later(self) -> Callable[[], None]:
+        """What releases the request's hold on its buffers, for whoever reads them last (the
+        write-back); nothing to release without a lease."""
+        lease = self.lease
+        return (lambda: None) if lease is None else partial(lease.release, "request")
 
 
 def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
@@ -394,13 +401,7 @@ class Requests:
             decoded = _decoded(sequence, options)  # what decoding produced, read once it is over
         finally:
             request.close(self.scheduler)
-            try:
-                if options.reuse:  # off the path to the first token: counters, write-back, diagnosis
-                    self.cache.record(plan, outcome)
-                    self.cache.write_back(plan, outcome, store_documents=self._stores_documents)
-                    self._warn_if_documents_missed(plan, outcome)
-            finally:
-                request.release_slot()  # the write-back read the prompt's K/V from it
+            self._store_what_it_taught(request)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
         token_ids, text, finish_reason, step_logits = decoded
         n = plan.num_tokens
@@ -431,11 +432,25 @@ class Requests:
             step_logits=step_logits,
         )
 
+    def _store_what_it_taught(self, request: Request) -> None:
+        """Off the path to the first token: counters, the write-back (staged now, stored
+        behind the call), diagnosis. The request's buffers go back once the write-back read
+        them (at once without reuse)."""
+        plan, outcome = request.plan, request.outcome
+        try:
+            if request.options.reuse:
+                self.cache.record(plan, outcome)
+                # The buffers go back when the write-back read them (it calls this whatever
+                # happens); the request lets go of them now.
+                on_read, request.lease = request.release_slot_later(), None
+                self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=on_read)
+                self._warn_if_documents_missed(plan, outcome)
+        finally:
+            request.release_slot()
+
     def _kv_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers of ``tokens`` positions."""
-        layout = self.adapter.layout
-        element = torch.empty((), dtype=self.adapter.dtype).element_size()
-        return 2 * layout.layers * layout.kv_heads * layout.head_dim * element * tokens
+        return self.adapter.kv_bytes_per_token * tokens
 
     def _tokenize(self, prompt: str, options: GenerationOptions, what: str = "prompt") -> PromptTokens:
         """The prompt's tokens; with reuse, the documents in it are found first (known ones and

@@ -31,6 +31,7 @@ from kvboost_rag.hf.layers import DecoderLayers, StopForward
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION
 from kvboost_rag.hf.rope import find_rope
+from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel
 from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, query_positions
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
@@ -73,9 +74,17 @@ class ModelAdapter:
         # Whether every layer rotates with the same frequencies (one angle table serves all).
         self._one_rope = self._inv_freq is not None and bool((self._inv_freq == self._inv_freq[:1]).all())
         #: What this model supports, probed once; each fallback is named there.
+        #: The linear layers' kernel in decode and verify steps (:meth:`choose_small_row_kernel`).
+        self.small_rows = SmallRowLinears()
         self.features: ModelFeatures = probe_features(self)
         if not self.features.batched_decoding:
             logger.warning("%s; concurrent requests decode one sequence per forward pass", self.features.batched_decoding_reason)
+
+    def choose_small_row_kernel(self, setting: str, packed_bytes: int) -> None:
+        """Choose, and install, the kernel of the linear layers in decode and verify steps
+        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load)."""
+        self.small_rows.restore()
+        self.small_rows = choose_kernel(self.model, setting, packed_bytes)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- properties
     @property
@@ -102,6 +111,12 @@ class ModelAdapter:
     def num_layers(self) -> int:
         """Number of decoder layers."""
         return self.layout.layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over every layer, in the model's dtype."""
+        layout = self.layout
+        return 2 * layout.layers * layout.kv_heads * layout.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def context_window(self) -> int:
@@ -208,10 +223,11 @@ class ModelAdapter:
         ragged step cannot replace)."""
         width = input_ids.shape[1]
         out = torch.zeros((len(caches), width, self.vocab_width), dtype=torch.float32, device=self.device)
-        for b, cache in enumerate(caches):
-            real, first = counts[b], int(first_positions[b])
-            positions = torch.arange(first, first + real)
-            out[b, :real] = self.forward(input_ids[b, :real], positions, cache, logits_to_keep=real)
+        with self.small_rows.active():
+            for b, cache in enumerate(caches):
+                real, first = counts[b], int(first_positions[b])
+                positions = torch.arange(first, first + real)
+                out[b, :real] = self.forward(input_ids[b, :real], positions, cache, logits_to_keep=real)
         return out
 
     @torch.inference_mode()
@@ -229,7 +245,7 @@ class ModelAdapter:
         ids = input_ids.view(-1, 1) if one_token else input_ids
         width = ids.shape[1]
         positions = first_positions.view(-1, 1) + torch.arange(width).view(1, -1)
-        with self._attention.use(RAGGED_ATTENTION):
+        with self._attention.use(RAGGED_ATTENTION), self.small_rows.active():
             out = self.model(
                 input_ids=host_to_device(ids, self.device),
                 position_ids=host_to_device(positions, self.device),

@@ -7,11 +7,13 @@ step (:mod:`kvboost_rag.hf.ragged_attention`). Each is registered under its name
 derive causality from positions themselves), so transformers never spends time on a mask
 they would ignore. :class:`AttentionSwitch` selects one of them for the duration of a block,
 on every config the model's attention layers read (a multimodal model's text config
-included), and restores the model's own implementation afterwards.
+included), and restores the model's own implementation afterwards; :func:`model_with_attention`
+makes a view of the model that always uses one of them, leaving the model as it is.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,3 +68,41 @@ class AttentionSwitch:
         finally:
             for config, implementation in zip(self._configs, previous):
                 config._attn_implementation = implementation
+
+
+def model_with_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A view of ``model`` whose attention layers always call the function registered as
+    ``name``: a copy of its module tree sharing every parameter and buffer, over copies of its
+    configs with that implementation set. The model itself is not touched, so the view can be
+    traced and run on one thread while the model runs with its own attention on another (what
+    a switch on the shared configs cannot allow).
+
+    Raises:
+        ValueError: A module overrides ``forward`` on the instance (accelerate's dispatch
+            hooks): the copy would call the original module's code.
+    """
+    configs: dict[int, PretrainedConfig] = {}
+
+    def config_copy(config: PretrainedConfig) -> PretrainedConfig:
+        copied = configs.get(id(config))
+        if copied is None:
+            copied = configs[id(config)] = copy.copy(config)
+            for field, value in vars(config).items():  # nested configs (a text config) copied too
+                if isinstance(value, PretrainedConfig):
+                    setattr(copied, field, config_copy(value))
+            copied._attn_implementation = name
+        return copied
+
+    def module_copy(module: torch.nn.Module) -> torch.nn.Module:
+        if "forward" in vars(module):
+            raise ValueError(f"{type(module).__name__} overrides forward on the instance (a dispatch hook)")
+        copied = copy.copy(module)
+        copied._modules = {key: None if child is None else module_copy(child) for key, child in module._modules.items()}
+        copied._parameters = dict(module._parameters)
+        copied._buffers = dict(module._buffers)
+        config = vars(module).get("config")
+        if isinstance(config, PretrainedConfig):
+            copied.config = config_copy(config)
+        return copied
+
+    return module_copy(model)

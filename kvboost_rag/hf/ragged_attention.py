@@ -87,14 +87,61 @@ def ragged_decode_attention(
     for b, (k, v) in enumerate(zip(keys, values)):
         real = counts[b]
         q = query[b : b + 1, :, :real]
+        every_key = softcap is None and (window is None or window >= k.shape[-2])
         if real == 1 and window is None and softcap is None:  # the last position: every key is visible
             out[b : b + 1, :, :1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        elif every_key and query.device.type == "cpu" and query.dtype == torch.float32:  # a verify row
+            out[b : b + 1, :, :real] = last_tokens_attention(q, k, v, scale)
         else:  # a row's real tokens are its last keys; their positions are made on the device (no copy)
             length = k.shape[-2]
             on_device = torch.arange(length - real, length, device=query.device)
             positions = list(range(length - real, length))
             out[b : b + 1, :, :real] = attend_blocks(q, k, v, positions, scale, window, softcap, on_device)
     return out.transpose(1, 2).contiguous(), None
+
+
+def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a row's new tokens, which are its last keys, each over the keys up to its
+    own position, with no window or softcap: one product of all queries of a K/V head (the
+    heads that share it and the tokens, ``groups x tokens`` rows) with its keys, a softmax in
+    float32 with the tokens' causal corner masked, one product with its values. SDPA's
+    kernels on a CPU run a few queries of a grouped-query model one head and token block at
+    a time, over K/V expanded per head: 8 tokens cost 3-4x one there, 2-3x here (the
+    arithmetic itself grows with the tokens).
+
+    Args:
+        query: ``[1, heads, tokens, dim]``.
+        key: ``[1, kv_heads, length, dim]`` (the new tokens' keys last).
+        value: ``[1, kv_heads, length, dim]``.
+        scale: Softmax scale.
+
+    Returns:
+        ``[1, heads, tokens, dim]``.
+    """
+    _, heads, tokens, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    folded = query.reshape(kv_heads, groups * tokens, dim)  # head h = kv * groups + g: rows g * tokens + t
+    scores = torch.matmul(folded, key[0].transpose(-1, -2)).float()  # [kv_heads, groups * tokens, length]
+    scores.mul_(scale)
+    if tokens > 1:  # token t sees the new keys up to its own: the strict upper corner is masked
+        scores.view(kv_heads, groups, tokens, length)[..., length - tokens + 1 :].add_(_corner(tokens, scores.device))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value[0]).view(1, heads, tokens, value.shape[-1])
+
+
+_corners: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _corner(tokens: int, device: torch.device) -> torch.Tensor:
+    """``[tokens, tokens - 1]``: ``-inf`` where token ``t`` would see a later new token."""
+    key = (tokens, str(device))
+    corner = _corners.get(key)
+    if corner is None:
+        later = torch.ones(tokens, tokens - 1, dtype=torch.bool).triu()  # column c is new key c + 1
+        corner = torch.zeros(tokens, tokens - 1).masked_fill(later, float("-inf")).to(device)
+        _corners[key] = corner
+    return corner
 
 
 def _in_one_call(

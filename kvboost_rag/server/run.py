@@ -2,7 +2,8 @@
 
 On SIGINT/SIGTERM the server first refuses new requests (503 with ``Retry-After``, and
 ``/health`` turns 503 so a load balancer stops sending), then stops listening and lets the
-requests it holds finish (up to :data:`GRACEFUL_SECONDS`).
+requests it holds finish (up to :data:`GRACEFUL_SECONDS`), and the cache writes they queued
+reach the tiers (up to as long again).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and not (settings and settings.api_key):
         logger.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
     make_server(engine, settings, host, port, log_level).run()
+    if not engine.flush(timeout=GRACEFUL_SECONDS):  # what the last requests stored reaches the tiers
+        logger.warning("cache writes were still queued %d s after the server stopped", GRACEFUL_SECONDS)
 
 
 def serve_command(args: Any, engine_settings: dict[str, Any]) -> int:

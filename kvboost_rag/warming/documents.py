@@ -100,6 +100,7 @@ class Warming:
         """Warm ``text`` as a shared beginning, pinned (see :meth:`kvboost_rag.KVBoost.warm`)."""
         result = self.warm_beginning(text)
         self._last_beginning = text
+        self.cache.flush()  # stored and pinned in the tiers when the call returns
         return result
 
     @property
@@ -167,6 +168,7 @@ class Warming:
                 memory_mib = self.cache.memory_used_bytes / 1024**2
                 bar.set_postfix_str(f"{computed_bytes / 1024**2:.0f} MiB K/V, memory {memory_mib:.0f} MiB", refresh=False)
                 bar.update(len(group))
+        self.cache.flush()  # where each document is kept, once its writes are done
         kept_in = {record.digest: self.cache.index.kept_in(record) for record in records}
         results = [warm.result().model_copy(update={"kept_in": kept_in[warm.record.digest]}) for warm in warms]
         kept, by_tier = kept_summary(list(kept_in.values()))

@@ -58,7 +58,9 @@ def device_budget(setting: int | str, device: torch.device | str) -> int:
     return int(free * DEVICE_CACHE_SHARE)
 
 
-def build_store(settings: KVBoostSettings, device: torch.device | str | None = None) -> TieredStore:
+def build_store(
+    settings: KVBoostSettings, device: torch.device | str | None = None, device_tier_bytes: int | None = None
+) -> TieredStore:
     """Build the tier stack the settings ask for: memory, then disk and Redis when configured.
 
     ``disk_cache_dir="auto"`` (the default) adds an overflow disk tier in
@@ -76,6 +78,9 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
             ``max_disk_bytes``, ``redis_url``, ``redis_cluster``, ``redis_ttl_seconds`` and ``cache_secret_key``
             (which authenticates disk and Redis entries; the in-process tiers need none).
         device: The device the model runs on; ``None`` or a CPU device adds no device tier.
+        device_tier_bytes: The device tier's budget as planned with the rest of the device's
+            memory (:func:`~kvboost_rag.cache.device_memory.plan_device_memory`); ``None``:
+            from ``device_cache_bytes`` (:func:`device_budget`).
 
     Raises:
         ImportError: ``redis_url`` is set but the ``redis`` package is missing.
@@ -85,7 +90,12 @@ def build_store(settings: KVBoostSettings, device: torch.device | str | None = N
     secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
     accelerator = device is not None and torch.device(device).type == "cuda"
     tiers: list[StorageTier] = []
-    device_bytes = device_budget(settings.device_cache_bytes, device) if accelerator else 0
+    if not accelerator:
+        device_bytes = 0
+    elif device_tier_bytes is not None:
+        device_bytes = device_tier_bytes
+    else:
+        device_bytes = device_budget(settings.device_cache_bytes, device)
     if device_bytes > 0:
         tiers.append(DeviceTier(device_bytes, device))
     tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))

@@ -136,8 +136,13 @@ class PinnedMemoryTier(MemoryTier):
 
 
 def pinned(entry: StoredEntry) -> StoredEntry:
-    """``entry`` with every tensor in pinned CPU memory (a copy only where needed)."""
-    if all(t.device.type == "cpu" and t.is_pinned() for t in entry.tensors.values()):
+    """``entry`` with every tensor in pinned CPU memory: a copy of each tensor that is not
+    (the write-back's copies already are: they come from a page-locked arena)."""
+    if all(_is_pinned(t) for t in entry.tensors.values()):
         return entry
-    tensors = {name: t.to("cpu").pin_memory() for name, t in entry.tensors.items()}
+    tensors = {name: t if _is_pinned(t) else t.to("cpu").pin_memory() for name, t in entry.tensors.items()}
     return StoredEntry(tensors=tensors, metadata=dict(entry.metadata))
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.is_pinned()

@@ -4,6 +4,11 @@ tier above them evicts: a memory eviction is then a demotion, not a loss.
 
 Listeners (:meth:`TieredStore.on_gone`) hear of keys that left the whole stack (evicted from
 the last tier holding them, or deleted), so what describes an entry can leave with it.
+
+Entries on their way to the tiers (the write-back queues them for a worker thread) are
+*staged* (:meth:`TieredStore.stage`): lookups and membership tests see them at once, as if a
+tier above every other held them, until the worker has put them into the tiers and settled
+them (:meth:`TieredStore.settle`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class TieredStore:
         self.misses = 0
         self.evictions: Counter[str] = Counter()
         self._listeners: list[Callable[[str], None]] = []
+        self._staged: dict[str, StoredEntry] = {}
         for depth, tier in enumerate(self.tiers):
             below = [t for t in self.tiers[depth + 1 :] if t.spill_only]
             if below and isinstance(tier, MemoryTier) and not isinstance(tier, DeviceTier):
@@ -77,7 +83,11 @@ class TieredStore:
     def fetch(self, key: str) -> tuple[StoredEntry, bool] | None:
         """Like :meth:`get`, and whether the entry came from a tier of this process's own
         memory (memory or device tier: entries this process wrote, or read from a shared tier
-        and checked then), so its values need no checking again."""
+        and checked then), so its values need no checking again. A staged entry is served
+        first (it is this process's own)."""
+        staged = self.staged(key)
+        if staged is not None:
+            return staged, True
         for depth, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is None:
@@ -106,11 +116,58 @@ class TieredStore:
             items += tier.group_entries(key)
         return items
 
-    def put(self, key: str, entry: StoredEntry) -> None:
-        """Write ``entry`` to every tier but the overflow tiers (they get it when evicted above)."""
+    def put(self, key: str, entry: StoredEntry, *, device: bool = True) -> None:
+        """Write ``entry`` to every tier but the overflow tiers (they get it when evicted
+        above); with ``device=False``, not to a device tier either (it holds the entry's
+        device copy already: :meth:`put_device`)."""
         for tier in self.tiers:
-            if not tier.spill_only:
+            if not tier.spill_only and (device or not isinstance(tier, DeviceTier)):
                 self._count_evictions(tier, tier.put(key, entry))
+
+    def put_device(self, items: list[tuple[str, StoredEntry]]) -> None:
+        """Hold entries whose K/V is on the device already in the device tiers (no copy);
+        nothing without a device tier."""
+        for tier in self.tiers:
+            if isinstance(tier, DeviceTier):
+                self._count_evictions(tier, tier.put_many(items))
+
+    @property
+    def has_device_tier(self) -> bool:
+        """Whether a tier holds entries in device memory."""
+        return any(isinstance(tier, DeviceTier) for tier in self.tiers)
+
+    # ------------------------------------------------------------------ staged entries
+    def stage(self, key: str, entry: StoredEntry) -> None:
+        """Make ``entry`` visible under ``key`` before it reaches the tiers (it replaces an
+        entry staged under that key before)."""
+        with self._lock:
+            self._staged[key] = entry
+
+    def staged(self, key: str) -> StoredEntry | None:
+        """The entry staged under ``key``, if any."""
+        with self._lock:
+            return self._staged.get(key)
+
+    def restage(self, key: str, before: StoredEntry, after: StoredEntry) -> bool:
+        """Replace the staged ``before`` with ``after`` (a copy that owns its memory); whether
+        ``before`` was still the one staged (a delete or a newer stage took it away)."""
+        with self._lock:
+            if self._staged.get(key) is not before:
+                return False
+            self._staged[key] = after
+            return True
+
+    def settle(self, key: str, entry: StoredEntry) -> None:
+        """The tiers took ``entry``: it is no longer staged (unless another replaced it)."""
+        with self._lock:
+            if self._staged.get(key) is entry:
+                del self._staged[key]
+
+    @property
+    def staged_count(self) -> int:
+        """Entries staged now."""
+        with self._lock:
+            return len(self._staged)
 
     def pin(self, key: str) -> bool:
         """Pin ``key`` in every tier that holds it (writes nothing); whether any did."""
@@ -120,11 +177,13 @@ class TieredStore:
         return pinned
 
     def contains(self, key: str) -> bool:
-        """Whether any tier holds ``key``."""
-        return any(key in tier for tier in self.tiers)
+        """Whether ``key`` is staged or any tier holds it."""
+        return self.staged(key) is not None or any(key in tier for tier in self.tiers)
 
     def delete(self, key: str) -> None:
-        """Remove ``key`` from every tier."""
+        """Remove ``key`` from every tier (and from the staged entries)."""
+        with self._lock:
+            self._staged.pop(key, None)
         for tier in self.tiers:
             tier.delete(key)
         self._notify([key])
@@ -145,7 +204,9 @@ class TieredStore:
                     yield key
 
     def clear(self) -> None:
-        """Remove every entry from every tier."""
+        """Remove every entry from every tier, and every staged entry."""
+        with self._lock:
+            self._staged.clear()
         for tier in self.tiers:
             tier.clear()
 

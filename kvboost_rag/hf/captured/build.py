@@ -2,8 +2,9 @@
 
 :func:`build_captured_rows` is the one call the engine makes: it decides from the mode and
 the device whether captured steps are wanted, plans a slot pool within the byte budget, and
-builds every bucket's graph before any request arrives. Whatever fails leaves the eager path
-in place and is logged once with its reason.
+builds every bucket's graph before any request needs it (on a thread of its own with
+``background``). Whatever fails leaves the eager path in place and is logged once with its
+reason. Every captured step of an engine shares one CUDA graph memory pool.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def build_captured_rows(
     token_buckets: Sequence[int],
     backend: str | None = "inductor",
     scratch_tokens: int | None = None,
+    background: bool = False,
 ) -> CapturedRows | None:
     """Captured steps over a new slot pool, prepared; ``None`` where they are not wanted
     (:func:`~kvboost_rag.hf.captured.steps.captured_steps_wanted`) or cannot be built (the
@@ -42,12 +44,15 @@ def build_captured_rows(
         scratch_tokens: Scratch rows of the pool (padded tokens of the largest step that will
             run on it: :func:`build_prefill_rows`' buckets too); default: the largest token
             bucket.
+        background: Build the buckets on a thread of their own (see
+            :meth:`~kvboost_rag.hf.captured.steps.CapturedRows.prepare`); the pool hands out
+            slots once the first is ready.
     """
     if not captured_steps_wanted(mode, adapter.device):
         return None
     pool = SlotPool.planned(
         adapter.layout, adapter.dtype, adapter.device, pool_bytes, adapter.context_window,
-        scratch_tokens or max(token_buckets),
+        scratch_tokens or max(token_buckets), opened=not background,
     )
     if pool is None:
         logger.warning(
@@ -56,7 +61,7 @@ def build_captured_rows(
         )
         return None
     steps = CapturedRows(adapter, pool, token_buckets, backend=backend)
-    return steps if steps.prepare() else None
+    return steps if steps.prepare(background) else None
 
 
 #: Largest token bucket of the probe's passes (its live tokens: the question, separators, the
@@ -73,7 +78,11 @@ def probe_buckets(prefill_buckets: Sequence[int]) -> tuple[int, ...]:
 
 
 def build_prefill_rows(
-    rows: CapturedRows | None, token_buckets: Sequence[int], record_queries: int = 0
+    rows: CapturedRows | None,
+    token_buckets: Sequence[int],
+    record_queries: int = 0,
+    background: bool = False,
+    after: CapturedRows | None = None,
 ) -> CapturedRows | None:
     """Captured prefill passes (one row, the logits of its last token: the tokens after an
     exact prefix hit, the attention repair's probe, a blend pass) over the pool of the decode
@@ -87,10 +96,14 @@ def build_prefill_rows(
         record_queries: Every pass also records the attention of its last this many tokens
             over the whole pool, in every layer (``probe_queries``: the attention repair's
             probe, built apart with :func:`probe_buckets`); 0: none.
+        background: Build them on a thread of their own (each used once ready), once
+            ``after`` (default: ``rows``) is built.
+        after: Captured steps built before these in the background.
     """
     if rows is None or not token_buckets:
         return None
     steps = CapturedRows(
-        rows.adapter, rows.pool, token_buckets, backend=rows.backend, last_logits=True, record_queries=record_queries
+        rows.adapter, rows.pool, token_buckets, backend=rows.backend, last_logits=True, record_queries=record_queries,
+        memory_pool=rows.memory_pool,
     )
-    return steps if steps.prepare() else None
+    return steps if steps.prepare(background, after=after or rows) else None

@@ -10,18 +10,40 @@ when the engine prepares its captured steps, never on a request.
 
 Compiled code comes from torch's on-disk caches when an earlier process built the same graphs
 (inductor's FX graph cache and AOTAutograd's cache, both on by default, under
-``TORCHINDUCTOR_CACHE_DIR``); :func:`compile_cache_counts` says how many were found there.
+``TORCHINDUCTOR_CACHE_DIR``, which :func:`keep_compiled_code_in` points at the engine's cache
+folder); :func:`compile_cache_counts` says how many were found there.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
+#: Environment variable naming the folder of inductor's on-disk caches (FX graphs, AOTAutograd,
+#: and Triton's kernels under it).
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
 #: The compiled step: ``(tokens, positions, pool_rows, *first_keys) -> [bucket, vocab]`` logits.
 StepFunction = Callable[..., torch.Tensor]
+
+
+def keep_compiled_code_in(folder: Path) -> Path:
+    """Keep torch's on-disk compile caches in ``folder`` for this process, unless the user
+    chose a folder (``TORCHINDUCTOR_CACHE_DIR`` set to anything but torch's default, which
+    importing torch's compiler writes there); returns the folder in use. torch's default is
+    under the system's temp folder, which a reboot or a fresh container empties: a process
+    there compiles every bucket again (tens of seconds each for an 8B model)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(CACHE_DIR_ENV)
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    os.environ[CACHE_DIR_ENV] = str(folder)
+    return folder
 
 
 def compile_cache_counts() -> tuple[int, int]:

@@ -114,6 +114,8 @@ class SlotPool:
         device: The model's device.
         scratch_tokens: Rows after the slots that padded tokens write to (the largest token
             bucket of the steps that use the pool).
+        opened: Whether slots are handed out from the start; else only once :meth:`open` is
+            called (the steps that decode in them are ready).
 
     Raises:
         InvalidInputError: No slot, or no scratch row.
@@ -126,6 +128,7 @@ class SlotPool:
         dtype: torch.dtype,
         device: torch.device | str,
         scratch_tokens: int,
+        opened: bool = True,
     ) -> None:
         if not capacities:
             raise InvalidInputError("a slot pool needs at least one slot: raise its memory budget")
@@ -151,6 +154,7 @@ class SlotPool:
             self.values = torch.zeros_like(self.keys)
         self._free = set(range(len(self.slots)))
         self._lock = threading.Lock()
+        self._opened = opened
 
     @classmethod
     def planned(
@@ -161,12 +165,23 @@ class SlotPool:
         budget_bytes: int,
         max_capacity: int,
         scratch_tokens: int,
+        opened: bool = True,
     ) -> SlotPool | None:
         """A pool whose slots (:func:`plan_capacities`) fit ``budget_bytes`` of K and V;
         ``None`` when not even the smallest slot fits."""
         per_token = 2 * layout.layers * layout.kv_heads * layout.head_dim * torch.empty((), dtype=dtype).element_size()
         capacities = plan_capacities(budget_bytes // per_token - round_to_block(scratch_tokens), max_capacity)
-        return cls(layout, capacities, dtype, device, scratch_tokens) if capacities else None
+        return cls(layout, capacities, dtype, device, scratch_tokens, opened) if capacities else None
+
+    def open(self) -> None:
+        """Hand slots out from now on (the steps that decode in them are ready)."""
+        with self._lock:
+            self._opened = True
+
+    @property
+    def largest_capacity(self) -> int:
+        """Tokens the largest slot holds."""
+        return max(slot.capacity for slot in self.slots)
 
     @property
     def nbytes(self) -> int:
@@ -175,8 +190,11 @@ class SlotPool:
 
     def acquire(self, tokens: int) -> Slot | None:
         """The smallest free slot holding ``tokens`` tokens, now taken; ``None`` if none is free
-        (the sequence then decodes on the eager path). Safe from any thread."""
+        or the pool is not open yet (the sequence then decodes on the eager path). Safe from
+        any thread."""
         with self._lock:
+            if not self._opened:
+                return None
             fitting = [self.slots[i] for i in self._free if self.slots[i].capacity >= tokens]
             if not fitting:
                 return None

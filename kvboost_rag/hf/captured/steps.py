@@ -8,7 +8,12 @@ logits of every new token (:class:`~kvboost_rag.hf.captured.rows.StepLogits`). T
 one ``torch.compile`` graph per token bucket (``fullgraph``: no graph break), and on CUDA one
 CUDA graph per bucket (:mod:`kvboost_rag.hf.captured.graph`): no host read, no allocation and
 no Python between the input copy and the logits. Graphs are built by :meth:`CapturedRows.prepare`,
-which the engine calls when it loads, never on a request.
+which the engine calls when it loads, never on a request: by default on a thread of their own,
+smallest bucket first, each bucket used as soon as it is ready while the engine serves on the
+eager path (a step of more tokens than the ready buckets hold is split over several, or runs
+eagerly). The step runs a view of the model whose attention layers always call the captured
+attention (:func:`~kvboost_rag.hf.attention_switch.model_with_attention`), so building it
+never switches the attention of the model that requests use meanwhile.
 
 The same step runs a blend pass (one row: the chosen and live tokens of a prompt stitched
 into a slot, at their scattered positions, with ``last_logits``): their K/V replace the rows
@@ -30,6 +35,7 @@ attention interface, a graph break, a failed compile), :meth:`CapturedRows.prepa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.hf.attention_switch import AttentionSwitch
+from kvboost_rag.hf.attention_switch import model_with_attention
 from kvboost_rag.hf.captured.attention import ROWS_ATTENTION, AttentionRecord, PoolCache, missing_support, step_mask
 from kvboost_rag.hf.captured.graph import BucketGraph, StepFunction, compile_cache_counts
 from kvboost_rag.hf.captured.pool import Slot, SlotPool
@@ -57,6 +63,12 @@ DEFAULT_TOKEN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
 #: guard that fails later, when another model class is loaded in the process, adds one).
 RECOMPILE_LIMIT = 64
 _RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+#: Set when the interpreter starts to exit: a build in the background stops after the bucket
+#: it is on (its thread is not a daemon: Python joins it before tearing anything down).
+_EXITING = threading.Event()
+threading._register_atexit(_EXITING.set)  # noqa: SLF001 - what concurrent.futures uses to stop its workers
 
 
 def _compiling():
@@ -134,6 +146,9 @@ class CapturedRows:
         record_queries: With ``last_logits``, every step also records, per layer, the
             attention of its last ``record_queries`` tokens over the pool (the attention
             repair's probe: :meth:`recorded`); 0: nothing recorded.
+        memory_pool: The CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) its
+            graphs share with other captured steps of the engine (they never run at once);
+            default: a new one.
 
     Raises:
         InvalidInputError: A bucket that is not a power of two, or larger than the pool's
@@ -149,6 +164,7 @@ class CapturedRows:
         cuda_graphs: bool | None = None,
         last_logits: bool = False,
         record_queries: int = 0,
+        memory_pool: tuple | None = None,
     ) -> None:
         buckets = sorted(set(token_buckets))
         scratch = pool.total_tokens - pool.scratch_start
@@ -173,8 +189,13 @@ class CapturedRows:
                 self.record = torch.zeros(
                     (adapter.num_layers, pool.total_tokens), dtype=torch.float32, device=adapter.device
                 )
-        self._switch = AttentionSwitch(adapter.model)
+        if memory_pool is None and self._cuda_graphs and adapter.device.type == "cuda":
+            memory_pool = torch.cuda.graph_pool_handle()
+        #: The CUDA graph memory pool of its graphs (``None`` without CUDA graphs).
+        self.memory_pool = memory_pool
         self._graphs: dict[int, BucketGraph] = {}
+        self._lock = threading.Lock()
+        self._built = threading.Event()
         #: Why the steps are not available (empty once :meth:`prepare` succeeded).
         self.reason = "not prepared: call prepare()"
 
@@ -185,28 +206,43 @@ class CapturedRows:
 
     @property
     def available(self) -> bool:
-        """Whether :meth:`prepare` built every bucket."""
-        return bool(self._graphs)
+        """Whether a bucket is ready (steps run now)."""
+        return bool(self._ready())
+
+    @property
+    def ready_buckets(self) -> tuple[int, ...]:
+        """The buckets built so far, smallest first."""
+        return tuple(sorted(self._ready()))
 
     @property
     def max_tokens(self) -> int:
-        """Most tokens (all rows together) one step runs."""
-        return self.buckets[-1]
+        """Most tokens (all rows together) one step runs now: the largest ready bucket (0
+        while none is)."""
+        return max(self._ready(), default=0)
 
     @property
     def fixed_tensors(self) -> list[torch.Tensor]:
         """The device tensors the steps read and write at fixed addresses: the pool's K and V,
-        and each bucket's input table."""
-        return [self.pool.keys, self.pool.values, *(graph.table for graph in self._graphs.values())]
+        and each ready bucket's input table."""
+        return [self.pool.keys, self.pool.values, *(graph.table for graph in self._ready().values())]
 
     @property
     def runs(self) -> int:
         """Steps run so far, all buckets together (CUDA graph replays on CUDA)."""
-        return sum(graph.runs for graph in self._graphs.values())
+        return sum(graph.runs for graph in self._ready().values())
 
-    def _function(self, pool_rows: torch.Tensor) -> StepFunction:
-        """The step function of the bucket whose input table holds ``pool_rows``."""
-        model = self.adapter.model
+    def wait_until_built(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`prepare` is done with every bucket (built, or given up: see
+        :attr:`reason`); whether it is within ``timeout`` seconds."""
+        return self._built.wait(timeout)
+
+    def _ready(self) -> dict[int, BucketGraph]:
+        with self._lock:
+            return dict(self._graphs)
+
+    def _function(self, model: torch.nn.Module, pool_rows: torch.Tensor) -> StepFunction:
+        """The step function of the bucket whose input table holds ``pool_rows``, over
+        ``model`` (the view of the model with the captured attention)."""
         cache = PoolCache(self.pool, pool_rows)
         keyword, windows, pool, last_only = cache_keyword(model), self.windows, self.pool, self.last_logits
         record = None if self.record is None else (self.record, self.record_queries)
@@ -218,40 +254,93 @@ class CapturedRows:
             return step
         return torch.compile(step, fullgraph=True, dynamic=False, backend=self._backend)
 
-    @torch.inference_mode()
-    def prepare(self) -> bool:
+    def prepare(self, background: bool = False, after: CapturedRows | None = None) -> bool:
         """Build every bucket's graph (compile, and on CUDA capture) on padded tokens only (no
-        slot is touched). Returns whether the steps are available; if not, :attr:`reason`
-        says why and every bucket is dropped."""
+        slot is touched), smallest first.
+
+        Args:
+            background: Build on a thread of its own and return at once; each bucket is used
+                as soon as it is ready (steps of a probe, which share one attention record,
+                only once all are). The log says when each is.
+            after: In the background, start once these steps are built (one compile at a
+                time, the decode steps first).
+
+        Returns:
+            Whether the steps can be built (in the background: whether building started). If
+            not, :attr:`reason` says why and the caller stays on the eager path.
+        """
         self.reason = missing_support() or (
             "" if self.adapter.features.batched_decoding else self.adapter.features.batched_decoding_reason
         )
-        if self.reason:
+        view = None
+        if not self.reason:
+            try:
+                view = model_with_attention(self.adapter.model, ROWS_ATTENTION)
+            except ValueError as exc:
+                self.reason = f"captured steps need the model's own forward code ({exc})"
+        if view is None:
             logger.warning("%s; decoding stays on the eager path", self.reason)
+            self._built.set()
             return False
-        memory_pool = torch.cuda.graph_pool_handle() if self._cuda_graphs and self.adapter.device.type == "cuda" else None
+        if background:
+            threading.Thread(target=self._build_after, args=(view, after), name="kvboost-captured-build").start()
+            return True
+        return self._build_all(view, False)
+
+    def _build_after(self, view: torch.nn.Module, after: CapturedRows | None) -> None:
+        if after is not None:
+            after.wait_until_built()
+        self._build_all(view, background=True)
+
+    def _build_all(self, view: torch.nn.Module, background: bool) -> bool:
+        """Build the buckets over ``view``, publishing each as it is ready (all at once for
+        steps that record attention); whether any is ready at the end."""
         started, (hits, misses) = time.perf_counter(), compile_cache_counts()
-        graphs: dict[int, BucketGraph] = {}
+        held: dict[int, BucketGraph] = {}
         try:
-            with self._switch.use(ROWS_ATTENTION), _compiling():
+            with torch.inference_mode(), _compiling():
                 for bucket in self.buckets:
-                    graph = BucketGraph(FIELDS, bucket, self.adapter.device, self._cuda_graphs, memory_pool)
-                    graph.warm(self._function(graph.table[POOL_ROWS]), pack_rows([], bucket, self.pool.scratch_start))
-                    graphs[bucket] = graph
-        except torch.OutOfMemoryError:
-            raise
+                    if background and _EXITING.is_set():
+                        raise InterruptedError("the interpreter is exiting")
+                    graph = BucketGraph(FIELDS, bucket, self.adapter.device, self._cuda_graphs, self.memory_pool)
+                    graph.warm(self._function(view, graph.table[POOL_ROWS]), pack_rows([], bucket, self.pool.scratch_start))
+                    held[bucket] = graph
+                    if self.record is None:
+                        self._publish(held)
+                        if background:
+                            logger.info("captured steps: bucket %d ready after %.1f s (%d of %d)",
+                                        bucket, time.perf_counter() - started, len(held), len(self.buckets))
+            self._publish(held)
+            self.reason = ""
+        except torch.OutOfMemoryError as exc:
+            if not background:
+                raise
+            self._give_up(exc)
         except Exception as exc:  # noqa: BLE001 - any failure to build leaves the eager path in place
-            self.reason = f"captured steps could not be built ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
-            logger.warning("%s; decoding stays on the eager path", self.reason)
-            logger.debug("why captured steps could not be built", exc_info=exc)
-            return False
-        self._graphs, self.reason = graphs, ""
+            self._give_up(exc)
+        finally:
+            self._built.set()
         now_hits, now_misses = compile_cache_counts()
         logger.info(
-            "captured steps: %d buckets %s built in %.1f s (compile cache: %d found, %d compiled)",
-            len(graphs), list(graphs), time.perf_counter() - started, now_hits - hits, now_misses - misses,
+            "captured steps: %d buckets %s ready in %.1f s (compile cache: %d found, %d compiled)",
+            len(self._ready()), list(self.ready_buckets), time.perf_counter() - started, now_hits - hits, now_misses - misses,
         )
-        return True
+        return self.available
+
+    def _publish(self, graphs: dict[int, BucketGraph]) -> None:
+        """Make ``graphs`` usable by :meth:`run`; the first decode bucket lets sequences take
+        slots of the pool."""
+        with self._lock:
+            self._graphs.update(graphs)
+        if graphs and not self.last_logits:
+            self.pool.open()
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Log why the buckets not built yet will not be (those ready stay in use)."""
+        self.reason = f"captured steps could not be built ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+        tail = f"buckets {list(self.ready_buckets)} stay in use" if self.available else "decoding stays on the eager path"
+        logger.warning("%s; %s", self.reason, tail)
+        logger.debug("why captured steps could not be built", exc_info=exc)
 
     def recorded(self, slot: Slot, length: int) -> list[torch.Tensor]:
         """What the last step recorded over ``slot``'s first ``length`` rows: one ``[length]``
@@ -284,20 +373,21 @@ class CapturedRows:
                 slot of another pool, several rows in a ``last_logits`` step.
             RuntimeError: :meth:`prepare` did not succeed.
         """
-        if not self._graphs:
-            raise RuntimeError(f"captured steps are not available: {self.reason}")
+        graphs = self._ready()
+        if not graphs:
+            raise RuntimeError(f"captured steps are not available: {self.reason or 'no bucket is ready yet'}")
         if len({row.slot.index for row in rows}) != len(rows):
             raise InvalidInputError("two rows of one step share a slot")
         if any(row.slot.index >= len(self.pool.slots) or self.pool.slots[row.slot.index] != row.slot for row in rows):
             raise InvalidInputError("a row's slot is not one of this pool's")
         if self.last_logits and len(rows) != 1:
             raise InvalidInputError("a step that returns the last logits only runs one row")
-        bucket = token_bucket(sum(len(row.tokens) for row in rows), self.buckets)
+        bucket = token_bucket(sum(len(row.tokens) for row in rows), tuple(graphs))
         if bucket is None or not rows:
-            raise InvalidInputError(f"a step runs 1 to {self.max_tokens} tokens: split the rows over several steps")
+            raise InvalidInputError(f"a step runs 1 to {max(graphs)} tokens: split the rows over several steps")
         table = pack_rows(rows, bucket, self.pool.scratch_start)
         # Without a CUDA graph, dynamo checks its guards on every call; one that no longer holds
         # (another model class loaded since, say) compiles the bucket again rather than fail.
-        with self._switch.use(ROWS_ATTENTION), _compiling():
-            flat = self._graphs[bucket].run(table)
+        with _compiling():
+            flat = graphs[bucket].run(table)
         return StepLogits(flat, (0,), (1,)) if self.last_logits else StepLogits.of(flat, rows)

@@ -1,0 +1,138 @@
+"""The write-back's parts on their own: the host arena (ranges handed out, taken back when
+their tensor is collected, merged, reused) and the worker (order, flush, failures, a bound
+on queued bytes, work queued from a job, close)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from kvboost_rag.cache.arena import HostArena
+from kvboost_rag.cache.write_worker import THREAD_NAME, WriteWorker
+
+
+def _arena(elements: int = 1024) -> HostArena:
+    return HostArena(torch.float32, segment_bytes=4 * elements)
+
+
+def test_tensors_of_the_arena_are_contiguous_and_apart():
+    arena = _arena()
+    a, b = arena.take((4, 8)), arena.take((3, 5))
+    assert a.is_contiguous() and b.shape == (3, 5) and b.is_contiguous()
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert torch.all(a == 1.0) and torch.all(b == 2.0)
+    assert arena.segments == 1 and arena.tensors_taken == 2
+    assert arena.used_bytes >= (32 + 15) * 4
+
+
+def test_a_range_comes_back_when_its_tensor_is_collected_and_is_reused():
+    arena = _arena()
+    first = arena.take((256,))
+    address = first.data_ptr()
+    view = first[:10]  # a view does not hold the range
+    del first
+    gc.collect()
+    assert arena.used_bytes == 0
+    again = arena.take((256,))
+    assert again.data_ptr() == address and arena.segments == 1
+    del view, again
+
+
+def test_freed_neighbours_merge_so_a_larger_request_fits_without_a_new_segment():
+    arena = _arena(1024)
+    parts = [arena.take((256,)) for _ in range(4)]  # the whole segment
+    assert arena.segments == 1
+    del parts[1], parts[1]  # the two middle ranges
+    gc.collect()
+    merged = arena.take((512,))
+    assert arena.segments == 1 and merged.data_ptr() == parts[0].data_ptr() + 256 * 4
+    bigger = arena.take((4096,))  # larger than a segment: one of its own
+    assert arena.segments == 2 and bigger.numel() == 4096
+
+
+def test_the_arena_is_safe_from_several_threads():
+    arena = _arena(1 << 14)
+
+    def churn() -> None:
+        for _ in range(300):
+            tensor = arena.take((37,))
+            tensor.fill_(3.0)
+            assert torch.all(tensor == 3.0)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gc.collect()
+    assert arena.used_bytes == 0 and arena.tensors_taken == 1200
+
+
+def test_jobs_run_in_order_on_one_thread_and_flush_waits_for_them():
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    gate, seen = threading.Event(), []
+    worker.submit(lambda: gate.wait(60))
+    for i in range(5):
+        worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+    assert not worker.flush(timeout=0.05)  # the first job still waits
+    gate.set()
+    assert worker.flush(timeout=60)
+    assert [i for i, _ in seen] == list(range(5)) and len({name for _, name in seen}) == 1
+    assert seen[0][1].startswith(THREAD_NAME)
+    assert worker.completed == 6 and worker.idle
+
+
+def test_a_failing_job_is_counted_and_the_next_runs(caplog):
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    ran = []
+    worker.submit(lambda: 1 / 0)
+    worker.submit(lambda: ran.append(1))
+    assert worker.flush(timeout=60)
+    assert worker.errors == 1 and ran == [1]
+    assert "ZeroDivisionError" in caplog.text
+
+
+def test_a_submit_waits_while_the_queued_bytes_exceed_the_bound():
+    worker = WriteWorker(max_queued_bytes=100)
+    gate = threading.Event()
+    worker.submit(lambda: gate.wait(60), nbytes=10)  # running: no longer queued
+    worker.submit(lambda: None, nbytes=80)
+    submitted = threading.Event()
+
+    def third() -> None:
+        worker.submit(lambda: None, nbytes=50)  # 80 + 50 > 100: waits for the queue
+        submitted.set()
+
+    thread = threading.Thread(target=third)
+    thread.start()
+    assert not submitted.wait(0.2)
+    gate.set()
+    assert submitted.wait(60)
+    thread.join()
+    assert worker.flush(timeout=60) and worker.completed == 3
+
+
+def test_work_queued_from_a_job_runs_in_place_and_flush_from_the_worker_returns():
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    order = []
+
+    def outer() -> None:
+        worker.submit(lambda: order.append("inner"))
+        assert worker.flush(timeout=1)  # from the worker itself: returns at once
+        order.append("outer")
+
+    worker.submit(outer)
+    assert worker.flush(timeout=60) and order == ["inner", "outer"]
+
+
+def test_a_closed_worker_refuses_new_jobs_after_running_the_queued_ones():
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    ran = []
+    worker.submit(lambda: ran.append(1))
+    assert worker.close(timeout=60) and ran == [1]
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(lambda: None)

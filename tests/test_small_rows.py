@@ -1,0 +1,121 @@
+"""The decode and verify steps' kernels for a few rows: the linear layers' (oneDNN over packed
+or own weights, chosen at load) and the attention of a row's last tokens.
+
+Whatever kernel runs, a step must compute what the model's own layers compute, to float32
+rounding, and nothing outside the engine's steps may see a difference: prefill passes and the
+user's own calls of the model keep ``F.linear`` over the model's own weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.hf import small_rows
+from kvboost_rag.hf.ragged_attention import last_tokens_attention
+from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel, eligible_linears
+
+needs_onednn = pytest.mark.skipif(not small_rows.onednn_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("kernel", ["packed", "onednn"])
+def test_a_chosen_kernel_computes_the_layers_results_only_inside_steps(kernel):
+    model = tiny_model("qwen2")  # biased projections, a tied output layer
+    layers = eligible_linears(model)
+    assert model.lm_head in layers and len(layers) == len(list(m for m in model.modules() if isinstance(m, torch.nn.Linear)))
+    chosen = choose_kernel(model, kernel, packed_bytes=2**30)
+    assert chosen.kernel == kernel and set(chosen.weights) == set(layers)
+    for layer in (layers[0], model.lm_head):
+        for rows in (1, 3, 8, 16):
+            x = torch.randn(2, rows, layer.in_features)
+            expected = F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(layer(x), expected)  # outside a step: the model's own product
+            with torch.inference_mode(), chosen.active():
+                torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+        wide = torch.randn(small_rows.MAX_ROWS + 1, layer.in_features)
+        with torch.inference_mode(), chosen.active():  # beyond MAX_ROWS (a prefill): the model's own
+            assert torch.equal(layer(wide), F.linear(wide, layer.weight, layer.bias))
+    chosen.restore()
+    assert all("forward" not in layer.__dict__ for layer in layers) and chosen.kernel == "off"
+
+
+@needs_onednn
+def test_packed_copies_stay_within_their_budget_and_the_own_weights_serve_instead():
+    model = tiny_model("llama")
+    weight_bytes = sum(layer.weight.numel() * 4 for layer in eligible_linears(model))
+    assert choose_kernel(model, "packed", packed_bytes=weight_bytes - 1).kernel == "off"
+    own = choose_kernel(model, "onednn", packed_bytes=0)
+    assert own.kernel == "onednn"
+    assert all(weight is layer.weight.detach() or weight.data_ptr() == layer.weight.data_ptr() for layer, weight in own.weights.items())
+
+
+def test_layers_the_kernels_cannot_take_keep_their_own_product():
+    assert eligible_linears(tiny_model("llama", dtype=torch.bfloat16)) == []
+    model = tiny_model("llama")
+
+    class Subclass(torch.nn.Linear):  # a quantized or adapter layer: its own forward
+        pass
+
+    model.lm_head.__class__ = Subclass
+    model.model.layers[0].mlp.up_proj.forward = lambda x: x  # another library's hook
+    layers = eligible_linears(model)
+    assert model.lm_head not in layers and model.model.layers[0].mlp.up_proj not in layers and layers
+    assert choose_kernel(model, "off", packed_bytes=2**30).kernel == "off"
+
+
+@needs_onednn
+def test_auto_times_the_packed_copy_or_the_own_weights_when_the_copy_would_not_fit(monkeypatch):
+    model = tiny_model("llama")
+    timed = []
+
+    def fastest(modules, candidates):
+        timed.append(sorted(candidates))
+        return "off"
+
+    monkeypatch.setattr(small_rows, "_fastest", fastest)
+    assert choose_kernel(model, "auto", packed_bytes=2**30).kernel == "off"
+    assert choose_kernel(model, "auto", packed_bytes=0).kernel == "off"
+    assert timed == [["packed"], ["onednn"]]
+    assert all("forward" not in layer.__dict__ for layer in eligible_linears(model))
+
+
+def test_the_timing_rule_needs_a_clear_gain_and_no_loss():
+    cases = {  # ms at (1, 8) rows: F.linear's, the candidate's -> chosen
+        ((10.0, 30.0), (9.0, 12.0)): "packed",
+        ((10.0, 30.0), (9.9, 29.0)): "off",  # faster, but not by MIN_GAIN
+        ((10.0, 30.0), (12.0, 8.0)): "off",  # far faster at 8 rows, slower at 1
+        ((10.0, 30.0), (10.4, 20.0)): "packed",  # within noise at 1 row, far faster at 8
+    }
+    assert small_rows.TIMED_ROWS == (1, 8)
+    for (off, candidate), expected in cases.items():
+        seconds = {("off", 1): off[0], ("off", 8): off[1], ("packed", 1): candidate[0], ("packed", 8): candidate[1]}
+        assert small_rows.decide(seconds, ["packed"]) == expected
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16])
+def test_the_last_tokens_attention_equals_masked_sdpa(heads, kv_heads, tokens):
+    torch.manual_seed(tokens)
+    length, dim = 37, 16
+    query = torch.randn(1, tokens, heads, dim).transpose(1, 2)  # as attention layers hand it over
+    key, value = torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)
+    positions = torch.arange(length - tokens, length).view(-1, 1)
+    allowed = torch.arange(length).view(1, -1) <= positions
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=0.3, enable_gqa=heads > kv_heads)
+    torch.testing.assert_close(last_tokens_attention(query, key, value, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_chooses_once_at_load_and_the_users_model_calls_stay_its_own(make_engine, docs):
+    engine = make_engine("llama", small_row_kernels="packed" if small_rows.onednn_available() else "off")
+    adapter = engine._adapter
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        before = engine.model(ids).logits
+        engine.generate(docs[0] + "\nQuestion: what?\nAnswer:", max_new_tokens=4)
+        assert torch.equal(engine.model(ids).logits, before)  # outside a step: untouched
+    expected = "packed" if small_rows.onednn_available() else "off"
+    assert adapter.small_rows.kernel == engine.small_row_kernel == expected
+    assert isinstance(adapter.small_rows, SmallRowLinears)
