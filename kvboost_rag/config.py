@@ -176,11 +176,13 @@ class KVBoostSettings(BaseModel):
             the embedded model; every chunk reads the weights once more), 2048 on CUDA.
         max_decode_wait: How long the decode steps of open streams may wait for prompt work
             (a prefill, a warm) before it lends them the model for one step at its next
-            boundary, in decode steps (a running mean of the steps' durations): a stream
-            then pauses about ``1 + max_decode_wait`` steps between two pieces while other
-            requests prefill. Lower favours the streams, higher the time to first token of
-            the request prefilling (the model does one thing at a time); ``0`` lends at every
-            boundary where a step waits.
+            boundary, in decode steps (a running mean of the steps' durations), times one
+            plus the prompts waiting for the model behind it: a stream then pauses about
+            ``1 + max_decode_wait`` steps between two pieces while another request prefills
+            (longer in a burst of requests, in proportion to the prompts queued). Lower
+            favours the streams, higher the time to first token of the requests prefilling
+            (the model does one thing at a time); ``0`` lends at every boundary where a step
+            waits.
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
             stays what plain decoding gives, sampling keeps its distribution). The length of

@@ -90,6 +90,39 @@ def test_decode_waits_its_share_of_a_step_before_it_is_lent_the_model():
     stepper.join(HUNG_SECONDS)
 
 
+def test_decode_waits_longer_while_more_prompts_wait_for_the_model():
+    clock = Clock()
+    turns, log = ModelTurns(max_decode_wait=1.0, clock=clock), []
+    with turns.decode_step():
+        clock.now = 0.5  # a step takes 0.5 s
+    with turns.prompt_work():
+        waiter_in = threading.Event()
+
+        def waiting_prompt() -> None:
+            waiter_in.set()
+            with turns.prompt_work():
+                log.append("queued prompt")
+
+        queued = threading.Thread(target=waiting_prompt)
+        queued.start()
+        waiter_in.wait(HUNG_SECONDS)
+        wait_for(lambda: turns._prompt_waiting == 1)
+        stepper = _decode_in_thread(turns, log)
+        wait_for(lambda: turns._decode_waiting == 1)  # waiting since 0.5
+        clock.now = 0.85
+        turns.between_chunks()  # 0.6 s by the next boundary: one step, but two prompts share the model
+        assert turns.lent_steps == 0
+        clock.now = 1.1
+        turns.between_chunks()  # waited 0.6, the last slice 0.25: 0.85 s < two steps
+        assert turns.lent_steps == 0
+        clock.now = 1.3
+        turns.between_chunks()  # waited 0.8, the last slice 0.2: two steps
+        assert turns.lent_steps == 1 and log == ["step"]
+    queued.join(HUNG_SECONDS)
+    stepper.join(HUNG_SECONDS)
+    assert log == ["step", "queued prompt"]
+
+
 def test_prompt_work_is_reentrant_and_boundaries_elsewhere_do_nothing():
     turns = ModelTurns(max_decode_wait=0.0)
     turns.between_chunks()  # no prompt work here: nothing

@@ -8,8 +8,12 @@ runs in slices (chunks of tokens, decoder layers: :mod:`kvboost_rag.hf.passes`) 
 :meth:`ModelTurns.between_chunks` between two of them; there, once the waiting decode step has
 waited about ``max_decode_wait`` of its own duration (what the next slice would add
 included), the model is lent to it for that one step and comes back to the same prompt work.
-An open stream then pauses for about ``1 + max_decode_wait`` decode steps while prompts are
-prefilled, whatever their length.
+An open stream then pauses for about ``1 + max_decode_wait`` decode steps while a prompt is
+prefilled, whatever its length. When more prompts wait for the model behind the one being
+prefilled (a burst of requests), the decode step waits that many times longer: each lent
+step is a forward pass of its own that delays every prompt in line, so a burst reaches its
+first tokens about as soon as without interleaving, and a stream pauses in proportion to the
+prompts queued instead of for all their prefills.
 
 A boundary is also where prompt work sees its request's cancellation
 (:class:`~kvboost_rag.cancellation.Cancellation`): a cancelled request stops there, and
@@ -179,7 +183,8 @@ class ModelTurns:
 
     def _should_lend(self, now: float) -> bool:
         """Whether a waiting decode step would wait too long if the next slice ran first: its
-        wait so far plus the last slice's duration reach ``max_decode_wait`` steps."""
+        wait so far plus the last slice's duration reach ``max_decode_wait`` steps, times one
+        plus the prompts waiting for the model behind this one."""
         if not self._decode_waiting or self._lent:
             return False
         step = self._step_seconds
@@ -187,4 +192,4 @@ class ModelTurns:
             return True
         waited = now - self._decode_wait_start
         next_slice = now - self._slice_start
-        return waited + next_slice >= self._max_wait() * step
+        return waited + next_slice >= self._max_wait() * step * (1 + self._prompt_waiting)
