@@ -17,6 +17,7 @@ from kvboost_rag.errors import (
     KVBoostError,
     ModelNotFoundError,
     PromptTooLongError,
+    RequestCancelled,
     UnsupportedModelError,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "ModelNotFoundError",
     "PromptCheck",
     "PromptTooLongError",
+    "RequestCancelled",
     "UnsupportedModelError",
     "WarmResult",
 ]

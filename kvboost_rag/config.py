@@ -28,6 +28,8 @@ MIN_SECRET_KEY_CHARS = 16
 MAX_CAPTURED_TOKENS = 1024
 #: Largest token bucket of a captured prefill pass.
 MAX_CAPTURED_PREFILL_TOKENS = 8192
+#: ``prefill_chunk_tokens="auto"`` per device type (other devices take the CUDA value).
+AUTO_PREFILL_CHUNK_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
 class KVBoostSettings(BaseModel):
@@ -164,6 +166,23 @@ class KVBoostSettings(BaseModel):
         max_batch_cache_bytes: Most bytes of K/V buffers (prompt plus room for its new
             tokens) the requests decoded together may hold; a request that would exceed it
             waits (one request is always admitted when none runs).
+        prefill_chunk_tokens: Most tokens one forward pass of prompt work runs (prefill,
+            the repair's passes, warming; a batched warm counts rows times columns). Longer
+            passes run in chunks, each giving what the whole pass gives to float tolerance,
+            and between two chunks (and, where decode steps run eagerly, between two decoder
+            layers of a chunk) the decode steps of open streams get the model, so a stream
+            does not stall while another request's prompt is prefilled. ``"auto"``
+            (default): 512 on a CPU (a chunk's layer is then shorter than a decode step of
+            the embedded model; every chunk reads the weights once more), 2048 on CUDA.
+        max_decode_wait: How long the decode steps of open streams may wait for prompt work
+            (a prefill, a warm) before it lends them the model for one step at its next
+            boundary, in decode steps (a running mean of the steps' durations), times one
+            plus the prompts waiting for the model behind it: a stream then pauses about
+            ``1 + max_decode_wait`` steps between two pieces while another request prefills
+            (longer in a burst of requests, in proportion to the prompts queued). Lower
+            favours the streams, higher the time to first token of the requests prefilling
+            (the model does one thing at a time); ``0`` lends at every boundary where a step
+            waits.
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
             stays what plain decoding gives, sampling keeps its distribution). The length of
@@ -263,6 +282,8 @@ class KVBoostSettings(BaseModel):
     warm_batch_tokens: int = Field(4096, ge=0)
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
+    prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
+    max_decode_wait: float = Field(1.0, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
     small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
     packed_weights_bytes: int = Field(4 * 1024**3, ge=0)
@@ -287,6 +308,13 @@ class KVBoostSettings(BaseModel):
         """Bytes of the captured steps' K/V pool where device memory is not planned (a CPU):
         ``captured_pool_bytes``, or ``max_batch_cache_bytes`` when that is ``"auto"``."""
         return self.max_batch_cache_bytes if self.captured_pool_bytes == "auto" else self.captured_pool_bytes
+
+    def prefill_chunk_for(self, device_type: str) -> int:
+        """Tokens per prefill chunk on a device of this type (``"cpu"``, ``"cuda"``, ...):
+        ``prefill_chunk_tokens``, or its ``"auto"`` value for the device."""
+        if self.prefill_chunk_tokens != "auto":
+            return self.prefill_chunk_tokens
+        return AUTO_PREFILL_CHUNK_TOKENS.get(device_type, AUTO_PREFILL_CHUNK_TOKENS["cuda"])
 
     @field_validator("captured_token_buckets", "captured_prefill_buckets")
     @classmethod

@@ -17,7 +17,7 @@ from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.decode.sampling import eos_token_ids
-from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
+from kvboost_rag.decode.scheduler import DecodeScheduler
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.step import decode_step
 from kvboost_rag.default_model import cache_home
@@ -27,12 +27,15 @@ from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
     InvalidInputError,
     ModelNotFoundError,
+    RequestCancelled,
     UnsupportedModelError,
 )
 from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
+from kvboost_rag.hf.layers import DecoderLayers
+from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -91,8 +94,8 @@ class KVBoost:
         self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
-        prefiller = Prefiller(adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe)
-        turns = ModelTurns()
+        turns = ModelTurns(lambda: settings.max_decode_wait)
+        prefiller = self._build_prefiller(adapter, cache, turns)
         drafts = DraftPolicy(settings, adapter.device.type)
         step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
         self._scheduler = DecodeScheduler(step, turns, settings)
@@ -114,6 +117,16 @@ class KVBoost:
                     f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
                 )
             logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
+
+    def _build_prefiller(self, adapter: ModelAdapter, cache: CacheManager, turns: ModelTurns) -> Prefiller:
+        """The prefiller over the captured passes built (if any); its passes pause for
+        ``turns`` between chunks, and between decoder layers where decode steps run eagerly (a
+        captured step is compiled over the model: nothing may run mid-forward)."""
+        layers = DecoderLayers(adapter.model, adapter.num_layers) if self._captured is None else None
+        return Prefiller(
+            adapter, cache, self.settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
+            pause=turns.between_chunks, layers=layers,
+        )
 
     @staticmethod
     def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:
@@ -330,11 +343,14 @@ class KVBoost:
             InvalidInputError: Empty prompt, bad options (the message names the field), an
                 invalid constraint, or a constraint without llguidance installed.
             PromptTooLongError: The prompt does not fit the context window.
+            RequestCancelled: The call was cancelled (run by an async bridge whose task was
+                cancelled, see :mod:`kvboost_rag.integration.async_stream`).
         """
         stream = self.stream(prompt, options, **overrides)
         for _ in stream:
             pass
-        assert stream.result is not None
+        if stream.result is None:
+            raise RequestCancelled("the call was cancelled before its answer was complete")
         return stream.result
 
     def stream(self, prompt: str, options: GenerationOptions | None = None, **overrides: Any) -> GenerationStream:

@@ -26,3 +26,8 @@ class UnsupportedModelError(KVBoostError, ValueError):
 
 class ModelNotFoundError(KVBoostError, FileNotFoundError):
     """A model path does not exist or holds no loadable model."""
+
+
+class RequestCancelled(KVBoostError):
+    """The call was cancelled before its answer was complete (its stream closed, its awaiting
+    task cancelled, its client gone)."""

@@ -125,3 +125,19 @@ def test_prefill_buckets_are_powers_of_two_up_to_8192():
     for bad in ((48,), (16384,), (0,)):
         with pytest.raises((InvalidInputError, ValueError), match="captured_prefill_buckets"):
             KVBoostSettings(captured_prefill_buckets=bad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captured_passes_in_chunks_give_what_one_pass_gives(engines, docs, family):
+    captured, eager = engines[family]
+    prompt = rag_prompt([docs[3], docs[1]], "Which of them is about classes?")
+    captured.settings.prefill_chunk_tokens = 16  # read at every call: the blend pass runs in chunks
+    try:
+        before = captured._captured_prefill.runs
+        result = captured.generate(prompt, max_new_tokens=6, return_logits=True)
+        chunks = captured._captured_prefill.runs - before
+    finally:
+        captured.settings.prefill_chunk_tokens = "auto"
+    reference = eager.generate(prompt, max_new_tokens=6, return_logits=True)
+    _same(result, reference)
+    assert result.strategy == "attention" and chunks > 1

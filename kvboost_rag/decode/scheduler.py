@@ -13,10 +13,13 @@ sequences, or while its K/V buffers would take the sequences' buffers past
 ``max_batch_cache_bytes`` (one request is always admitted when none runs, however large). A
 reservation is given back when its sequence leaves the batch.
 
-:class:`ModelTurns` serializes the model between prompt work (prefill, warming) and decode
-steps, and gives prompt work priority: the worker does not take the model for a step while
-a prefill waits for it, so a new request reaches its first token without waiting for the
-running ones to finish.
+:class:`~kvboost_rag.hf.turns.ModelTurns` serializes the model between prompt work
+(prefill, warming) and decode steps: prompt work first, decode steps lent a turn between its
+slices, so open streams keep going while a prompt is prefilled.
+
+A request's :class:`~kvboost_rag.cancellation.Cancellation` reaches it here at every
+stage: waiting for a place (:meth:`DecodeScheduler.reserve` raises), and decoding (its
+sequence leaves the batch at the next step, and its reader stops waiting for pieces).
 """
 
 from __future__ import annotations
@@ -24,46 +27,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
+from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.step import DecodeSequence, FinishReason, StepResult
+from kvboost_rag.errors import RequestCancelled
+from kvboost_rag.hf.turns import ModelTurns
 
-
-class ModelTurns:
-    """The model's lock, with priority for prompt work over decode steps.
-
-    Re-entrant for prompt work (a warm inside a warm). Safe to use from any thread.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._waiting = threading.Condition(threading.Lock())
-        self._prompt_work = 0
-
-    @contextmanager
-    def prompt_work(self) -> Iterator[None]:
-        """Hold the model for prefill or warming; decode steps wait while this is asked for."""
-        with self._waiting:
-            self._prompt_work += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._waiting:
-                self._prompt_work -= 1
-                self._waiting.notify_all()
-
-    @contextmanager
-    def decode_step(self) -> Iterator[None]:
-        """Hold the model for one decode step, once no prompt work waits for it."""
-        with self._waiting:
-            while self._prompt_work:
-                self._waiting.wait()
-        with self._lock:
-            yield
+__all__ = ["DecodeHandle", "DecodeScheduler", "ModelTurns", "Reservation"]
 
 
 @dataclass(eq=False)
@@ -94,6 +67,7 @@ class DecodeHandle:
         """Text pieces as the worker decodes them; returns the finish reason.
 
         Raises:
+            RequestCancelled: :meth:`cancel` was called before the sequence was done.
             Exception: What ended this sequence early (a failed step or token choice).
         """
         while True:
@@ -102,12 +76,17 @@ class DecodeHandle:
                 yield value
             elif kind == "done":
                 return value
+            elif kind == "cancelled":
+                raise RequestCancelled("the request was cancelled while it decoded")
             else:
                 raise value
 
     def cancel(self) -> None:
-        """Leave the batch at the next step (no effect once done)."""
-        self._cancelled.set()
+        """Leave the batch at the next step (no effect once done); a reader waiting in
+        :meth:`pieces` stops waiting. Safe from any thread."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._events.put(("cancelled", None))
 
     @property
     def cancelled(self) -> bool:
@@ -164,29 +143,46 @@ class DecodeScheduler:
         with self._state:
             return self._admitted
 
-    def reserve(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> Reservation:
+    def reserve(
+        self,
+        nbytes: int,
+        on_wait: Callable[[], None] | None = None,
+        cancellation: Cancellation | None = None,
+    ) -> Reservation:
         """Wait, in arrival order, for a place in the batch for a sequence of ``nbytes``.
 
         Args:
             nbytes: Bytes of the K/V buffers its prefill allocates.
             on_wait: Called once (without the scheduler's lock) if there is no place now,
                 before waiting for one (a batch hands over the sequences it holds back).
+            cancellation: The request's: once set, it leaves the line.
+
+        Raises:
+            RequestCancelled: ``cancellation`` was set before a place came.
         """
         reservation = Reservation(nbytes)
         with self._state:
             self._waiting.append(reservation)
             ready = self._waiting[0] is reservation and self._fits(nbytes)
+        unwatch = cancellation.watch(self._wake) if cancellation is not None else None
         try:
             if not ready and on_wait is not None:
                 on_wait()
             with self._state:
                 while self._waiting[0] is not reservation or not self._fits(nbytes):
+                    if cancellation is not None:
+                        cancellation.check()
                     self._state.wait()
+                if cancellation is not None:
+                    cancellation.check()
         except BaseException:  # interrupted while waiting: leave the line
             with self._state:
                 self._waiting.remove(reservation)
                 self._state.notify_all()
             raise
+        finally:
+            if unwatch is not None:
+                unwatch()
         with self._state:
             self._waiting.popleft()
             self._admitted += 1
@@ -210,6 +206,10 @@ class DecodeScheduler:
                 self._worker = threading.Thread(target=self._run, name="kvboost-decode")
                 self._worker.start()
         return handles
+
+    def _wake(self) -> None:
+        with self._state:
+            self._state.notify_all()
 
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:

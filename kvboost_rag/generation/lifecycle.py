@@ -8,6 +8,7 @@ prompt taught. Nothing here calls back into the engine facade.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,13 +18,14 @@ from typing import cast
 
 import torch
 
+from kvboost_rag.cancellation import Cancellation, ambient
 from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
 from kvboost_rag.decode.drafting import drafter_for
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
 from kvboost_rag.decode.scheduler import DecodeHandle, DecodeScheduler, Reservation
 from kvboost_rag.decode.step import DecodeSequence
 from kvboost_rag.diagnosis.stage_times import stage
-from kvboost_rag.errors import InvalidInputError, KVBoostError, UnsupportedModelError
+from kvboost_rag.errors import InvalidInputError, KVBoostError, RequestCancelled, UnsupportedModelError
 from kvboost_rag.generation.missed_documents import (
     explain_evicted_documents,
     explain_missed_documents,
@@ -45,10 +47,15 @@ _warnings = RateLimitedLogger(logger)
 
 
 class GenerationStream:
-    """Iterator over generated text pieces; ``result`` is set once it is exhausted."""
+    """Iterator over generated text pieces; ``result`` is set once it is exhausted.
 
-    def __init__(self, pieces: Iterator[str]) -> None:
+    Attributes:
+        cancellation: The request's cancellation (:meth:`close` sets it).
+    """
+
+    def __init__(self, pieces: Iterator[str], cancellation: Cancellation | None = None) -> None:
         self._pieces = pieces
+        self.cancellation = cancellation or Cancellation()
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -58,10 +65,22 @@ class GenerationStream:
         return next(self._pieces)
 
     def close(self) -> None:
-        """Stop decoding early (the result stays ``None``)."""
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
+        """Stop the request early (the result stays ``None``); its place and buffers go back.
+
+        Safe from any thread. While another thread is inside ``next()``, that call ends the
+        iteration as soon as the request stops: at once while it waits for a place in the
+        batch or for its turn on the model, at the prefill's next chunk boundary, at the next
+        decode step.
+        """
+        self.cancellation.cancel()
+        pieces = self._pieces
+        if not inspect.isgenerator(pieces):
+            return
+        try:
+            pieces.close()
+        except ValueError:  # running in another thread: it ends there, seeing the cancellation
+            if inspect.getgeneratorstate(pieces) != inspect.GEN_RUNNING:
+                raise
 
 
 @dataclass
@@ -80,6 +99,7 @@ class Request:
         handle: Its place in the decode worker's batch once handed over.
         lease: Its K/V buffers on loan: a slot of the captured steps' pool, or buffers of the
             host buffer pool (``None``: buffers of its own).
+        cancellation: The call's cancellation: once set, its sequence leaves the batch.
     """
 
     plan: PromptPlan
@@ -92,6 +112,7 @@ class Request:
     reservation: Reservation | None = None
     handle: DecodeHandle | None = None
     lease: Lease | None = None
+    cancellation: Cancellation | None = None
 
     def submit(self, scheduler: DecodeScheduler) -> None:
         """Hand the sequence to the decode worker (it joins the batch at the next step)."""
@@ -126,6 +147,8 @@ def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> 
     handles = scheduler.submit_many([(request.sequence, request.reservation) for request in pending])
     for request, handle in zip(pending, handles):
         request.handle, request.reservation = handle, None
+        if request.cancellation is not None:
+            request.cancellation.watch(handle.cancel)
 
 
 class Requests:
@@ -195,9 +218,12 @@ class Requests:
         if resolved.reuse:
             self._store_common_beginning([tokens for _, tokens in tokenized])
         try:
+            cancellation = ambient()
             for i, tokens in tokenized:
                 try:
-                    started.append((i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all)))
+                    started.append(
+                        (i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all, cancellation=cancellation))
+                    )
                 except KVBoostError as error:
                     outputs[i] = error
             submit_all()
@@ -243,12 +269,21 @@ class Requests:
         start: float,
         guide: GrammarGuide | None = None,
     ) -> Iterator[str]:
-        """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order."""
-        request = self._start(tokens, options, start, guide=guide)
+        """text -> plan -> lookup/stitch/repair -> decode (batched) -> write-back, in that order;
+        a cancelled stream ends early (its result stays ``None``)."""
+        cancellation = stream.cancellation
+        unfollow = cancellation.follow(ambient())  # iterated under an async bridge's cancellation
         try:
-            stream.result = yield from self._follow(request, end_at_last_token=False)
+            request = self._start(tokens, options, start, guide=guide, cancellation=cancellation)
+            try:
+                stream.result = yield from self._follow(request, end_at_last_token=False)
+            finally:
+                request.close(self.scheduler)
+        except RequestCancelled:
+            if not cancellation.cancelled:
+                raise
         finally:
-            request.close(self.scheduler)
+            unfollow()
 
     def _start(
         self,
@@ -259,6 +294,7 @@ class Requests:
         hold: bool = False,
         on_wait: Callable[[], None] | None = None,
         guide: GrammarGuide | None = None,
+        cancellation: Cancellation | None = None,
     ) -> Request:
         """Plan and prefill a prompt and choose its first token, after waiting for a place in
         the batch.
@@ -272,47 +308,68 @@ class Requests:
             on_wait: Called once if the request must wait for a place.
             guide: The state of the output constraint, already compiled (else compiled here
                 from ``options.constraint``, when set: every sequence has its own).
+            cancellation: The call's: waiting for a place or a turn ends once it is set, the
+                prefill stops at its next chunk boundary, the sequence leaves the batch.
+
+        Raises:
+            RequestCancelled: ``cancellation`` was set before the first token.
         """
         n = len(tokens)
         budget = self._output_budget(n, options)
         if guide is None and options.constraint is not None:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
-        reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait)
+        reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait, cancellation=cancellation)
         lease = self._lease(n + budget + SPARE_ROWS)
         if lease is not None:
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
-            with self.turns.prompt_work():
+            with self.turns.prompt_work(cancellation):
                 outcome = self.prefiller.run(
                     plan, reuse=options.reuse, buffers=lease.buffers if lease else None, slot=lease.slot if lease else None
                 )
-            sequence = DecodeSequence(
-                cache=outcome.cache,
-                position=n,
-                budget=budget,
-                options=options,
-                sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
-                assembler=TextAssembler(self.adapter.tokenizer, options.stop),
-                eos_ids=self.eos_ids,
-                make_drafter=partial(drafter_for, plan),
-                slot=None if lease is None else lease.slot,
-            )
-            first_pieces = sequence.choose(outcome.logits)
-            if outcome.follow_up is not None and not sequence.done:
-                sequence.before_first_step = partial(_look_ahead, outcome, sequence)
+            sequence, first_pieces = self._first_token(plan, outcome, budget, options, guide, lease)
         except BaseException:
             self.scheduler.release(reservation)
             if lease is not None:
                 lease.release("request")
             raise
         ttft_ms = (time.perf_counter() - start) * 1000
-        request = Request(plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation, lease=lease)
+        request = Request(
+            plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation, lease=lease,
+            cancellation=cancellation,
+        )
         if sequence.done:
             request.close(self.scheduler)
         elif not hold:
             request.submit(self.scheduler)
         return request
+
+    def _first_token(
+        self,
+        plan: PromptPlan,
+        outcome: PrefillOutcome,
+        budget: int,
+        options: GenerationOptions,
+        guide: GrammarGuide | None,
+        lease: Lease | None,
+    ) -> tuple[DecodeSequence, list[str]]:
+        """The prefilled prompt's decode state, and the text pieces of its first token."""
+        sequence = DecodeSequence(
+            cache=outcome.cache,
+            position=plan.num_tokens,
+            budget=budget,
+            options=options,
+            sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
+            assembler=TextAssembler(self.adapter.tokenizer, options.stop),
+            eos_ids=self.eos_ids,
+            make_drafter=partial(drafter_for, plan),
+            slot=None if lease is None else lease.slot,
+        )
+        first_pieces = sequence.choose(outcome.logits)
+        if outcome.follow_up is not None and not sequence.done:
+            sequence.before_first_step = partial(_look_ahead, outcome, sequence)
+        return sequence, first_pieces
 
     def _lease(self, capacity: int) -> Lease | None:
         """K/V buffers of ``capacity`` tokens on loan: a slot of the captured steps' pool, else

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.decode.scheduler import ModelTurns
+from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.documents import DocumentRecord

@@ -3,12 +3,15 @@
 The repair runs some passes through part of the model: CacheBlend's selection stops after
 ``check_layer``, gradual filtering runs the layers in spans. :class:`DecoderLayers` finds the
 decoder layer list once and, within :meth:`DecoderLayers.only`, lets the model run a range of
-them (fed a hidden state from the layer before) or stop after one.
+them (fed a hidden state from the layer before) or stop after one; within
+:meth:`DecoderLayers.between_layers` a pass calls back between two layers (where prompt work
+lends the model to a decode step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -83,4 +86,26 @@ class DecoderLayers:
             if layer_types:
                 config.layer_types = layer_types
             if handle is not None:
+                handle.remove()
+
+    @contextmanager
+    def between_layers(self, callback: Callable[[], None]) -> Iterator[None]:
+        """Within the block, a forward pass run by this thread calls ``callback`` before each
+        decoder layer but the first (passes of other threads do not: the callback may lend
+        the model to another thread's pass, which then runs while this one waits in it).
+
+        Only for whole passes: within :meth:`only` or :meth:`stop_after` another thread's
+        pass would see the layers changed.
+        """
+        owner = threading.get_ident()
+
+        def pause(_module: torch.nn.Module, _args: object) -> None:
+            if threading.get_ident() == owner:
+                callback()
+
+        handles = [layer.register_forward_pre_hook(pause) for layer in list(self._layers)[1:]]
+        try:
+            yield
+        finally:
+            for handle in handles:
                 handle.remove()

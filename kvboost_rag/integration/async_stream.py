@@ -3,6 +3,13 @@
 Each call runs in a thread of its own rather than in the event loop's default executor: that
 executor has a handful of workers (``min(32, cpus + 4)``), which would cap how many concurrent
 requests reach the engine and decode together in one batch.
+
+Each call and each iteration runs under a
+:class:`~kvboost_rag.cancellation.Cancellation` of its own (the ambient one, which the
+engine's streams started or iterated there follow): cancelling the awaiting task, or closing
+the async iterator early, cancels it, so the engine stops that work (its queued request leaves
+the queue, its prefill stops at the next chunk boundary, its sequence leaves the batch) instead
+of running it to its end for nobody.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
+from kvboost_rag.cancellation import Cancellation, cancelling
+
 T = TypeVar("T")
 _DONE = object()
 
@@ -20,8 +29,10 @@ _DONE = object()
 async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run a blocking call in a thread of its own and await its result.
 
-    Context variables are copied into the thread. Cancelling the awaiting task does not stop
-    the call (as with :func:`asyncio.to_thread`).
+    Context variables are copied into the thread. Cancelling the awaiting task cancels the
+    call's ambient cancellation: an engine call stops early (``generate`` then raises
+    :class:`~kvboost_rag.errors.RequestCancelled` in the thread, which nobody awaits); other
+    work runs to its end, as with :func:`asyncio.to_thread`.
 
     Args:
         fn: The blocking callable.
@@ -31,6 +42,7 @@ async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
     context = contextvars.copy_context()
+    cancellation = Cancellation()
 
     def settle(result: Any, error: BaseException | None) -> None:
         if future.done():  # the awaiting task was cancelled
@@ -40,9 +52,13 @@ async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         else:
             future.set_result(result)
 
+    def under_cancellation() -> T:
+        with cancelling(cancellation):
+            return fn(*args, **kwargs)
+
     def run() -> None:
         try:
-            result, error = context.run(fn, *args, **kwargs), None
+            result, error = context.run(under_cancellation), None
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
         try:
@@ -51,7 +67,11 @@ async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             pass
 
     threading.Thread(target=run, name="kvboost-call", daemon=True).start()
-    return await future
+    try:
+        return await future
+    except asyncio.CancelledError:
+        cancellation.cancel()
+        raise
 
 
 async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
@@ -59,7 +79,9 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
 
     The whole iteration happens in a single thread; the loop only awaits a queue, so it is
     never blocked. Context variables are copied into the worker. When the consumer stops
-    early, the worker stops after the item in progress and closes the iterator.
+    early (or its task is cancelled), the iteration's cancellation is set: an engine stream
+    stops where it is (waiting, prefilling, decoding) rather than after its next piece; then
+    the worker closes the iterator.
 
     Args:
         factory: Builds the iterator; called in the worker thread.
@@ -67,6 +89,7 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
     stop_requested = threading.Event()
+    cancellation = Cancellation()
 
     def post(item: Any, error: BaseException | None = None) -> None:
         try:
@@ -77,11 +100,12 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
     def produce() -> None:
         iterator: Iterator[T] | None = None
         try:
-            iterator = factory()
-            for item in iterator:
-                if stop_requested.is_set():
-                    break
-                post(item)
+            with cancelling(cancellation):
+                iterator = factory()
+                for item in iterator:
+                    if stop_requested.is_set():
+                        break
+                    post(item)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, re-raised there
             post(_DONE, error)
         else:
@@ -92,14 +116,18 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
                 close()
 
     worker = asyncio.ensure_future(call_in_thread(produce))
+    finished = False
     try:
         while True:
             item, error = await queue.get()
             if item is _DONE:
+                finished = True
                 if error is not None:
                     raise error
                 break
             yield item
     finally:
         stop_requested.set()
+        if not finished:  # the consumer left early: stop the engine's work where it is
+            cancellation.cancel()
         await asyncio.shield(worker)

@@ -17,6 +17,11 @@ what was reused). It stores nothing: write-back reads the outcome.
   position. With ``blend_stages > 1`` the chosen set shrinks between layer spans to the
   tokens that still deviate most (gradual filtering). No pass over all cached tokens through
   the whole model.
+
+Every pass over many tokens runs in slices (:mod:`kvboost_rag.hf.passes`: chunks of
+``prefill_chunk_tokens``, and decoder layers where the decode steps run eagerly) that pause
+between them, where the model may be lent to a decode step and a cancelled request stops; the
+result is the whole pass's, to float tolerance. The stages pause between them too.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.hf import BufferedCache, ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, Row, Slot
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.hf.layers import DecoderLayers
+from kvboost_rag.hf.passes import WHOLE, Chunking, append_pass, scatter_pass
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
@@ -84,6 +90,9 @@ class Prefiller:
             when they fit the largest bucket; else (and without them) eagerly.
         captured_probe: Captured passes that record attention: the attention repair's probe
             of a prompt in a slot, when its live tokens fit; else the probe runs eagerly.
+        pause: Called between the slices of a pass (the model's turns: lends the model to
+            a waiting decode step, stops a cancelled request); ``None``: passes run whole.
+        layers: The model's decoder layers, when passes may also pause between two of them.
     """
 
     def __init__(
@@ -93,10 +102,13 @@ class Prefiller:
         settings: KVBoostSettings,
         captured: CapturedRows | None = None,
         captured_probe: CapturedRows | None = None,
+        pause: Callable[[], None] | None = None,
+        layers: DecoderLayers | None = None,
     ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.settings = settings
+        self._pause, self._layers = pause, layers
         self.captured, self.captured_probe = captured, captured_probe
         self._strategies: dict[str, RepairStrategy] = {}
 
@@ -110,6 +122,13 @@ class Prefiller:
         if strategy is None:
             strategy = self._strategies[name] = make_strategy(self.adapter, self.settings)
         return strategy
+
+    @property
+    def chunking(self) -> Chunking:
+        """How passes are sliced now (``prefill_chunk_tokens`` is read at every call)."""
+        if self._pause is None:
+            return WHOLE
+        return Chunking(self.settings.prefill_chunk_for(self.adapter.device.type), self._pause, self._layers)
 
     def run(
         self,
@@ -153,6 +172,7 @@ class Prefiller:
         with stage("stitch", self.adapter.device):
             keys, values = allocate(n + plan.reserve + SPARE_ROWS)
             stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
+        self.chunking.pause()
         if not hits:
             outcome = self._exact(plan, keys, values, h, prefix_keys, slot)
         else:
@@ -181,8 +201,9 @@ class Prefiller:
             kv = self.adapter.cache_over(keys, values, h)
             # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
             # (measured 35% slower per token than prefill from scratch on CPU); causal attention
-            # by position over blocks of queries keeps the prefix hit cheaper than full prefill.
-            logits = self.adapter.forward(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, sparse_queries=h > 0)
+            # by position over blocks of queries keeps the prefix hit (and every chunk after
+            # the first) cheaper than full prefill.
+            logits = append_pass(self.adapter, self.chunking, plan.tokens.id_tensor[h:], torch.arange(h, n), kv, h > 0)
         return PrefillOutcome(
             logits=logits,
             cache=kv,
@@ -251,6 +272,7 @@ class Prefiller:
         with stage("stitch", self.adapter.device):
             cached[stitch_documents(self.adapter, keys, values, hits.blocks, hits.runs)] = True
         live, selection, keep = self._choose(plan, keys, values, h, cached, slot)
+        self.chunking.pause()
         compute = live.clone()  # [n] bool: every position the blend pass runs
         compute[selection.positions] = True
         compute[keep] = True
@@ -291,7 +313,9 @@ class Prefiller:
         live[n - 1] = True
         with stage("select", self.adapter.device):  # the probe inside it is timed apart
             probe = partial(self._captured_probe, slot, n) if self.captured_probe is not None and slot is not None else None
-            inputs = RepairInputs(plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe)
+            inputs = RepairInputs(
+                plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe, self.chunking
+            )
             selection = self.repair.choose(inputs)
         keep_start = self.settings.keep_document_start
         keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
@@ -320,8 +344,7 @@ class Prefiller:
             logits = self._captured_pass(slot, input_ids[positions].tolist(), positions.tolist())
             if logits is not None:
                 return logits, 0.0
-            stitched.arm(host_to_device(positions, adapter.device))
-            return adapter.forward(input_ids[positions], positions, stitched, sparse_queries=True), 0.0
+            return scatter_pass(adapter, self.chunking, input_ids, positions, stitched), 0.0
 
     def _captured_probe(
         self, slot: Slot, length: int, tokens: torch.Tensor, positions: torch.Tensor, queries: int
@@ -340,14 +363,16 @@ class Prefiller:
 
     def _captured_pass(self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
         """The ``[vocab]`` logits of the last of ``tokens`` run at ``positions`` (ascending) in
-        ``slot`` as one captured pass: their K/V written at their positions, attention causal by
-        position over the slot; ``None`` (run it eagerly) without captured passes, without a
-        slot, or when the tokens do not fit the largest bucket."""
+        ``slot`` as captured passes (one per chunk): their K/V written at their positions,
+        attention causal by position over the slot; ``None`` (run it eagerly) without captured
+        passes, without a slot, or when the tokens do not fit the largest bucket."""
         captured = self.captured
         if captured is None or slot is None or not tokens or len(tokens) > captured.max_tokens:
             return None
-        row = Row(slot, list(tokens), positions=list(positions))
-        return captured.run([row]).last(0).clone()  # the step's output buffer is reused by the next
+        tokens, positions = list(tokens), list(positions)
+        for start, stop in self.chunking.chunks(len(tokens)):
+            out = captured.run([Row(slot, tokens[start:stop], positions=positions[start:stop])])
+        return out.last(0).clone()  # the step's output buffer is reused by the next
 
     def _lookahead(
         self,

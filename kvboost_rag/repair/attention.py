@@ -45,7 +45,7 @@ class AttentionRepair(SelectingRepair):
             if recorded is None:
                 recorded = run_probe(
                     adapter, inputs.ids[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
-                    layers=settings.probe_layers, queries=settings.probe_queries,
+                    layers=settings.probe_layers, queries=settings.probe_queries, chunking=inputs.chunking,
                 )
         weighting = settings.probe_weighting
         attention = attention_scores(

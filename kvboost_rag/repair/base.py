@@ -10,6 +10,7 @@ import torch
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.passes import WHOLE, Chunking
 from kvboost_rag.repair.selection import layer_spans, recompute_budget, stage_sizes
 
 
@@ -29,6 +30,7 @@ class RepairInputs:
         captured_probe: Runs the probe as one captured pass when it can: ``(tokens,
             positions, queries)`` -> what :func:`~kvboost_rag.repair.probe.run_probe` returns
             over every layer, or ``None`` (then the probe runs eagerly).
+        chunking: How the selection's passes are cut into chunks and where they pause.
     """
 
     ids: torch.Tensor
@@ -39,6 +41,7 @@ class RepairInputs:
     content_positions: torch.Tensor
     budget: int | None
     captured_probe: Callable[[torch.Tensor, torch.Tensor, int], list[torch.Tensor] | None] | None = None
+    chunking: Chunking = WHOLE
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,11 @@ The probe runs the live tokens (those computed whatever the repair: question, se
 the last token) over the stitched cache as loaded, with no repair, and records the attention
 of the last ``queries`` of them (:func:`~kvboost_rag.hf.sparse_attention.last_query_attention`). Its
 cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
-live tokens' K/V it writes is overwritten by the blend pass either way).
+live tokens' K/V it writes is overwritten by the blend pass either way). Many live tokens run
+in chunks (:class:`~kvboost_rag.hf.passes.Chunking`), the last one holding the recorded
+queries; a probe of every layer is a whole forward pass (the last token's logits are computed
+and dropped), which may pause between its decoder layers, while a probe of fewer layers runs
+that range of layers alone and pauses between chunks only.
 
 :func:`attention_scores` turns the recorded attention into one score per cached token.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.passes import WHOLE, Chunking
 from kvboost_rag.hf.sparse_attention import last_query_attention
 from kvboost_rag.hf.transfer import host_to_device
 
@@ -28,6 +33,7 @@ def run_probe(
     *,
     layers: int | None = None,
     queries: int = 1,
+    chunking: Chunking = WHOLE,
 ) -> list[torch.Tensor]:
     """Run the live tokens over the stitched cache and record what their last ones attend to.
 
@@ -40,16 +46,30 @@ def run_probe(
         length: Prompt tokens.
         layers: Decoder layers to run, from the first; ``None`` (or the model's depth): all.
         queries: How many of the last live tokens' attention to record (sum over them).
+        chunking: Chunks of live tokens and the pause between them.
 
     Returns:
         One ``[length]`` tensor per layer run (empty when the model's attention does not go
         through the registered attention function).
     """
     probe = adapter.cache_over(keys, values, length)
-    probe.arm(host_to_device(positions, adapter.device))
     depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
-    with last_query_attention(queries) as recorded:
-        adapter.hidden_through_layers(input_ids, positions, probe, 0, depth - 1, None)
+    spans = chunking.spans(len(positions), last_at_least=queries)
+    if len(spans) > 1:  # rows a later chunk writes: read by no earlier query, and never NaN
+        index = host_to_device(positions[spans[1][0] :], keys.device)
+        keys.index_fill_(2, index, 0)
+        values.index_fill_(2, index, 0)
+    recorded: list[torch.Tensor] = []
+    for start, stop in chunking.chunks(len(positions), last_at_least=queries):
+        probe.arm(host_to_device(positions[start:stop], adapter.device))
+        ids, at = input_ids[start:stop], positions[start:stop]
+        with last_query_attention(queries) as layers_recorded:
+            if depth == adapter.num_layers:
+                with chunking.within_pass():
+                    adapter.forward(ids, at, probe, sparse_queries=True)
+            else:
+                adapter.hidden_through_layers(ids, at, probe, 0, depth - 1, None)
+        recorded = layers_recorded
     return recorded
 
 

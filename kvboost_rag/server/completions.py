@@ -26,6 +26,7 @@ from kvboost_rag.server.generation import (
     engine_params,
     run_to_end,
     start_stream,
+    unless_disconnected,
 )
 from kvboost_rag.server.internals import call_in_thread
 from kvboost_rag.server.prompts import response_format_constraint
@@ -87,8 +88,13 @@ async def completion_events(
         yield sse(usage_chunk(meta, kind, result))
 
 
-async def _batch(engine: KVBoost, prompts: list[str], params: dict[str, Any]) -> list[GenerationResult]:
+async def _batch(
+    engine: KVBoost, prompts: list[str], params: dict[str, Any], request: Request
+) -> list[GenerationResult] | None:
     """``generate_batch`` in a worker thread; a prompt the engine refuses fails the request.
+
+    Returns:
+        The results, or ``None`` when the client disconnected first (the call is cancelled).
 
     Raises:
         APIError: A 400 naming the first refused prompt.
@@ -99,7 +105,9 @@ async def _batch(engine: KVBoost, prompts: list[str], params: dict[str, Any]) ->
         with client_errors("prompt"):
             return engine.generate_batch(prompts, **params)
 
-    outputs = await call_in_thread(run)
+    finished, outputs = await unless_disconnected(call_in_thread(run), request)
+    if not finished or outputs is None:
+        return None
     for i, output in enumerate(outputs):
         if isinstance(output, KVBoostError):
             raise engine_error(output, f"prompt.{i}")
@@ -117,7 +125,9 @@ async def _answer(state: ServerState, body: CompletionRequest, request: Request,
         params["constraint"] = constraint
     meta = ResponseMeta.new("cmpl", body.model, state.fingerprint)
     if len(prompts) > 1:
-        results = await _batch(state.engine, prompts, params)
+        results = await _batch(state.engine, prompts, params, request)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED), False
         return JSONResponse(completion(meta, results, constraint)), False
     stream = await start_stream(state.engine, partial(str, prompts[0]), params, "prompt")
     if body.stream:

@@ -3,8 +3,10 @@ and, for an answer sent whole, the stream run to its end while the client is wat
 
 Every engine call runs in a worker thread of its own, so concurrent requests reach the
 engine together and decode in one batch (the engine's scheduler); the event loop only
-awaits. A client that disconnects before its answer is complete closes its stream, so its
-sequence leaves the batch at the next decode step.
+awaits. A client that disconnects before its answer is complete cancels its engine call
+(:func:`unless_disconnected`; a stream's response is cancelled by Starlette): the request
+leaves the queue, its prefill stops at the next chunk boundary, its sequence leaves the batch
+at the next decode step, and its place and buffers go back.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -25,6 +27,8 @@ from kvboost_rag.server.schemas import GenerationFields
 from kvboost_rag.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Sampling controls of the OpenAI API this server does not implement, and what to use.
 _PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -144,12 +148,37 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def unless_disconnected(work: Awaitable[T], request: Request) -> tuple[bool, T | None]:
+    """Await ``work`` unless the client of ``request`` leaves first; then cancel it (an engine
+    call run through :mod:`kvboost_rag.integration.async_stream` stops where it is).
+
+    Returns:
+        ``(True, its result)``, or ``(False, None)`` when the client left first.
+
+    Raises:
+        Exception: What ``work`` raised.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left (or this request was cancelled): stop the work
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
 async def run_to_end(stream: GenerationStream, request: Request) -> GenerationResult | None:
     """Run ``stream`` to its end in a worker thread.
 
     Returns:
-        Its result, or ``None`` when the client disconnected first (the stream is closed: its
-        sequence leaves the batch).
+        Its result, or ``None`` when the client disconnected first (the stream is cancelled:
+        it stops waiting, prefilling or decoding, and its place and buffers go back).
 
     Raises:
         APIError: A 400 when the engine refuses the input while decoding.
@@ -159,18 +188,6 @@ async def run_to_end(stream: GenerationStream, request: Request) -> GenerationRe
         async for _ in iterate_in_thread(lambda: stream):
             pass
 
-    drained = asyncio.ensure_future(drain())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({drained, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not drained.done():  # the client left (or this request was cancelled): stop decoding
-            drained.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drained
-    if drained.cancelled():
-        return None
     with client_errors():
-        drained.result()
-    return stream.result
+        finished, _ = await unless_disconnected(drain(), request)
+    return stream.result if finished else None

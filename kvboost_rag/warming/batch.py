@@ -5,7 +5,8 @@ K/V and stores the document's chunks. :class:`BatchWarmer` does the same for sev
 documents in one forward pass: the context's K/V is repeated once per row, the documents are
 right-padded to one length and run at the positions a one-by-one warm gives them. Attention is
 causal, so a document's tokens never see the padding after them, and each document's K/V is
-the one a one-by-one warm computes (to float rounding: the matrix shapes differ). Each row is
+the one a one-by-one warm computes (to float rounding: the matrix shapes differ). The pass runs
+in chunks of columns that pause between them, as a prompt's prefill does. Each row is
 then handed to :meth:`~kvboost_rag.cache.manager.CacheManager.write_back` with the document's
 own plan, exactly as a one-by-one warm stores it.
 
@@ -15,13 +16,14 @@ are warmed one by one: their cache layers keep per-layer windows a plain batch w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.passes import WHOLE, Chunking, batch_pass
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.request.plan import PromptPlan
 
@@ -65,15 +67,24 @@ class BatchWarmer:
     Args:
         adapter: The model adapter.
         cache: The cache manager (prefix lookup of the context, write-back of each document).
+        chunking: How the pass is cut (chunks of columns) and where it pauses for decode
+            steps, read at every run (the prefiller's).
     """
 
-    def __init__(self, adapter: ModelAdapter, cache: CacheManager) -> None:
+    def __init__(
+        self, adapter: ModelAdapter, cache: CacheManager, chunking: Callable[[], Chunking] = lambda: WHOLE
+    ) -> None:
         self.adapter = adapter
         self.cache = cache
+        self.chunking = chunking
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[WarmJob]) -> dict[int, int] | None:
         """Compute one batch of documents and store their chunks.
+
+        The context's K/V is copied, and each document stored, a row at a time, with a pause
+        between two rows (as between two chunks of the pass): open streams' decode steps may
+        run there.
 
         Args:
             jobs: Documents planned behind the same document context.
@@ -88,23 +99,34 @@ class BatchWarmer:
         lead = plan0.tokens.ids[:h]
         if h != plan0.lookup_limit or any(job.plan.lookup_limit != h or job.plan.tokens.ids[:h] != lead for job in jobs):
             return None
+        chunking = self.chunking()
         rows = len(jobs)
         width = max(job.plan.num_tokens for job in jobs) - h
         keys, values = self.adapter.batch_buffers(rows, h + width)
-        for piece in pieces:
-            end = piece.start + piece.length
-            keys[:, :, :, piece.start : end] = piece.block.keys[:, None, :, : piece.length]
-            values[:, :, :, piece.start : end] = piece.block.values[:, None, :, : piece.length]
+        for r in range(rows):
+            if r:
+                chunking.pause()
+            for piece in pieces:
+                end = piece.start + piece.length
+                keys[:, r, :, piece.start : end] = piece.block.keys[:, :, : piece.length]
+                values[:, r, :, piece.start : end] = piece.block.values[:, :, : piece.length]
         input_ids = torch.zeros((rows, width), dtype=torch.long)
         for r, job in enumerate(jobs):
             ids = job.plan.tokens.ids[h:]
             input_ids[r, : len(ids)] = torch.tensor(ids)
             input_ids[r, len(ids) :] = ids[-1]  # padding after the document: never attended to
         positions = torch.arange(h, h + width).expand(rows, width)
-        cache = self.adapter.batch_cache(keys, values, h)
-        self.adapter.forward_batch(input_ids, positions, cache)
+        batch_pass(self.adapter, chunking, input_ids, positions, self.adapter.batch_cache(keys, values, h))
+        return self._store(jobs, pieces, keys, values, chunking)
+
+    def _store(
+        self, jobs: Sequence[WarmJob], pieces: Sequence, keys: torch.Tensor, values: torch.Tensor, chunking: Chunking
+    ) -> dict[int, int]:
+        """Write back each row's document (new tokens stored, by job index), pausing between two."""
+        h = sum(piece.length for piece in pieces)
         stored: dict[int, int] = {}
         for r, job in enumerate(jobs):
+            chunking.pause()
             n = job.plan.num_tokens
             outcome = PrefillOutcome(
                 logits=None,

@@ -90,7 +90,7 @@ class Warming:
         self.parts = parts
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
         self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
-        self._batch_warmer = BatchWarmer(parts.adapter, parts.cache)
+        self._batch_warmer = BatchWarmer(parts.adapter, parts.cache, lambda: parts.prefiller.chunking)
         self._last_beginning: str | None = None
         # The first distinct documents warmed: others are warmed behind them.
         self._context_documents: list[str] = []
