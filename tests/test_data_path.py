@@ -26,6 +26,9 @@ from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 
 def _counts(engine, prompt: str) -> tuple[OpCounts, int]:
     engine.generate(prompt, max_new_tokens=1)  # lazy set-up out of the way
+    # Its write-back done: the counted call then finds its chunks and its reused host buffers
+    # in the same state whatever the write worker's timing.
+    engine.flush()
     with OpCounter() as counter:
         result = engine.generate(prompt, max_new_tokens=1)
     return counter.counts, result.content_hit_tokens
