@@ -208,12 +208,20 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
             f"{o_ratio:.2f}x | {w_ratio:.2f}x | {'yes' if identical else 'NO'} |"
         )
         logging.info("%s", lines[-1])
-    lines += [
+    return lines + _summary_lines(decode, nodraft, whole, copying, same, len(prompts), by_kind)
+
+
+def _summary_lines(
+    decode: list[float], nodraft: list[float], whole: list[float], copying: list[float], same: int, prompts: int,
+    by_kind: dict[str, list[tuple[float, float]]],
+) -> list[str]:
+    """The whole-answer table's summary: medians over the prompts, then one row per kind."""
+    return [
         "",
         f"Decode engine / generate: median {statistics.median(decode):.2f}x, min {min(decode):.2f}x, max {max(decode):.2f}x. "
         f"Without drafts: median {statistics.median(nodraft):.2f}x. "
         f"Whole answer: median {statistics.median(whole):.2f}x, min {min(whole):.2f}x. "
-        f"Engine tokens equal to the no-draft engine's on {same} of {len(prompts)} prompts. "
+        f"Engine tokens equal to the no-draft engine's on {same} of {prompts} prompts. "
         + (
             f"Answers of which at least half the tokens are predictable (the engine's copy share >= 0.5): "
             f"{len(copying)}, decode min {min(copying):.2f}x, median {statistics.median(copying):.2f}x."
@@ -228,7 +236,6 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
             for kind, pairs in by_kind.items()
         ),
     ]
-    return lines
 
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -247,16 +254,18 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     adapter.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
     chosen, plain = adapter.small_rows, SmallRowLinears()  # an "off" instance routes nothing
     seconds: dict[tuple[str, int], list[float]] = {}
-    for rep in range(reps + 1):  # the first round warms up
-        for name, kernel in (("kernel", chosen), ("F.linear", plain)):
-            adapter.small_rows = kernel
-            for width in WIDTHS:
-                start = time.perf_counter()
-                adapter.forward_rows(torch.tensor([ids[-width:]]), torch.tensor([len(ids)]), [width], [cache])
-                if rep:
-                    seconds.setdefault((name, width), []).append(time.perf_counter() - start)
-                truncate_cache(cache, len(ids))
-    adapter.small_rows = chosen
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for name, kernel in (("kernel", chosen), ("F.linear", plain)):
+                adapter.small_rows = kernel
+                for width in WIDTHS:
+                    start = time.perf_counter()
+                    adapter.forward_rows(torch.tensor([ids[-width:]]), torch.tensor([len(ids)]), [width], [cache])
+                    if rep:
+                        seconds.setdefault((name, width), []).append(time.perf_counter() - start)
+                    truncate_cache(cache, len(ids))
+    finally:
+        adapter.small_rows = chosen
     ms = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
     lines = [
         f"Verify cost per row count over a {len(ids)}-token cache (median of {reps}; small-row kernel: "

@@ -477,13 +477,20 @@ def run_prompt(
 
 
 # ---------------------------------------------------------------------------- the run
-def code_version() -> str:
-    """Git revision of the checkout, flagged when the engine, adapters or bench have local changes."""
-    root = BENCH_DIR.parent
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def code_version(root: Path | None = None, paths: tuple[str, ...] = ("kvboost_rag", "integrations", "bench")) -> str:
+    """Git revision of the checkout at ``root`` (default: this bench's), flagged when ``paths``
+    have local changes."""
+    root = root or BENCH_DIR.parent
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "kvboost_rag", "integrations", "bench"],
+            ["git", "-C", str(root), "status", "--porcelain", "--", *paths],
             capture_output=True,
             text=True,
         )

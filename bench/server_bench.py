@@ -41,19 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batch_bench import load_engine
 from llamacpp_system import embedded_gguf
-from rag_bench import code_version, machine_line
+from rag_bench import code_version, machine_line, percentile
 from reuse_bench import SYSTEM_PROMPT, build_prompts
 
 from kvboost_rag import KVBoost
 from kvboost_rag.server import BackgroundServer, ServerSettings
 
 MODEL = "bench"
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0-1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def in_process_ttft(engine: KVBoost, prompt: str, new_tokens: int) -> float:

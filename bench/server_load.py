@@ -47,7 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rag_bench import code_version, machine_line
+from rag_bench import code_version, machine_line, percentile
 
 from kvboost_rag.corpus import python_reference_documents
 
@@ -73,16 +73,14 @@ class Reply:
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.sent
 
-    def gaps(self) -> list[float]:
-        """Gaps between decode steps of this stream (pieces of one step merged)."""
+    def step_pairs(self) -> list[tuple[float, float]]:
+        """When two consecutive decode steps of this stream arrived (pieces of one step merged)."""
         steps = [t for i, t in enumerate(self.arrivals) if i == 0 or t - self.arrivals[i - 1] > SAME_STEP_S]
-        return [b - a for a, b in zip(steps, steps[1:])]
+        return list(zip(steps, steps[1:]))
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0-1), nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    def gaps(self) -> list[float]:
+        """Gaps between decode steps of this stream."""
+        return [b - a for a, b in self.step_pairs()]
 
 
 def messages(docs: list[str], question: str) -> list[dict[str, str]]:
@@ -237,18 +235,13 @@ async def beside(bench: Bench, work: Any) -> dict[str, float]:
         end = time.perf_counter()
         stop.set()
         await asyncio.gather(*keepers, return_exceptions=True)
-    steps = [b - a for r in replies for a, b in _pairs(r) if a >= before and b <= start]
-    during = [b - a for r in replies for a, b in _pairs(r) if b > start and a < end]
+    steps = [b - a for r in replies for a, b in r.step_pairs() if a >= before and b <= start]
+    during = [b - a for r in replies for a, b in r.step_pairs() if b > start and a < end]
     step = statistics.median(steps) if steps else float("nan")
     longest = max(during) if during else float("nan")
     p99 = percentile(during, 0.99) if during else float("nan")
     return {"step_ms": step * 1000, "longest_ms": longest * 1000, "p99_ms": p99 * 1000, "ratio": longest / step,
             "gaps": len(during), "work_s": end - start, **extra}
-
-
-def _pairs(reply: Reply) -> list[tuple[float, float]]:
-    steps = [t for i, t in enumerate(reply.arrivals) if i == 0 or t - reply.arrivals[i - 1] > SAME_STEP_S]
-    return list(zip(steps, steps[1:]))
 
 
 async def new_request(bench: Bench, session: httpx.AsyncClient) -> dict[str, float]:
@@ -321,10 +314,7 @@ def engine_checkout() -> str:
     import kvboost_rag
 
     root = Path(kvboost_rag.__file__).resolve().parents[1]
-    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kvboost_rag"], capture_output=True,
-                           text=True)
-    return f"{root} at git {sha.stdout.strip() or '?'}" + (" with local changes" if dirty.stdout.strip() else "")
+    return f"{root} at {code_version(root, ('kvboost_rag',))}"
 
 
 def _round_lines(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import random
 import statistics
 import tempfile
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rag_bench import machine_line
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
@@ -92,7 +96,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    folder = tempfile.mkdtemp(prefix="kvboost-writeback-") if args.disk else None
+    with tempfile.TemporaryDirectory(prefix="kvboost-writeback-") as folder:
+        _run(args, folder if args.disk else None)
+
+
+def _run(args: argparse.Namespace, folder: str | None) -> None:
+    """The rounds and their table (``folder``: a write-through disk tier there)."""
     settings = {"disk_cache_dir": folder} if folder else {}
     engine = KVBoost.from_pretrained(None, **settings)
     pool = python_reference_documents(max_chars=1600)
@@ -100,8 +109,7 @@ def main() -> None:
     rng = random.Random(1)
     engine.generate(_prompt(engine, pool[-2:], "Warm-up."), max_new_tokens=2)  # first-call costs
     rows = [_round(engine, pool, args.tokens, args.new_tokens, rng) for _ in range(args.rounds)]
-    print(f"# write-back bench: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{args.threads} threads, load {os.getloadavg()[0]:.2f}, disk tier: {'write-through' if folder else 'default'}")
+    print(f"# write-back bench: {machine_line()}; disk tier: {'write-through' if folder else 'default'}")
     print("| round | prompt tokens | tail after last piece (ms) | document tokens found after reorder | "
           "prompt tokens read from cache | flush waited (ms) |")
     print("|---|---|---|---|---|---|")

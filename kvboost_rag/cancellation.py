@@ -82,6 +82,32 @@ class Cancellation:
             self._watchers.pop(key, None)
 
 
+def wait_while(condition: threading.Condition, blocked: Callable[[], bool], cancellation: Cancellation | None) -> None:
+    """Wait on ``condition`` (held by the caller) while ``blocked()`` holds; cancelling
+    ``cancellation`` wakes the wait.
+
+    Raises:
+        RequestCancelled: ``cancellation`` was set before ``blocked()`` stopped holding.
+    """
+    if cancellation is None:
+        while blocked():
+            condition.wait()
+        return
+
+    def wake() -> None:
+        with condition:
+            condition.notify_all()
+
+    unwatch = cancellation.watch(wake)
+    try:
+        while blocked():
+            cancellation.check()
+            condition.wait()
+        cancellation.check()
+    finally:
+        unwatch()
+
+
 def ambient() -> Cancellation | None:
     """The cancellation the current call runs under (:func:`cancelling`), if any."""
     return _ambient.get()

@@ -438,13 +438,13 @@ class KVBoost:
         self._cache.clear()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every cache write queued so far has reached the tiers (memory, disk,
-        Redis).
+        """Wait until every cache write queued before this call has reached the tiers (memory,
+        disk, Redis); writes queued meanwhile by other requests are not waited for.
 
         A call returns at its last token: what its prompt taught the cache is visible to every
         later request at once, and is copied into host memory and written to the tiers behind
         it. Flush before reading the tiers from outside this process or before shutting down
-        (interpreter exit flushes too, for up to a minute).
+        (interpreter exit also lets the queued writes finish before it tears anything down).
 
         Args:
             timeout: Seconds to wait at most (``None``: no limit).

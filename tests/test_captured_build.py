@@ -25,6 +25,7 @@ from rag_prompts import rag_prompt
 import kvboost_rag.engine as engine_module
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.dev.threads import wait_for
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, SlotPool, build_captured_rows
 from kvboost_rag.hf.captured.attention import ROWS_ATTENTION
@@ -61,14 +62,6 @@ def gated_buckets(monkeypatch):
 _ENGINE_MODEL: list = [None]  # the model whose attention the gate records
 
 
-def _wait_for(condition, timeout: float = 60.0) -> None:
-    """Poll ``condition`` until it holds (a bound on a hang, not a timing check)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.01)
-
-
 def _engine(tokenizer, **settings) -> KVBoost:
     model = tiny_model("llama")
     _ENGINE_MODEL[0] = model
@@ -85,7 +78,7 @@ def test_requests_are_served_eagerly_while_buckets_build_and_captured_once_ready
     assert engine.generate(prompt, max_new_tokens=8).token_ids == expected
     assert engine.captured_steps_run == 0 and engine._captured.ready_buckets == ()
     gates[1].set()  # bucket 1 ready: decode steps of one token run captured
-    _wait_for(lambda: engine._captured.ready_buckets == (1,))
+    wait_for(lambda: engine._captured.ready_buckets == (1,))
     assert engine.generate(prompt, max_new_tokens=8).token_ids == expected
     runs = engine.captured_steps_run
     assert runs > 0
@@ -144,6 +137,26 @@ def test_probe_passes_are_used_only_once_all_their_buckets_are(tokenizer, monkey
     finally:
         gate_64.set()
     assert probe.wait_until_built(60) and probe.ready_buckets == (16, 64)
+
+
+def test_hooks_put_on_the_model_during_a_pass_do_not_fire_in_the_build_threads_view():
+    """The view the steps build over keeps the hooks of when it was made; one a request puts on
+    the model later (stopping after a layer, feeding a hidden state) stays the model's own."""
+    import torch
+
+    from kvboost_rag.hf.attention_switch import model_with_attention
+
+    model = tiny_model("llama")
+    view = model_with_attention(model, "sdpa")
+    fired: list[str] = []
+    handle = model.model.layers[0].register_forward_hook(lambda *_: fired.append("hook"))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        view(ids)
+        assert fired == []
+        model(ids)
+    handle.remove()
+    assert fired == ["hook"]
 
 
 def test_compiled_code_goes_to_the_engines_folder_unless_the_user_chose_one(tmp_path, monkeypatch):

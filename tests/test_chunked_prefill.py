@@ -172,3 +172,18 @@ def test_decode_steps_lent_between_chunks_or_layers_change_no_answer(make_engine
     assert engine._requests.turns.lent_steps >= 1 and boundaries
     assert stream.result.token_ids == alone[0].token_ids and "".join(pieces) == alone[0].output_text
     assert other[0].token_ids == alone[1].token_ids
+
+
+def test_a_plain_pass_lent_the_model_inside_a_sparse_one_runs_the_models_own_attention(tokenizer):
+    """A decode step of a model decoded one sequence per pass runs while a prefill is paused
+    between decoder layers, inside the sparse attention it set: it still gets the model's own
+    attention and its own logits."""
+    from kvboost_rag.hf.sparse_attention import ATTENTION_NAME
+
+    adapter = ModelAdapter(tiny_model("llama"), tokenizer)
+    ids = torch.tensor(tokenizer("A decode step between two layers of a prefill.").input_ids)
+    positions = torch.arange(len(ids))
+    alone = adapter.forward(ids, positions, adapter.new_cache(len(ids)))
+    with adapter._attention.use(ATTENTION_NAME):  # where the paused prefill left the configs
+        lent = adapter.forward(ids, positions, adapter.new_cache(len(ids)))
+    assert torch.equal(lent, alone)

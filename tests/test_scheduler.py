@@ -10,8 +10,10 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.decode.scheduler import DecodeScheduler, ModelTurns
+from kvboost_rag.decode.scheduler import DecodeScheduler
+from kvboost_rag.dev.threads import wait_for
 from kvboost_rag.errors import InvalidInputError
+from kvboost_rag.hf.turns import ModelTurns
 
 
 def _prompts(docs: list[str]) -> list[str]:
@@ -112,16 +114,6 @@ def test_cache_memory_cap_is_respected(make_engine, docs):
     assert max(sizes) == 3
 
 
-def _wait_until(condition, seconds: float = 30.0) -> None:
-    """Poll ``condition`` (fails the test instead of hanging)."""
-    done = threading.Event()
-    for _ in range(int(seconds / 0.002)):
-        if condition():
-            return
-        done.wait(0.002)
-    raise AssertionError("condition not reached")
-
-
 def test_admission_is_first_come_first_served():
     scheduler = DecodeScheduler(lambda sequences: [], ModelTurns(), KVBoostSettings(max_batch_size=1))
     first = scheduler.reserve(10)
@@ -131,10 +123,10 @@ def test_admission_is_first_come_first_served():
         thread = threading.Thread(target=lambda i=i: admitted.append((i, scheduler.reserve(10))))
         thread.start()
         threads.append(thread)
-        _wait_until(lambda: len(scheduler._waiting) == i + 1)  # it waits before the next arrives
+        wait_for(lambda: len(scheduler._waiting) == i + 1)  # it waits before the next arrives
     scheduler.release(first)
     for expected in range(4):
-        _wait_until(lambda: len(admitted) == expected + 1)
+        wait_for(lambda: len(admitted) == expected + 1)
         assert admitted[expected][0] == expected and scheduler.admitted == 1
         scheduler.release(admitted[expected][1])
     for thread in threads:

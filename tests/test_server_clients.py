@@ -28,6 +28,7 @@ from server_helpers import (  # noqa: F401 - fixture
     sse_payloads,
 )
 
+from kvboost_rag.dev.threads import wait_for
 from kvboost_rag.server import BackgroundServer
 from kvboost_rag.server.warm_client import warm_through_server
 
@@ -41,14 +42,6 @@ def server(engine):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-
-
-def wait_until(condition, seconds: float = 30.0) -> None:
-    """Wait for ``condition()`` (no timing is asserted: the bound only ends a hung test)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_openai_client_chat_completions_and_models(client, docs):
@@ -176,9 +169,9 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(server, engine, monkeypa
         lines = response.iter_lines()
         assert [next(lines) for _ in range(6)]  # a few events, then the client leaves
     [stream] = streams
-    wait_until(lambda: inspect.getgeneratorstate(stream._pieces) == inspect.GEN_CLOSED)
+    wait_for(lambda: inspect.getgeneratorstate(stream._pieces) == inspect.GEN_CLOSED)
     assert stream.result is None  # closed before its end: its sequence left the batch
-    wait_until(lambda: httpx.get(server.url.removesuffix("/v1") + "/health").json()["requests"] == 0)
+    wait_for(lambda: httpx.get(server.url.removesuffix("/v1") + "/health").json()["requests"] == 0, every=0.02)
 
 
 def test_bounded_load_loses_no_request(server):

@@ -95,12 +95,6 @@ class HostArena:
             return len(self._segments)
 
     @property
-    def reserved_bytes(self) -> int:
-        """Bytes of every segment."""
-        with self._lock:
-            return sum(segment.storage.numel() for segment in self._segments) * self._element
-
-    @property
     def used_bytes(self) -> int:
         """Bytes of the ranges handed out and not yet back."""
         with self._lock:

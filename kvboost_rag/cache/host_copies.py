@@ -60,6 +60,8 @@ class HostCopies:
     def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Contiguous host copies of ``tensors`` (what :meth:`gather` returned) in arena memory,
         complete when this returns. Call it from one thread at a time."""
+        if not tensors:
+            return []
         started = time.perf_counter()
         copies = [self.arena.take(tuple(tensor.shape)) for tensor in tensors]
         if self._stream is None:

@@ -269,19 +269,8 @@ class CacheManager:
 
         Returns as soon as the new chunks are staged: every lookup from then on finds them;
         copying them into host memory and putting them into the tiers (serializing them for
-        disk and Redis) runs on the write-back's worker (:meth:`flush` waits for it).
-
-        Args:
-            plan: The prompt's plan.
-            outcome: Its prefill outcome.
-            store_documents: Store document chunks too.
-            pin: Pin the prefix chunks that serve the leading part (an explicit warm).
-                Pinning writes nothing: a text already stored costs no write.
-            on_read: Called once when the prompt's buffers are no longer read (they may be
-                lent again), even when this raises.
-
-        Returns:
-            Document tokens newly stored.
+        disk and Redis) runs on the write-back's worker (:meth:`flush` waits for it). Arguments
+        and result: :meth:`~kvboost_rag.cache.write_back.WriteBack.submit`.
         """
         return self._write_back.submit(plan, outcome, store_documents=store_documents, pin=pin, on_read=on_read)
 

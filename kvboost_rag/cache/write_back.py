@@ -156,7 +156,10 @@ class WriteBack:
             raise
         if self._copies.frees_buffers_at_once or not job.chunks:
             job.release_buffers()
-        self._worker.submit(partial(self._persist, job), sum(chunk.nbytes for chunk in job.chunks))
+        if job.chunks or job.pins:
+            self._worker.submit(partial(self._persist, job), sum(chunk.nbytes for chunk in job.chunks))
+        else:  # nothing new: only the index may have grown
+            self._charge()
         return tokens
 
     def write_later(self, key: str, entry: StoredEntry, on_missing: Callable[[], None] | None = None) -> None:
@@ -169,18 +172,18 @@ class WriteBack:
         """The chunks of the prompt's leading part that the prefix hit did not serve and no
         tier holds, indexed at once; with ``pin``, every chunk of that part to pin."""
         ids = plan.tokens.ids
-        job.pins.extend(outcome.prefix_keys)  # the chunks that hit
+        if pin:
+            job.pins.extend(outcome.prefix_keys)  # the chunks that hit
         for chunk in plan.stored_prefix:
             if chunk.stop <= outcome.prefix_tokens:
                 continue  # served by the chunks that hit
             rows = slice(chunk.start, chunk.stop)
             if not self._store.contains(chunk.key):
                 job.chunks.append(self._chunk(chunk.key, outcome, rows, ids[rows], chunk.start))
+                job.indexed_prefixes.append(chunk.key)
             self._index.prefixes.add(chunk.parent, chunk.key, ids[rows])
-            job.indexed_prefixes.append(chunk.key)
-            job.pins.append(chunk.key)
-        if not pin:
-            job.pins.clear()
+            if pin:
+                job.pins.append(chunk.key)
 
     def _plan_document(self, document: PlacedDocument, outcome: Prefilled, job: WriteJob) -> int:
         """The chunks of ``document`` that sit whole in the prompt and that no tier holds (then
@@ -235,11 +238,7 @@ class WriteBack:
         index."""
         try:
             owned = self._owned(job.chunks)
-            # Only copies are staged from here on: nothing reads the buffers any more.
-            kept = [
-                (chunk, entry) for chunk, entry in zip(job.chunks, owned)
-                if chunk.staged is not None and self._store.restage(chunk.key, chunk.staged, entry)
-            ]  # the others were deleted (or staged anew) since
+            staged = [self._staged_now(chunk, entry) for chunk, entry in zip(job.chunks, owned)]
         except BaseException:
             for chunk in job.chunks:
                 if chunk.staged is not None:
@@ -248,9 +247,11 @@ class WriteBack:
         finally:
             job.release_buffers()
         stored = 0
-        for chunk, entry in kept:
+        for chunk, entry, visible in zip(job.chunks, owned, staged):
+            if visible is None:
+                continue  # deleted (or staged anew) since
             self._store.put(chunk.key, entry, device=not self._on_device)
-            self._store.settle(chunk.key, entry)
+            self._store.settle(chunk.key, visible)
             stored += 1
         for key in job.indexed_prefixes:
             if not self._store.contains(key):  # not kept: larger than every budget
@@ -260,6 +261,17 @@ class WriteBack:
         if stored:
             self._count({"stored_entries": stored})
         self._charge()
+
+    def _staged_now(self, chunk: ChunkWrite, copy: StoredEntry) -> StoredEntry | None:
+        """What lookups of ``chunk`` find staged until the tiers hold it; ``None`` when it was
+        deleted or staged anew since. A staged view of lent buffers is replaced by ``copy``
+        (nothing reads the buffers from here on); a staged device copy owns its memory and
+        stays, so lookups keep finding it on the device."""
+        if chunk.staged is None:
+            return None
+        if self._copies.frees_buffers_at_once:
+            return chunk.staged if self._store.staged(chunk.key) is chunk.staged else None
+        return copy if self._store.restage(chunk.key, chunk.staged, copy) else None
 
     def _owned(self, chunks: list[ChunkWrite]) -> list[StoredEntry]:
         """Stored entries of ``chunks`` in host memory of their own: arena copies, or

@@ -51,16 +51,16 @@ class WriteWorker:
         self._state = threading.Condition()
         self._queued_bytes = 0
         self._outstanding = 0  # jobs submitted and not finished
+        self._submitted = 0  # jobs submitted so far (a flush waits for those before it)
         self._closed = False
         #: Jobs that raised.
         self.errors = 0
         #: Jobs run so far.
         self.completed = 0
 
-    @staticmethod
-    def on_worker() -> bool:
-        """Whether the calling thread is running a job of a write worker."""
-        return getattr(_on_worker, "active", False)
+    def on_worker(self) -> bool:
+        """Whether the calling thread is running a job of this worker."""
+        return getattr(_on_worker, "worker", None) is self
 
     def submit(self, job: Job, nbytes: int = 0) -> None:
         """Queue ``job`` (run on the worker thread after every job queued before it).
@@ -82,6 +82,7 @@ class WriteWorker:
                 self._state.wait()
             self._queued_bytes += nbytes
             self._outstanding += 1
+            self._submitted += 1
         try:
             self._executor.submit(self._run, [job], nbytes)  # the list is emptied before the job counts as done
         except BaseException:
@@ -89,13 +90,15 @@ class WriteWorker:
             raise
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every job queued so far has run; whether they all did within ``timeout``
-        seconds (``None``: no limit). From a job itself, returns at once."""
+        """Wait until every job queued before this call has run (jobs queued meanwhile are not
+        waited for, so a flush ends under a steady load); whether they all did within
+        ``timeout`` seconds (``None``: no limit). From a job itself, returns at once."""
         if self.on_worker():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._state:
-            while self._outstanding:
+            target = self._submitted
+            while self.completed < target:  # one thread runs the jobs in order
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -120,7 +123,7 @@ class WriteWorker:
     def _run(self, box: list[Job], nbytes: int) -> None:
         """Run the job in ``box`` on the worker thread; its memory is let go of before it
         counts as done."""
-        _on_worker.active = True
+        _on_worker.worker = self
         failed = False
         try:
             box.pop()()
@@ -130,7 +133,7 @@ class WriteWorker:
             logger.debug("the failed cache write", exc_info=error)
             del error  # its traceback holds the job's frames
         finally:
-            _on_worker.active = False
+            _on_worker.worker = None
             self._finished(nbytes, failed)
 
     def _finished(self, nbytes: int, failed: bool) -> None:

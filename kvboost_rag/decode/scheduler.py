@@ -30,13 +30,13 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
-from kvboost_rag.cancellation import Cancellation
+from kvboost_rag.cancellation import Cancellation, wait_while
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.step import DecodeSequence, FinishReason, StepResult
 from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.hf.turns import ModelTurns
 
-__all__ = ["DecodeHandle", "DecodeScheduler", "ModelTurns", "Reservation"]
+__all__ = ["DecodeHandle", "DecodeScheduler", "Reservation"]
 
 
 @dataclass(eq=False)
@@ -164,25 +164,16 @@ class DecodeScheduler:
         with self._state:
             self._waiting.append(reservation)
             ready = self._waiting[0] is reservation and self._fits(nbytes)
-        unwatch = cancellation.watch(self._wake) if cancellation is not None else None
         try:
             if not ready and on_wait is not None:
                 on_wait()
             with self._state:
-                while self._waiting[0] is not reservation or not self._fits(nbytes):
-                    if cancellation is not None:
-                        cancellation.check()
-                    self._state.wait()
-                if cancellation is not None:
-                    cancellation.check()
+                wait_while(self._state, lambda: self._waiting[0] is not reservation or not self._fits(nbytes), cancellation)
         except BaseException:  # interrupted while waiting: leave the line
             with self._state:
                 self._waiting.remove(reservation)
                 self._state.notify_all()
             raise
-        finally:
-            if unwatch is not None:
-                unwatch()
         with self._state:
             self._waiting.popleft()
             self._admitted += 1
@@ -206,10 +197,6 @@ class DecodeScheduler:
                 self._worker = threading.Thread(target=self._run, name="kvboost-decode")
                 self._worker.start()
         return handles
-
-    def _wake(self) -> None:
-        with self._state:
-            self._state.notify_all()
 
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:

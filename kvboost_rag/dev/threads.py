@@ -8,7 +8,7 @@ ends a test that would otherwise hang.
 from __future__ import annotations
 
 import asyncio
-import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,18 +16,17 @@ from typing import Any
 HUNG_SECONDS = 60.0
 
 
-def wait_for(condition: Callable[[], bool], bound: float = HUNG_SECONDS) -> None:
-    """Return once ``condition()`` holds (polled every millisecond).
+def wait_for(condition: Callable[[], bool], bound: float = HUNG_SECONDS, every: float = 0.001) -> None:
+    """Return once ``condition()`` holds (polled every ``every`` seconds).
 
     Raises:
         AssertionError: It did not hold within ``bound`` seconds (a hung test).
     """
-    pause = threading.Event()
-    for _ in range(int(bound / 0.001)):
-        if condition():
-            return
-        pause.wait(0.001)
-    raise AssertionError("condition not reached")
+    deadline = time.monotonic() + bound
+    while not condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(every)
 
 
 async def cancel_while_waiting_for_the_model(engine: Any, start: Callable[[], Awaitable[Any]]) -> None:

@@ -100,6 +100,7 @@ class Request:
         lease: Its K/V buffers on loan: a slot of the captured steps' pool, or buffers of the
             host buffer pool (``None``: buffers of its own).
         cancellation: The call's cancellation: once set, its sequence leaves the batch.
+        unwatch: Stops its cancellation from watching the handle (once it closed).
     """
 
     plan: PromptPlan
@@ -113,6 +114,7 @@ class Request:
     handle: DecodeHandle | None = None
     lease: Lease | None = None
     cancellation: Cancellation | None = None
+    unwatch: Callable[[], None] | None = None
 
     def submit(self, scheduler: DecodeScheduler) -> None:
         """Hand the sequence to the decode worker (it joins the batch at the next step)."""
@@ -126,6 +128,9 @@ class Request:
         if self.handle is not None:
             handle, self.handle = self.handle, None
             handle.cancel()
+        if self.unwatch is not None:
+            unwatch, self.unwatch = self.unwatch, None
+            unwatch()  # the cancellation (a batch's, an async bridge's) outlives the request
 
     def release_slot(self) -> None:
         """The request is done reading its buffers (again, or once handed to the write-back:
@@ -133,11 +138,11 @@ class Request:
         if self.lease is not None:
             self.lease.release("request")
 
-    def release_slot_later(self) -> Callable[[], None]:
+    def release_slot_later(self) -> Callable[[], None] | None:
         """What releases the request's hold on its buffers, for whoever reads them last (the
-        write-back); nothing to release without a lease."""
+        write-back); ``None`` without a lease."""
         lease = self.lease
-        return (lambda: None) if lease is None else partial(lease.release, "request")
+        return None if lease is None else partial(lease.release, "request")
 
 
 def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
@@ -148,7 +153,7 @@ def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> 
     for request, handle in zip(pending, handles):
         request.handle, request.reservation = handle, None
         if request.cancellation is not None:
-            request.cancellation.watch(handle.cancel)
+            request.unwatch = request.cancellation.watch(handle.cancel)
 
 
 class Requests:

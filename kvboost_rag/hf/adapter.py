@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from kvboost_rag.cache.codec import KVLayout
+from kvboost_rag.cache.quant import unquantized_kv_bytes_per_token
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hf.attention_switch import AttentionSwitch
 from kvboost_rag.hf.caches import (
@@ -115,8 +117,7 @@ class ModelAdapter:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of one token's K and V over every layer, in the model's dtype."""
-        layout = self.layout
-        return 2 * layout.layers * layout.kv_heads * layout.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return unquantized_kv_bytes_per_token(self.layout, self.dtype)
 
     @property
     def context_window(self) -> int:
@@ -165,7 +166,8 @@ class ModelAdapter:
             logits_to_keep=logits_to_keep,
         )
         if not sparse_queries:
-            logits = self.model(**call).logits
+            with self._attention.own():
+                logits = self.model(**call).logits
         else:
             with self._attention.use(ATTENTION_NAME), query_positions(position_ids, self.device):
                 logits = self.model(**call).logits
@@ -301,7 +303,9 @@ class ModelAdapter:
     ) -> torch.Tensor:
         """Run decoder layers ``first_layer..last_layer`` only, from ``hidden`` (the output of
         the layer before; ``None`` with ``first_layer=0``), filling ``cache`` for them; the
-        final norm and the logits are not computed.
+        final norm and the logits are not computed. From the first layer the model's layers
+        stay as they are (the pass stops after ``last_layer``), so it may pause between them
+        (:meth:`~kvboost_rag.hf.layers.DecoderLayers.between_layers`).
 
         Args:
             sparse_queries: As in :meth:`forward`: attention causal by position over a cache
@@ -312,7 +316,9 @@ class ModelAdapter:
         Returns:
             ``[1, tokens, hidden]`` hidden states after layer ``last_layer``.
         """
-        with self._layers.stop_after(last_layer) as captured, self._layers.only(first_layer, last_layer, hidden):
+        from_the_start = first_layer == 0 and hidden is None  # stopping after ``last_layer`` is enough
+        layers = nullcontext() if from_the_start else self._layers.only(first_layer, last_layer, hidden)
+        with self._layers.stop_after(last_layer) as captured, layers:
             try:
                 self.forward(input_ids, position_ids, cache, sparse_queries=sparse_queries)
             except StopForward:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
@@ -24,6 +24,13 @@ from transformers import AttentionInterface, AttentionMaskInterface, PretrainedC
 from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION, ragged_decode_attention
 from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, sparse_causal_attention
 
+
+#: A module's forward hook tables: a view gets its own, so a hook put on the model for one pass
+#: (stopping after a layer, feeding a hidden state) does not fire in the view's passes.
+_FORWARD_HOOKS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+)
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
     """Mask function of the engine's attention functions: they need none."""
@@ -51,17 +58,27 @@ class AttentionSwitch:
                 text = config.get_text_config(decoder=True)
                 configs.setdefault(id(text), text)
         self._configs = list(configs.values())
+        self._own = [config._attn_implementation for config in self._configs]
 
-    @contextmanager
-    def use(self, name: str) -> Iterator[None]:
+    def use(self, name: str) -> ContextManager[None]:
         """Within the block every attention layer calls the function registered as ``name``.
 
         Args:
             name: :data:`~kvboost_rag.hf.sparse_attention.ATTENTION_NAME` or
                 :data:`~kvboost_rag.hf.ragged_attention.RAGGED_ATTENTION`.
         """
+        return self._set([name] * len(self._configs))
+
+    def own(self) -> ContextManager[None]:
+        """Within the block the attention layers call the model's own implementation, also when
+        a pass paused inside :meth:`use` lent the model to this one (a decode step run between
+        two decoder layers of a prefill)."""
+        return self._set(self._own)
+
+    @contextmanager
+    def _set(self, names: list[str]) -> Iterator[None]:
         previous = [config._attn_implementation for config in self._configs]
-        for config in self._configs:
+        for config, name in zip(self._configs, names):
             config._attn_implementation = name
         try:
             yield
@@ -100,6 +117,9 @@ def model_with_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
         copied._modules = {key: None if child is None else module_copy(child) for key, child in module._modules.items()}
         copied._parameters = dict(module._parameters)
         copied._buffers = dict(module._buffers)
+        for hooks in _FORWARD_HOOKS:  # the hooks of now; hooks put on the model later stay its own
+            if hooks in vars(module):
+                setattr(copied, hooks, type(vars(module)[hooks])(vars(module)[hooks]))
         config = vars(module).get("config")
         if isinstance(config, PretrainedConfig):
             copied.config = config_copy(config)

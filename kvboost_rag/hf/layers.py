@@ -45,11 +45,15 @@ class DecoderLayers:
 
     @contextmanager
     def stop_after(self, layer: int) -> Iterator[list[torch.Tensor]]:
-        """Within the block a forward pass raises :class:`StopForward` after decoder layer
-        ``layer``; the yielded list receives that layer's ``[1, tokens, hidden]`` output."""
+        """Within the block a forward pass run by this thread raises :class:`StopForward` after
+        decoder layer ``layer`` (passes of other threads run through); the yielded list
+        receives that layer's ``[1, tokens, hidden]`` output."""
         captured: list[torch.Tensor] = []
+        owner = threading.get_ident()
 
         def stop(_module, _args, output) -> None:
+            if threading.get_ident() != owner:
+                return
             captured.append(output[0] if isinstance(output, tuple) else output)
             raise StopForward
 
@@ -94,8 +98,8 @@ class DecoderLayers:
         decoder layer but the first (passes of other threads do not: the callback may lend
         the model to another thread's pass, which then runs while this one waits in it).
 
-        Only for whole passes: within :meth:`only` or :meth:`stop_after` another thread's
-        pass would see the layers changed.
+        Not within :meth:`only`: another thread's pass would see the layers changed
+        (:meth:`stop_after` is fine: it stops this thread's passes only).
         """
         owner = threading.get_ident()
 

@@ -130,7 +130,7 @@ def scatter_pass(
     """
     spans = chunking.spans(len(positions))
     if len(spans) > 1:
-        _zero_rows(cache, positions[spans[1][0] :])
+        zero_rows(cache, positions[spans[1][0] :])
     logits = None
     for start, stop in chunking.chunks(len(positions)):
         chunk = positions[start:stop]
@@ -154,8 +154,9 @@ def batch_pass(
             adapter.forward_batch(input_ids[:, start:stop], positions[:, start:stop], cache)
 
 
-def _zero_rows(cache: BufferedCache, positions: torch.Tensor) -> None:
-    """Zero the K/V rows of ``positions`` in every layer of ``cache``."""
+def zero_rows(cache: BufferedCache, positions: torch.Tensor) -> None:
+    """Zero the K/V rows of ``positions`` in every layer of ``cache`` (rows a later chunk of a
+    pass writes: read by no earlier query, and never NaN)."""
     keys, values = ModelAdapter.cache_tensors(cache)  # [layers, heads, tokens, dim] views
     index = host_to_device(positions, keys.device)
     keys.index_fill_(2, index, 0)

@@ -188,15 +188,11 @@ def choose_kernel(
         name = "onednn" if setting == "auto" else "off"
     if name == "off":
         return SmallRowLinears()
-    candidates = {name: _weights(name, modules)}
-    candidates = {name: weights for name, weights in candidates.items() if _agrees(modules, weights)}
-    if setting == "auto":
-        chosen = _fastest(modules, candidates)
-    else:
-        chosen = setting if setting in candidates else "off"
+    weights = _weights(name, modules)
+    chosen = "off" if not _agrees(modules, weights) else _fastest(modules, name, weights) if setting == "auto" else name
     if chosen == "off":
         return SmallRowLinears()
-    linears = SmallRowLinears(chosen, candidates[chosen])
+    linears = SmallRowLinears(chosen, weights)
     linears.install()
     logger.info("small-row kernel for decode and verify steps: %s (%d layers)", chosen, len(modules))
     return linears
@@ -232,13 +228,15 @@ def _agrees(modules: Sequence[torch.nn.Linear], weights: dict[torch.nn.Linear, t
 
 
 @torch.inference_mode()
-def _fastest(modules: Sequence[torch.nn.Linear], candidates: dict[SmallRowKernel, dict[torch.nn.Linear, torch.Tensor]]) -> SmallRowKernel:
-    """The candidate that beats ``F.linear`` most (see :data:`MIN_GAIN`, :data:`MAX_LOSS`), or
-    ``"off"``."""
+def _fastest(
+    modules: Sequence[torch.nn.Linear], name: SmallRowKernel, weights: dict[torch.nn.Linear, torch.Tensor]
+) -> SmallRowKernel:
+    """``name`` (over ``weights``) if it beats ``F.linear`` clearly (see :data:`MIN_GAIN`,
+    :data:`MAX_LOSS`), else ``"off"``."""
     timed = _timed_modules(modules)
     passes: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "off": [_default(m) for m in timed],
-        **{name: [_product(weights[m], m.bias) for m in timed] for name, weights in candidates.items()},
+        name: [_product(weights[m], m.bias) for m in timed],
     }
     inputs = {rows: [torch.randn(rows, m.in_features) for m in timed] for rows in TIMED_ROWS}
     seconds: dict[tuple[str, int], list[float]] = {(name, rows): [] for name in passes for rows in TIMED_ROWS}
@@ -260,7 +258,7 @@ def _fastest(modules: Sequence[torch.nn.Linear], candidates: dict[SmallRowKernel
         TIMED_ROWS,
         {name: [round(1000 * fastest[(name, rows)], 2) for rows in TIMED_ROWS] for name in passes},
     )
-    return decide(fastest, list(candidates))
+    return decide(fastest, [name])
 
 
 def decide(seconds: dict[tuple[str, int], float], candidates: Sequence[SmallRowKernel]) -> SmallRowKernel:

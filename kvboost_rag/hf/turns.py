@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvboost_rag.cancellation import Cancellation
+from kvboost_rag.cancellation import Cancellation, wait_while
 
 #: Weight of the newest decode step in the running mean of step durations.
 STEP_SMOOTHING = 0.3
@@ -150,24 +150,12 @@ class ModelTurns:
     def _wait_for_turn(self, me: int, cancellation: Cancellation | None) -> None:
         """Wait (holding ``_state``) until the model is free, then take it for ``me``."""
         self._prompt_waiting += 1
-        unwatch = cancellation.watch(self._wake) if cancellation is not None else None
         try:
-            while self._holder is not None or self._decoding:
-                if cancellation is not None:
-                    cancellation.check()
-                self._state.wait()
-            if cancellation is not None:
-                cancellation.check()
+            wait_while(self._state, lambda: self._holder is not None or self._decoding, cancellation)
         finally:
             self._prompt_waiting -= 1
-            if unwatch is not None:
-                unwatch()
         self._holder = me
         self._slice_start = self._clock()
-
-    def _wake(self) -> None:
-        with self._state:
-            self._state.notify_all()
 
     def _check_cancelled(self) -> None:
         for cancellation in self._cancellations:

@@ -88,14 +88,13 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-    stop_requested = threading.Event()
     cancellation = Cancellation()
 
     def post(item: Any, error: BaseException | None = None) -> None:
         try:
             loop.call_soon_threadsafe(queue.put_nowait, (item, error))
-        except RuntimeError:  # the loop closed: nobody is listening
-            stop_requested.set()
+        except RuntimeError:  # the loop closed: nobody is listening, so the work stops
+            cancellation.cancel()
 
     def produce() -> None:
         iterator: Iterator[T] | None = None
@@ -103,7 +102,7 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
             with cancelling(cancellation):
                 iterator = factory()
                 for item in iterator:
-                    if stop_requested.is_set():
+                    if cancellation.cancelled:
                         break
                     post(item)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, re-raised there
@@ -127,7 +126,6 @@ async def iterate_in_thread(factory: Callable[[], Iterator[T]]) -> AsyncIterator
                 break
             yield item
     finally:
-        stop_requested.set()
         if not finished:  # the consumer left early: stop the engine's work where it is
             cancellation.cancel()
         await asyncio.shield(worker)

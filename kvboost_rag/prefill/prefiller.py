@@ -21,7 +21,9 @@ what was reused). It stores nothing: write-back reads the outcome.
 Every pass over many tokens runs in slices (:mod:`kvboost_rag.hf.passes`: chunks of
 ``prefill_chunk_tokens``, and decoder layers where the decode steps run eagerly) that pause
 between them, where the model may be lent to a decode step and a cancelled request stops; the
-result is the whole pass's, to float tolerance. The stages pause between them too.
+result is the whole pass's, to float tolerance. The stages pause between them too. Two
+passes still run whole: CacheBlend's gradual filtering (its layer spans feed hidden states
+forward) and the lookahead probe (a few tokens).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ class CacheBlendRepair(SelectingRepair):
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
         with stage("probe", adapter.device):
             for start, stop in inputs.chunking.chunks(n - h):  # layers 0..check of every token after the prefix
-                tokens = torch.arange(h + start, h + stop)
-                adapter.hidden_through_layers(ids[tokens], tokens, partial, 0, check, None)
+                positions = torch.arange(h + start, h + stop)
+                with inputs.chunking.within_pass():
+                    adapter.hidden_through_layers(ids[h + start : h + stop], positions, partial, 0, check, None)
         rows = host_to_device(content, adapter.device)
         fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
         deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])

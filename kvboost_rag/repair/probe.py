@@ -6,19 +6,20 @@ of the last ``queries`` of them (:func:`~kvboost_rag.hf.sparse_attention.last_qu
 cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
 live tokens' K/V it writes is overwritten by the blend pass either way). Many live tokens run
 in chunks (:class:`~kvboost_rag.hf.passes.Chunking`), the last one holding the recorded
-queries; a probe of every layer is a whole forward pass (the last token's logits are computed
-and dropped), which may pause between its decoder layers, while a probe of fewer layers runs
-that range of layers alone and pauses between chunks only.
+queries (only its attention is recorded); each chunk runs the decoder layers up to
+``layers`` and stops there (no final norm, no logits), pausing between them.
 
 :func:`attention_scores` turns the recorded attention into one score per cached token.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.passes import WHOLE, Chunking
+from kvboost_rag.hf.passes import WHOLE, Chunking, zero_rows
 from kvboost_rag.hf.sparse_attention import last_query_attention
 from kvboost_rag.hf.transfer import host_to_device
 
@@ -55,20 +56,15 @@ def run_probe(
     probe = adapter.cache_over(keys, values, length)
     depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
     spans = chunking.spans(len(positions), last_at_least=queries)
-    if len(spans) > 1:  # rows a later chunk writes: read by no earlier query, and never NaN
-        index = host_to_device(positions[spans[1][0] :], keys.device)
-        keys.index_fill_(2, index, 0)
-        values.index_fill_(2, index, 0)
+    if len(spans) > 1:
+        zero_rows(probe, positions[spans[1][0] :])
     recorded: list[torch.Tensor] = []
     for start, stop in chunking.chunks(len(positions), last_at_least=queries):
         probe.arm(host_to_device(positions[start:stop], adapter.device))
-        ids, at = input_ids[start:stop], positions[start:stop]
-        with last_query_attention(queries) as layers_recorded:
-            if depth == adapter.num_layers:
-                with chunking.within_pass():
-                    adapter.forward(ids, at, probe, sparse_queries=True)
-            else:
-                adapter.hidden_through_layers(ids, at, probe, 0, depth - 1, None)
+        holds_queries = stop == len(positions)  # only the last chunk's attention is recorded
+        with last_query_attention(queries) if holds_queries else nullcontext(recorded) as layers_recorded:
+            with chunking.within_pass():
+                adapter.hidden_through_layers(input_ids[start:stop], positions[start:stop], probe, 0, depth - 1, None)
         recorded = layers_recorded
     return recorded
 

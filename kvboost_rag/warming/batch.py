@@ -122,7 +122,7 @@ class BatchWarmer:
     def _store(
         self, jobs: Sequence[WarmJob], pieces: Sequence, keys: torch.Tensor, values: torch.Tensor, chunking: Chunking
     ) -> dict[int, int]:
-        """Write back each row's document (new tokens stored, by job index), pausing between two."""
+        """Write back each row's document (new tokens stored, by job index), pausing before each."""
         h = sum(piece.length for piece in pieces)
         stored: dict[int, int] = {}
         for r, job in enumerate(jobs):

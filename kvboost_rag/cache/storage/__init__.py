@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvboost_rag.cache.device_memory import free_device_memory
 from kvboost_rag.cache.storage.base import (
     HOST_TENSORS,
     KIND_FIELD,
@@ -51,11 +52,8 @@ def device_budget(setting: int | str, device: torch.device | str) -> int:
     the device's free memory now (:data:`DEVICE_CACHE_FALLBACK` when it cannot be read)."""
     if setting != "auto":
         return int(setting)
-    try:
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-    except (RuntimeError, AssertionError, ValueError):
-        return DEVICE_CACHE_FALLBACK
-    return int(free * DEVICE_CACHE_SHARE)
+    free = free_device_memory(torch.device(device))
+    return DEVICE_CACHE_FALLBACK if free is None else int(free * DEVICE_CACHE_SHARE)
 
 
 def build_store(

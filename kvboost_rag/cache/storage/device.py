@@ -136,11 +136,16 @@ class PinnedMemoryTier(MemoryTier):
 
 
 def pinned(entry: StoredEntry) -> StoredEntry:
-    """``entry`` with every tensor in pinned CPU memory: a copy of each tensor that is not
-    (the write-back's copies already are: they come from a page-locked arena)."""
-    if all(_is_pinned(t) for t in entry.tensors.values()):
+    """``entry`` with every tensor the device reads in pinned CPU memory: a copy of each one
+    that is not (the write-back's copies already are: they come from a page-locked arena); the
+    tensors only the host reads (:data:`HOST_TENSORS`) stay as they are."""
+
+    def ready(name: str, tensor: torch.Tensor) -> bool:
+        return name in HOST_TENSORS or _is_pinned(tensor)
+
+    if all(ready(name, t) for name, t in entry.tensors.items()):
         return entry
-    tensors = {name: t if _is_pinned(t) else t.to("cpu").pin_memory() for name, t in entry.tensors.items()}
+    tensors = {name: t if ready(name, t) else t.to("cpu").pin_memory() for name, t in entry.tensors.items()}
     return StoredEntry(tensors=tensors, metadata=dict(entry.metadata))
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_rag.cache.codec import KVLayout
+from kvboost_rag.cache.quant import unquantized_kv_bytes_per_token
 from kvboost_rag.errors import InvalidInputError
 
 #: Tokens per attention block: slots start on a block boundary, so the blocks an attention
@@ -169,7 +170,7 @@ class SlotPool:
     ) -> SlotPool | None:
         """A pool whose slots (:func:`plan_capacities`) fit ``budget_bytes`` of K and V;
         ``None`` when not even the smallest slot fits."""
-        per_token = 2 * layout.layers * layout.kv_heads * layout.head_dim * torch.empty((), dtype=dtype).element_size()
+        per_token = unquantized_kv_bytes_per_token(layout, dtype)
         capacities = plan_capacities(budget_bytes // per_token - round_to_block(scratch_tokens), max_capacity)
         return cls(layout, capacities, dtype, device, scratch_tokens, opened) if capacities else None
 
@@ -177,11 +178,6 @@ class SlotPool:
         """Hand slots out from now on (the steps that decode in them are ready)."""
         with self._lock:
             self._opened = True
-
-    @property
-    def largest_capacity(self) -> int:
-        """Tokens the largest slot holds."""
-        return max(slot.capacity for slot in self.slots)
 
     @property
     def nbytes(self) -> int:
