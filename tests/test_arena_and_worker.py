@@ -86,6 +86,37 @@ def test_jobs_run_in_order_on_one_thread_and_flush_waits_for_them():
     assert worker.completed == 6 and worker.idle
 
 
+def test_a_flush_waits_for_the_jobs_before_it_and_not_for_those_queued_meanwhile():
+    """Under a steady load (every request queues a job) a flush still returns."""
+    waiting = threading.Event()
+
+    class NotedWaits(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()  # the flush took its target and waits
+            return super().wait(timeout)
+
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    worker._state = NotedWaits()
+    first, later, flushed = threading.Event(), threading.Event(), threading.Event()
+    worker.submit(lambda: first.wait(60))
+    flusher = threading.Thread(target=lambda: worker.flush(timeout=60) and flushed.set())
+    flusher.start()
+    assert waiting.wait(60)
+    worker.submit(lambda: later.wait(60))  # queued after the flush began
+    first.set()
+    flusher.join(60)
+    assert flushed.is_set() and not worker.idle  # the later job still runs
+    later.set()
+    assert worker.flush(timeout=60) and worker.idle
+
+
+def test_two_workers_each_know_their_own_thread():
+    one, other = WriteWorker(max_queued_bytes=1 << 20), WriteWorker(max_queued_bytes=1 << 20)
+    seen = []
+    one.submit(lambda: seen.append((one.on_worker(), other.on_worker())))
+    assert one.flush(timeout=60) and seen == [(True, False)]
+
+
 def test_a_failing_job_is_counted_and_the_next_runs(caplog):
     worker = WriteWorker(max_queued_bytes=1 << 20)
     ran = []
