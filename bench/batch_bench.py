@@ -122,9 +122,10 @@ def load_engine(model: str | None) -> KVBoost:
 
 
 def decode_steps(engine: KVBoost, prompts: Sequence[str], sizes: Sequence[int], repeats: int = 3) -> list[StepRow]:
-    """Median time of one decode step (``ModelAdapter.forward_ragged``) over ``size`` prompts
-    prefilled in full, for each size."""
+    """Median time of one decode step (the engine loop's packed pass of one token per row,
+    ``ModelAdapter.forward_segments``) over ``size`` prompts prefilled in full, for each size."""
     from kvboost_rag.hf import ModelAdapter
+    from kvboost_rag.hf.packed import Segment
 
     adapter = ModelAdapter(engine.model, engine.tokenizer)
     rows_needed = max(sizes)
@@ -141,7 +142,9 @@ def decode_steps(engine: KVBoost, prompts: Sequence[str], sizes: Sequence[int], 
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            adapter.forward_ragged(token.repeat(size), torch.tensor(positions[:size]), caches[:size])
+            adapter.forward_segments(
+                [Segment(token, torch.tensor([position]), cache, logits=1) for position, cache in zip(positions, caches[:size])]
+            )
             times.append((time.perf_counter() - start) * 1000)
             positions[:size] = [p + 1 for p in positions[:size]]
         rows.append(StepRow(size, statistics.median(times)))

@@ -25,6 +25,7 @@ from kvboost_rag.dev.op_counts import profile_counts
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, Row, SlotPool
 from kvboost_rag.hf.captured.graph import compile_cache_counts
+from kvboost_rag.hf.packed import Segment
 
 
 @dataclass
@@ -34,8 +35,8 @@ class CapturedDecode:
     Attributes:
         tokens_per_s: Greedy decode rate of the captured loop.
         step_host_ms: Host time to issue one captured step (median).
-        eager_step_host_ms: Host time to issue one eager decode step (``forward_ragged``, what
-            the engine's decode worker runs).
+        eager_step_host_ms: Host time to issue one eager decode step (a packed pass of one
+            row, what the engine loop runs).
         launches: Kernel and graph launches of one captured step (CUDA only).
         eager_launches: Kernel launches of one eager decode step (CUDA only).
         tokens: The greedy tokens the captured loop produced.
@@ -58,9 +59,10 @@ def _eager_step(adapter: ModelAdapter, pool: SlotPool, row: Row) -> tuple[float,
     """Host ms and launches of one eager decode step on the slot (its K/V row is written at
     the position the captured loop overwrites next)."""
     keys, values = pool.buffers(row.slot)
-    step = lambda: adapter.forward_ragged(  # noqa: E731
-        torch.tensor(row.tokens), torch.tensor([row.position]), [adapter.cache_over(keys, values, row.position)]
+    segment = lambda: Segment(  # noqa: E731
+        torch.tensor(row.tokens), torch.tensor([row.position]), adapter.cache_over(keys, values, row.position), logits=1
     )
+    step = lambda: adapter.forward_segments([segment()])  # noqa: E731
     step()
     _sync(adapter.device)
     start = time.perf_counter()

@@ -25,7 +25,7 @@ the no-draft row's (they must: drafting changes no greedy token) is checked on e
 
 Before the prompts, the **verify cost per row count**: one forward of 1, 2, 4, 8 and 16 tokens
 over the first prompt's cache (its full prefill), as decode and verify steps run it
-(``forward_rows``), with the linear layers' small-row kernel the engine chose at load
+(a decode row of the engine loop's packed pass), with the linear layers' small-row kernel the engine chose at load
 (:mod:`kvboost_rag.hf.small_rows`) and with the model's own ``F.linear``, interleaved, the
 median of ``--cost-reps``; each as a ratio to the one-token step. After the table, medians by
 kind of question.
@@ -246,6 +246,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     """One forward of 1-16 tokens over ``prompt``'s cache, as decode and verify steps run it,
     with the engine's small-row kernel and with ``F.linear``: median ms and ratio to 1 token."""
     from kvboost_rag.hf.caches import truncate_cache
+    from kvboost_rag.hf.packed import Segment
     from kvboost_rag.hf.small_rows import SmallRowLinears
 
     adapter = engine._adapter
@@ -260,7 +261,8 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
                 adapter.small_rows = kernel
                 for width in WIDTHS:
                     start = time.perf_counter()
-                    adapter.forward_rows(torch.tensor([ids[-width:]]), torch.tensor([len(ids)]), [width], [cache])
+                    row = Segment(torch.tensor(ids[-width:]), torch.arange(len(ids), len(ids) + width), cache, logits=width)
+                    adapter.forward_segments([row])
                     if rep:
                         seconds.setdefault((name, width), []).append(time.perf_counter() - start)
                     truncate_cache(cache, len(ids))

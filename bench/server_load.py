@@ -18,11 +18,13 @@ every other one streamed. A pool of documents is warmed first through ``POST /v1
    at once after them: its time against its idle time. Then a round with clients hanging up:
    the ``--requests`` requests at once beside as many clients that hang up after their first
    event (the same figures as 1, for the requests that stay).
-3. **Streams beside prompt work.** ``--streams`` streams kept open (one restarts when one
-   ends), their decode step measured as the median gap between pieces; then a request whose
-   ``--docs`` documents are new (never warmed) is sent, and, later, ``--warm-docs`` new
-   documents warm through ``POST /v1/documents``. The longest gap between two pieces of one
-   stream during each, against the step.
+3. **Streams beside prompt work.** First, on the idle server, a request whose ``--docs``
+   documents are new (never warmed): its time to first token and to its last token. Then
+   ``--streams`` streams kept open (one restarts when one ends), their decode step measured as
+   the median gap between pieces; a request of the same shape (``--docs`` other new documents)
+   is sent beside them, and, later, ``--warm-docs`` new documents warm through
+   ``POST /v1/documents``. The longest gap between two pieces of one stream during each,
+   against the step, and the new request's times against its idle twin's.
 
 Run: ``python bench/server_load.py`` (about 5 minutes on a 2-core CPU); ``--out FILE`` writes
 the table too.
@@ -148,8 +150,10 @@ class Bench:
         rng = random.Random(args.seed)
         rng.shuffle(corpus)
         self.pool = corpus[: args.pool]
-        self.fresh = corpus[args.pool : args.pool + args.docs]  # never warmed: the stall request's
-        rest = corpus[args.pool + args.docs :] or corpus
+        fresh = args.pool + args.docs
+        self.fresh = corpus[args.pool : fresh]  # never warmed: the request sent beside the streams
+        self.fresh_idle = corpus[fresh : fresh + args.docs]  # never warmed: its twin on the idle server
+        rest = corpus[fresh + args.docs :] or corpus
         self.warm_docs = [rest[i % len(rest)][: args.warm_chars] + f"\n(copy {i})" for i in range(args.warm_docs)]
         self.rng = rng
 
@@ -244,11 +248,13 @@ async def beside(bench: Bench, work: Any) -> dict[str, float]:
             "gaps": len(during), "work_s": end - start, **extra}
 
 
-async def new_request(bench: Bench, session: httpx.AsyncClient) -> dict[str, float]:
-    """A request whose documents were never warmed; its time to first token."""
-    msgs = messages(bench.fresh, "What do these documents say about the statements they describe?")
-    reply = await chat(session, body(bench.model, msgs, 8, True))
-    return {"new_ttft_s": reply.ttft or float("nan")}
+async def new_request(bench: Bench, session: httpx.AsyncClient, docs: list[str] | None = None) -> dict[str, float]:
+    """A request whose documents were never warmed (``docs``, default the one sent beside the
+    streams); its time to first token and to its last piece."""
+    msgs = messages(docs or bench.fresh, "What do these documents say about the statements they describe?")
+    reply = await chat(session, body(bench.model, msgs, bench.args.new_tokens, True))
+    done = float("nan") if reply.done is None else reply.done - reply.sent
+    return {"new_ttft_s": reply.ttft or float("nan"), "new_total_s": done}
 
 
 async def warm_corpus(bench: Bench, session: httpx.AsyncClient) -> dict[str, float]:
@@ -298,6 +304,8 @@ async def run_all(args: argparse.Namespace, url: str) -> dict[str, Any]:
         alone = out["rounds"]["alone"] if "rounds" in out else [Reply()] * len(requests)
         out["hang_ups"] = await hang_ups(bench, requests, alone)
     if "beside" in args.parts:
+        async with bench.session(1) as session:
+            out["idle_request"] = await new_request(bench, session, bench.fresh_idle)
         out["new_request"] = await beside(bench, lambda session: new_request(bench, session))
         out["warm"] = await beside(bench, lambda session: warm_corpus(bench, session))
     return out
@@ -341,13 +349,22 @@ def _round_lines(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
 def _beside_lines(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     if "new_request" not in out:
         return []
-    new, warm = out["new_request"], out["warm"]
+    new, warm, idle = out["new_request"], out["warm"], out["idle_request"]
     header = [f"| {args.streams} open streams beside | decode step ms | longest pause ms | ratio | p99 pause ms | gaps "
               "| work s |", "|---|---:|---:|---:|---:|---:|---:|"]
     rows = [(f"a request of {args.docs} new documents (TTFT {new['new_ttft_s']:.2f} s)", new),
             (f"{args.warm_docs} documents warming through the server", warm)]
-    return header + [f"| {name} | {f['step_ms']:.0f} | {f['longest_ms']:.0f} | {f['ratio']:.2f} | {f['p99_ms']:.0f} | "
-                     f"{f['gaps']} | {f['work_s']:.1f} |" for name, f in rows]
+    table = [f"| {name} | {f['step_ms']:.0f} | {f['longest_ms']:.0f} | {f['ratio']:.2f} | {f['p99_ms']:.0f} | "
+             f"{f['gaps']} | {f['work_s']:.1f} |" for name, f in rows]
+    twin = [
+        "",
+        f"The request of {args.docs} new documents ({args.new_tokens} new tokens) beside the streams: first token "
+        f"{new['new_ttft_s']:.2f} s, answer {new['new_total_s']:.2f} s; the same shape of request (other new "
+        f"documents) on the idle server: {idle['new_ttft_s']:.2f} s, {idle['new_total_s']:.2f} s "
+        f"({new['new_ttft_s'] / idle['new_ttft_s']:.2f}x and {new['new_total_s'] / idle['new_total_s']:.2f}x its idle "
+        "time).",
+    ]
+    return header + table + twin
 
 
 def report(args: argparse.Namespace, machine: str, out: dict[str, Any]) -> str:
@@ -375,6 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=400)
+    parser.add_argument("--new-tokens", type=int, default=8, help="new tokens of the request of new documents")
     parser.add_argument("--hang-up-after", type=float, default=0.05,
                         help="seconds a client that hangs up waits after its first event (reading it)")
     parser.add_argument("--warm-docs", type=int, default=100)

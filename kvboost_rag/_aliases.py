@@ -54,7 +54,7 @@ MOVED: dict[str, str] = {
     "react": "decode.react",
     "redis_local": "dev.redis_local",
     "sampling": "decode.sampling",
-    "scheduler": "decode.scheduler",
+    "scheduler": "engine_loop.loop",
     "segments": "request.documents",
     "stage_times": "diagnosis.stage_times",
     "stitch": "prefill.stitch",

@@ -1,10 +1,10 @@
 """A request's cancellation: set from any thread, seen at every stage of its work.
 
 A :class:`Cancellation` is a flag plus the wake-ups of whatever waits for the request: its
-place in the batch (:meth:`~kvboost_rag.decode.scheduler.DecodeScheduler.reserve`), its turn
-on the model (:class:`~kvboost_rag.hf.turns.ModelTurns`), its pieces from the decode
-worker. Setting it makes each of them end at once, a prefill at its next chunk boundary, and
-a decoding sequence leave the batch at the next step.
+place in the batch (:meth:`~kvboost_rag.engine_loop.places.BatchPlaces.reserve`), its prompt
+work queued in the engine loop (:meth:`~kvboost_rag.engine_loop.work.PromptWork.withdraw`), its
+pieces from the loop. Setting it makes each of them end at once, prompt work the loop runs at
+its next step boundary, and a decoding sequence leave the batch at the next step.
 
 The async bridges (:mod:`kvboost_rag.integration.async_stream`) run each blocking call under
 an *ambient* cancellation (:func:`cancelling`): a stream started or iterated there picks it up

@@ -157,32 +157,31 @@ class KVBoostSettings(BaseModel):
         store_generated_documents: After a generate, store documents that were not cached yet
             so the next prompt hits without an explicit warm.
         show_progress: Show progress bars on long work (``warm_documents``).
-        warm_batch_tokens: ``warm_documents`` runs several documents through the model per
-            forward pass, up to this many tokens (rows x padded length); each document's stored
-            K/V is the one a one-by-one warm computes. 0 warms one document per pass.
+        warm_batch_tokens: ``warm_documents`` hands the engine loop several documents at once,
+            up to this many tokens (their K/V buffers are held together), and the loop packs
+            their passes into shared forward passes; each document's stored K/V is the one a
+            one-by-one warm computes. 0 hands them over one at a time.
         max_batch_size: Most requests decoded together: concurrent ``generate``/``stream``
             calls and the prompts of ``generate_batch`` share each decode step up to this
             many; later ones wait, first come first served, and join as places free up.
         max_batch_cache_bytes: Most bytes of K/V buffers (prompt plus room for its new
             tokens) the requests decoded together may hold; a request that would exceed it
             waits (one request is always admitted when none runs).
-        prefill_chunk_tokens: Most tokens one forward pass of prompt work runs (prefill,
-            the repair's passes, warming; a batched warm counts rows times columns). Longer
-            passes run in chunks, each giving what the whole pass gives to float tolerance,
-            and between two chunks (and, where decode steps run eagerly, between two decoder
-            layers of a chunk) the decode steps of open streams get the model, so a stream
-            does not stall while another request's prompt is prefilled. ``"auto"``
-            (default): 512 on a CPU (a chunk's layer is then shorter than a decode step of
-            the embedded model; every chunk reads the weights once more), 2048 on CUDA.
-        max_decode_wait: How long the decode steps of open streams may wait for prompt work
-            (a prefill, a warm) before it lends them the model for one step at its next
-            boundary, in decode steps (a running mean of the steps' durations), times one
-            plus the prompts waiting for the model behind it: a stream then pauses about
-            ``1 + max_decode_wait`` steps between two pieces while another request prefills
-            (longer in a burst of requests, in proportion to the prompts queued). Lower
-            favours the streams, higher the time to first token of the requests prefilling
-            (the model does one thing at a time); ``0`` lends at every boundary where a step
-            waits.
+        prefill_chunk_tokens: Most prompt tokens one step of the engine loop carries (a
+            prefill chunk, the repair's passes, documents being warmed): the budget of a step
+            when no answer is decoding; a longer pass runs over several steps, giving what
+            the whole pass gives to float tolerance. ``"auto"`` (default): 512 on a CPU,
+            2048 on CUDA (there, the decode rows and the prompt tokens of a step together,
+            as vLLM's ``max_num_batched_tokens``).
+        max_decode_wait: How much longer than a decode-only step a step that also carries
+            prompt work may take, in decode-only steps. Every step of the engine loop runs the
+            open streams' next tokens together with a slice of waiting prompt work (a
+            prefill, a repair pass, a warm) in one forward pass; on a CPU the slice is sized
+            from the measured costs of recent steps so that such a step takes about
+            ``1 + max_decode_wait`` decode-only steps: a stream's gap between two pieces while
+            another request prefills. Lower favours the streams, higher the requests
+            prefilling beside them (a prompt gets about ``max_decode_wait / (1 +
+            max_decode_wait)`` of the machine's time while answers decode).
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
             stays what plain decoding gives, sampling keeps its distribution). The length of
@@ -283,7 +282,7 @@ class KVBoostSettings(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
-    max_decode_wait: float = Field(1.0, ge=0.0, le=64.0)
+    max_decode_wait: float = Field(0.8, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
     small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
     packed_weights_bytes: int = Field(4 * 1024**3, ge=0)

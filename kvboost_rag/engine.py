@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
 from kvboost_rag.decode.sampling import eos_token_ids
-from kvboost_rag.decode.scheduler import DecodeScheduler
 from kvboost_rag.decode.draft_policy import DraftPolicy
-from kvboost_rag.decode.step import decode_step
 from kvboost_rag.default_model import cache_home
 from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, captured_steps_wanted, probe_buckets
 from kvboost_rag.hf.captured.graph import keep_compiled_code_in
@@ -30,12 +27,11 @@ from kvboost_rag.errors import (
     RequestCancelled,
     UnsupportedModelError,
 )
+from kvboost_rag.engine_loop import BatchPlaces, EngineLoop
 from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
-from kvboost_rag.hf.layers import DecoderLayers
-from kvboost_rag.hf.turns import ModelTurns
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -60,8 +56,10 @@ class KVBoost:
     """Reuses the K/V of text the model has already read.
 
     Build it with :meth:`from_pretrained` or :meth:`from_model`. Safe to call from several
-    threads: prefills and warms take turns on the model, concurrent generations decode
-    together in one batch (:mod:`kvboost_rag.decode.scheduler`), cache lookups are locked.
+    threads: one engine loop runs every forward pass (:mod:`kvboost_rag.engine_loop`), each
+    step carrying the running answers' next tokens and slices of waiting prompt work
+    (prefills, warms), so concurrent generations decode together in one batch and a new
+    prompt does not stall the open streams; cache lookups are locked.
 
     Args:
         model: A transformers causal LM.
@@ -94,21 +92,22 @@ class KVBoost:
         self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
-        turns = ModelTurns(lambda: settings.max_decode_wait)
-        prefiller = self._build_prefiller(adapter, cache, turns)
+        prefiller = Prefiller(
+            adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe
+        )
+        self._places = BatchPlaces(settings)
         drafts = DraftPolicy(settings, adapter.device.type)
-        step = partial(decode_step, adapter, policy=drafts, captured=self._captured)
-        self._scheduler = DecodeScheduler(step, turns, settings)
+        self._loop = EngineLoop(adapter, settings, self._places, drafts, self._captured)
         eos_ids = eos_token_ids(self.model, tokenizer)
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
-        parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, turns)
+        parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, self._loop)
         self._warming = Warming(parts)
         slots = None if self._captured is None else self._captured.pool
         # On a CPU, prefill buffers are reused across requests (fresh ones page-fault on every
         # call); idle ones are kept within a quarter of the decode budget.
         on_cpu = adapter.device.type == "cpu"
         host_buffers = HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4) if on_cpu else None
-        self._requests = Requests(parts, self._scheduler, self._constraints, eos_ids, slots, host_buffers)
+        self._requests = Requests(parts, self._places, self._constraints, eos_ids, slots, host_buffers)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason
@@ -117,16 +116,6 @@ class KVBoost:
                     f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
                 )
             logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
-
-    def _build_prefiller(self, adapter: ModelAdapter, cache: CacheManager, turns: ModelTurns) -> Prefiller:
-        """The prefiller over the captured passes built (if any); its passes pause for
-        ``turns`` between chunks, and between decoder layers where decode steps run eagerly (a
-        captured step is compiled over the model: nothing may run mid-forward)."""
-        layers = DecoderLayers(adapter.model, adapter.num_layers) if self._captured is None else None
-        return Prefiller(
-            adapter, cache, self.settings, captured=self._captured_prefill, captured_probe=self._captured_probe,
-            pause=turns.between_chunks, layers=layers,
-        )
 
     @staticmethod
     def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:

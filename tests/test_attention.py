@@ -81,8 +81,9 @@ def test_backends_agree_in_bfloat16(backend, device):
     assert torch.allclose(out.float(), dense_reference(q, k, v, positions), atol=3e-2)
 
 
-def test_default_backend_on_cpu_is_the_block_loop():
+def test_default_backend_on_cpu_is_the_block_loop_for_scattered_queries_and_one_call_for_a_chunk():
     assert default_backend(torch.device("cpu")) == "blocks"
+    assert default_backend(torch.device("cpu"), contiguous=True) == "masked_sdpa"
 
 
 @pytest.mark.cuda

@@ -1,7 +1,8 @@
-"""A cancelled request stops at every stage: waiting for a place, waiting for its turn on the
-model, in its prefill (at the next chunk boundary), decoding (at the next step, its reader at
-once); its place and buffers go back, nothing leaks across many, and the others' greedy
-outputs are unchanged. Threads are sequenced with gates and counters, never with timing."""
+"""A cancelled request stops at every stage: waiting for a place, its prompt work waiting in the
+engine loop's queue (at once), in its prefill (at the next step boundary), decoding (at the
+next step, its reader at once); its place and buffers go back, nothing leaks across many, and
+the others' greedy outputs are unchanged. Threads are sequenced with gates and counters, never
+with timing."""
 
 from __future__ import annotations
 
@@ -43,19 +44,21 @@ class Ledger:
 
 
 class GatedSteps:
-    """Decode steps wait for :meth:`open` (a request stays decoding as long as the test wants)."""
+    """Steps that decode wait for :meth:`open` (a request stays decoding as long as the test
+    wants; the loop waits there, so work queued behind stays queued)."""
 
     def __init__(self, engine: KVBoost) -> None:
         self.gate = threading.Event()
         self.waiting = 0
-        step = engine._scheduler._step
+        loop, forward = engine._loop, engine._adapter.forward_segments
 
-        def gated(sequences):
-            self.waiting += 1
-            self.gate.wait(HUNG_SECONDS)
-            return step(sequences)
+        def gated(segments):
+            if loop._running:  # a step with decode rows (the loop's own state, on its thread)
+                self.waiting += 1
+                self.gate.wait(HUNG_SECONDS)
+            return forward(segments)
 
-        engine._scheduler._step = gated
+        engine._adapter.forward_segments = gated
 
     def open(self) -> None:
         self.gate.set()
@@ -82,10 +85,10 @@ class Consumer(threading.Thread):
 
 
 def _assert_nothing_held(engine: KVBoost, ledger: Ledger) -> None:
-    wait_for(lambda: engine._scheduler.admitted == 0)
+    wait_for(lambda: engine._places.admitted == 0)
     wait_for(ledger.all_back)
-    turns = engine._requests.turns
-    assert turns._holder is None and turns._prompt_waiting == 0 and not engine._scheduler._waiting
+    wait_for(lambda: not engine._loop.active)  # the loop's thread ends once nothing is left
+    assert engine._places.waiting == 0
 
 
 def test_closing_a_stream_that_waits_for_a_place_takes_it_out_of_the_line(make_engine, docs):
@@ -96,57 +99,58 @@ def test_closing_a_stream_that_waits_for_a_place_takes_it_out_of_the_line(make_e
     second = engine.stream(_prompts(docs)[1], max_new_tokens=8)
     consumer = Consumer(second)
     consumer.start()
-    wait_for(lambda: len(engine._scheduler._waiting) == 1)
+    wait_for(lambda: engine._places.waiting == 1)
     second.close()  # from another thread than the one inside next()
     consumer.join(HUNG_SECONDS)
     assert not consumer.is_alive() and consumer.pieces == [] and consumer.error is None
-    assert second.result is None and not engine._scheduler._waiting
+    assert second.result is None and engine._places.waiting == 0
     first.close()
     steps.open()
     _assert_nothing_held(engine, ledger)
 
 
-def test_closing_a_stream_that_waits_for_the_model_ends_it_before_its_prefill(make_engine, docs):
+def test_closing_a_stream_whose_work_waits_in_the_loop_ends_it_at_once_before_its_prefill(make_engine, docs):
     engine = _engine(make_engine, docs)
-    ledger = Ledger(engine)
-    runs = []
-    run = engine._requests.prefiller.run
-    engine._requests.prefiller.run = lambda *a, **k: runs.append(1) or run(*a, **k)
+    ledger, steps = Ledger(engine), GatedSteps(engine)
+    holder = engine.stream(_prompts(docs)[1], max_new_tokens=50)
+    next(holder)  # decoding: the loop waits at the gate in its next step
+    wait_for(lambda: steps.waiting == 1)
+    looked_up = []
+    lookup = engine._requests.prefiller.lookup
+    engine._requests.prefiller.lookup = lambda *a, **k: looked_up.append(1) or lookup(*a, **k)
     stream = engine.stream(_prompts(docs)[0], max_new_tokens=8)
     consumer = Consumer(stream)
-    with engine._requests.turns.prompt_work():  # another prompt's work holds the model
-        consumer.start()
-        wait_for(lambda: engine._requests.turns._prompt_waiting == 1)
-        stream.close()
-        consumer.join(HUNG_SECONDS)
-    assert not consumer.is_alive() and consumer.pieces == [] and runs == []
+    consumer.start()
+    wait_for(lambda: looked_up == [1])  # its work is about to queue behind the held step
+    stream.close()
+    consumer.join(HUNG_SECONDS)  # it left though the loop is still held
+    assert not consumer.is_alive() and consumer.pieces == [] and consumer.error is None
+    assert stream.result is None
+    holder.close()
+    steps.open()
     _assert_nothing_held(engine, ledger)
 
 
-def test_a_cancelled_prefill_stops_at_its_next_chunk_boundary(make_engine, docs):
+def test_a_cancelled_prefill_stops_at_its_next_step_boundary(make_engine, docs):
     engine = _engine(make_engine, docs, prefill_chunk_tokens=16)
     ledger = Ledger(engine)
-    prefiller = engine._requests.prefiller
-    forwards, boundaries = [], []
-    forward = prefiller.adapter.forward
-    prefiller.adapter.forward = lambda *a, **k: forwards.append(1) or forward(*a, **k)
-    pause = prefiller._pause
-    stream = engine.stream(_prompts(docs)[2], max_new_tokens=8, reuse=False)  # full prefill: many chunks
+    passes = []
+    forward = engine._adapter.forward_segments
+    stream = engine.stream(_prompts(docs)[2], max_new_tokens=8, reuse=False)  # full prefill: many slices
 
-    def boundary() -> None:
-        boundaries.append(1)
-        if len(boundaries) == 3:
+    def counting(segments):
+        passes.append(1)
+        if len(passes) == 3:
             stream.cancellation.cancel()  # as a client leaving does, from its own thread
-        pause()
+        return forward(segments)
 
-    prefiller._pause = boundary
+    engine._adapter.forward_segments = counting
     assert list(stream) == [] and stream.result is None
-    cancelled_at = len(forwards)
-    prefiller._pause = pause
-    forwards.clear()
+    cancelled_at = len(passes)
+    engine._adapter.forward_segments = forward
     full = engine.generate(_prompts(docs)[2], max_new_tokens=1, reuse=False)
     assert full.prompt_tokens > 4 * 16
-    assert 0 < cancelled_at < len(forwards)  # it stopped before its prefill's end
+    assert cancelled_at == 3  # it stopped at the boundary after the pass during which it was cancelled
     _assert_nothing_held(engine, ledger)
 
 
@@ -160,7 +164,7 @@ def test_closing_a_decoding_stream_frees_its_reader_at_once_and_its_sequence_at_
     stream.close()
     consumer.join(HUNG_SECONDS)  # its reader left though the step still waits
     assert not consumer.is_alive() and consumer.error is None and stream.result is None
-    assert engine._scheduler.admitted == 1  # its sequence leaves at the next step
+    assert engine._places.admitted == 1  # its sequence leaves at the next step
     steps.open()
     _assert_nothing_held(engine, ledger)
 
@@ -213,7 +217,7 @@ def test_cancelling_the_awaiting_task_cancels_the_engine_call(make_engine, docs)
 
     async def cancel_while_queued() -> None:
         task = asyncio.ensure_future(call_in_thread(call))
-        await asyncio.to_thread(wait_for, lambda: len(engine._scheduler._waiting) == 1)
+        await asyncio.to_thread(wait_for, lambda: engine._places.waiting == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

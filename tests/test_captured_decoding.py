@@ -20,7 +20,7 @@ from test_draft_decoding import OracleDrafter, assert_same_greedy
 import kvboost_rag.engine as engine_module
 from kvboost_rag import KVBoost
 from kvboost_rag.decode.draft_policy import DraftPolicy
-from kvboost_rag.generation import lifecycle
+from kvboost_rag.generation import request_work
 from kvboost_rag.generation.slots import SlotLease
 from kvboost_rag.hf.captured import SlotPool, build_captured_rows
 
@@ -60,7 +60,7 @@ def test_captured_decoding_gives_the_eager_tokens_with_drafts_alone_and_batched(
     prompts = [rag_prompt([docs[0], docs[1]]), rag_prompt([docs[2]], "Summarize."), SYSTEM_PROMPT + "\n\nQuestion: hi?\nAnswer:"]
     references = [eager.generate(p, max_new_tokens=24, return_logits=True) for p in prompts]
     answers = {p: r.token_ids for p, r in zip(prompts, references)}
-    monkeypatch.setattr(lifecycle, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
+    monkeypatch.setattr(request_work, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
     monkeypatch.setattr(DraftPolicy, "length", lambda self, s, source, match, available, rows: min(available, self.max_tokens))
     slots = _pool(captured).free_slots
     runs = captured.captured_steps_run
@@ -140,7 +140,7 @@ def test_on_cuda_captured_graphs_decode_the_eager_tokens(tokenizer, docs, device
     prompts = [rag_prompt([docs[0], docs[1]]), rag_prompt([docs[2]], "Summarize.")]
     references = [eager.generate(p, max_new_tokens=24, return_logits=True) for p in prompts]
     answers = {p: r.token_ids for p, r in zip(prompts, references)}
-    monkeypatch.setattr(lifecycle, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
+    monkeypatch.setattr(request_work, "drafter_for", lambda plan: OracleDrafter(answers.get(plan.tokens.text, []), 1024))
     monkeypatch.setattr(DraftPolicy, "length", lambda self, s, source, match, available, rows: min(available, self.max_tokens))
     runs = captured.captured_steps_run
     for results in ([captured.generate(p, max_new_tokens=24) for p in prompts], captured.generate_batch(prompts, max_new_tokens=24)):

@@ -1,7 +1,7 @@
-"""Prefill in chunks gives what the whole pass gives, on every path (full prefill, the tokens
-after a prefix hit, the repair's probe and blend pass, batched warming), over chunk sizes and
-model families, in float32 and bfloat16; and decode steps lent the model between chunks or
-between decoder layers leave every answer as it is alone."""
+"""A prompt computed across several steps of the engine loop gives what one pass gives, on every
+path (full prefill, the tokens after a prefix hit, the repair's probe and blend pass, warming),
+over slice sizes and model families, in float32 and bfloat16; and a stream decoding in the same
+passes as another prompt's slices leaves every answer as it is alone."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
-from test_batch_warm import _documents, _stored
+from test_batch_warm import _documents, _stored, count_segments
 from test_low_precision import assert_close_16bit, engine_in
 
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.passes import Chunking
+from kvboost_rag.hf.passes import TokenPass
 from kvboost_rag.repair.probe import run_probe
 from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
 
@@ -38,16 +38,22 @@ def _pair(tokenizer, family: str, chunk: int, **settings) -> tuple[KVBoost, KVBo
     return make(), make(prefill_chunk_tokens=chunk)
 
 
-def test_spans_cover_the_tokens_in_order_and_keep_a_long_enough_last_chunk():
-    chunking = Chunking(tokens=32)
-    assert chunking.spans(100) == [(0, 32), (32, 64), (64, 96), (96, 100)]
-    assert chunking.spans(100, last_at_least=10) == [(0, 32), (32, 64), (64, 90), (90, 100)]
-    assert chunking.spans(100, last_at_least=50) == [(0, 32), (32, 50), (50, 100)]
-    assert chunking.spans(20, last_at_least=50) == [(0, 20)]
-    assert chunking.spans(0) == []
-    paused = []
-    assert list(Chunking(tokens=32, pause=lambda: paused.append(1)).chunks(70)) == [(0, 32), (32, 64), (64, 70)]
-    assert len(paused) == 2  # between chunks, never before the first
+def test_slices_cover_the_tokens_in_order_and_keep_a_long_enough_last_slice(tokenizer):
+    adapter = ModelAdapter(tiny_model("llama"), tokenizer)
+
+    def stops(count: int, budget: int, record: int = 0) -> list[int]:
+        request = TokenPass(torch.zeros(count, dtype=torch.long), torch.arange(count), adapter.new_cache(count), record=record)
+        done, out = 0, []
+        while done < count:
+            done = request.next_stop(done, budget)
+            out.append(done)
+        return out
+
+    assert stops(100, 32) == [32, 64, 96, 100]
+    assert stops(100, 32, record=10) == [32, 64, 90, 100]
+    assert stops(100, 32, record=50) == [32, 50, 100]
+    assert stops(20, 32, record=50) == [20]
+    assert stops(5, 0) == [1, 2, 3, 4, 5]  # a budget of nothing still moves on
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -100,16 +106,16 @@ def test_the_probe_in_chunks_records_what_the_whole_probe_records(tokenizer, fam
     adapter.forward(ids, torch.arange(n), adapter.cache_over(keys, values, 0))  # a stitched prompt, exact here
     live = torch.tensor(sorted({*range(40, 60), *range(90, n)}))
     records = []
-    for chunking in (Chunking(), Chunking(tokens=16)):
+    for slice_tokens in (None, 16):
         k, v = keys.clone(), values.clone()
-        records.append(run_probe(adapter, ids[live], live, k, v, n, queries=4, chunking=chunking))
+        records.append(run_probe(adapter, ids[live], live, k, v, n, queries=4, slice_tokens=slice_tokens))
     assert len(records[0]) == len(records[1]) == adapter.num_layers
     for whole, chunked in zip(*records):
         assert_close(whole, chunked)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_chunked_batched_warming_stores_what_a_whole_batch_stores(tokenizer, family):
+def test_warming_in_slices_stores_what_whole_passes_store(tokenizer, family):
     whole, chunked = _pair(tokenizer, family, 16)
     texts = _documents()
     assert [r.new_tokens for r in chunked.warm_documents(texts)] == [r.new_tokens for r in whole.warm_documents(texts)]
@@ -130,27 +136,30 @@ def test_chunked_prefill_in_bfloat16_matches_the_whole_pass(tokenizer, docs, fam
     assert_close_16bit(a.first_token_logits, b.first_token_logits, torch.bfloat16)
 
 
-def _lend_once_decode_waits(engine: KVBoost) -> list[int]:
-    """Make the prefill's first boundaries wait until the decode worker waits for the model
-    (so a step is lent there for sure, whatever the threads' timing); returns the count of
-    boundaries seen."""
-    prefiller, turns = engine._requests.prefiller, engine._requests.turns
-    pause, seen = prefiller._pause, []
+def _mixed_passes(engine: KVBoost) -> list[int]:
+    """Make the loop's first pass with a decode row wait until a second request holds a place
+    (so that request's prompt work meets the stream's decode rows, whatever the threads'
+    timing); returns the number of passes that carried decode rows and prompt slices both."""
+    adapter, mixed, met = engine._adapter, [], []
+    real = adapter.forward_segments
 
-    def boundary() -> None:
-        if turns.lent_steps == 0 and engine._scheduler.admitted > 1:
-            wait_for(lambda: turns._decode_waiting > 0)
-        seen.append(1)
-        pause()
+    def forward(segments):
+        rows = [s for s in segments if s.logits == len(s)]
+        if rows and not met:  # the stream's first step waits for the other request
+            wait_for(lambda: engine._places.admitted >= 2)
+            met.append(1)
+        if rows and len(rows) < len(segments):
+            mixed.append(1)
+        return real(segments)
 
-    prefiller._pause = boundary
-    return seen
+    adapter.forward_segments = forward
+    return mixed
 
 
-@pytest.mark.parametrize(("family", "chunk"), [("llama", 16), ("gemma2", 16), ("qwen3", 4096)])
-def test_decode_steps_lent_between_chunks_or_layers_change_no_answer(make_engine, docs, family, chunk):
-    """A stream decodes while another prompt prefills in chunks (``chunk`` 4096: one chunk,
-    so the steps are lent between its decoder layers, mid-forward)."""
+@pytest.mark.parametrize(("family", "chunk"), [("llama", 16), ("gemma2", 16), ("qwen3", 37)])
+def test_a_stream_decoding_in_the_passes_of_another_prompt_changes_no_answer(make_engine, docs, family, chunk):
+    """A stream decodes while another prompt (documents hit, repaired) prefills in slices of
+    at most ``chunk`` tokens: its probe and blend slices ride in the stream's decode passes."""
 
     def fresh() -> KVBoost:
         engine = make_engine(family, prefill_chunk_tokens=chunk, max_decode_wait=0.0)
@@ -161,29 +170,14 @@ def test_decode_steps_lent_between_chunks_or_layers_change_no_answer(make_engine
     streaming, prefilling = rag_prompt([docs[1], docs[0]], "Go on."), rag_prompt(docs[:5], "What is described?")
     alone = [fresh().generate(p, max_new_tokens=n) for p, n in ((streaming, 40), (prefilling, 8))]
     engine = fresh()
-    boundaries = _lend_once_decode_waits(engine)
+    mixed = _mixed_passes(engine)
     stream = engine.stream(streaming, max_new_tokens=40)
-    pieces = [next(stream)]
-    other: list = []
-    thread = threading.Thread(target=lambda: other.append(engine.generate(prefilling, max_new_tokens=8)))
-    thread.start()
-    pieces += list(stream)
-    thread.join(HUNG_SECONDS)
-    assert engine._requests.turns.lent_steps >= 1 and boundaries
+    pieces: list[str] = []
+    reader = threading.Thread(target=lambda: pieces.extend(stream))
+    reader.start()
+    wait_for(lambda: engine._places.admitted == 1)  # the stream holds its place; its first step waits
+    other = engine.generate(prefilling, max_new_tokens=8)
+    reader.join(HUNG_SECONDS)
+    assert mixed, "no pass carried the stream's row and the other prompt's slice together"
     assert stream.result.token_ids == alone[0].token_ids and "".join(pieces) == alone[0].output_text
-    assert other[0].token_ids == alone[1].token_ids
-
-
-def test_a_plain_pass_lent_the_model_inside_a_sparse_one_runs_the_models_own_attention(tokenizer):
-    """A decode step of a model decoded one sequence per pass runs while a prefill is paused
-    between decoder layers, inside the sparse attention it set: it still gets the model's own
-    attention and its own logits."""
-    from kvboost_rag.hf.sparse_attention import ATTENTION_NAME
-
-    adapter = ModelAdapter(tiny_model("llama"), tokenizer)
-    ids = torch.tensor(tokenizer("A decode step between two layers of a prefill.").input_ids)
-    positions = torch.arange(len(ids))
-    alone = adapter.forward(ids, positions, adapter.new_cache(len(ids)))
-    with adapter._attention.use(ATTENTION_NAME):  # where the paused prefill left the configs
-        lent = adapter.forward(ids, positions, adapter.new_cache(len(ids)))
-    assert torch.equal(lent, alone)
+    assert other.token_ids == alone[1].token_ids

@@ -86,7 +86,7 @@ def test_budget_below_the_minimum_is_refused_before_prefill(engine, device):
     schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 40}}, "required": ["text"]}
     with pytest.raises(InvalidInputError, match=r"max_new_tokens=8 is below the (\d+) tokens") as refused:
         engine.stream("Write.", max_new_tokens=8, constraint={"json_schema": schema})
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
     minimum = int(re.search(r"below the (\d+) tokens", str(refused.value)).group(1))
     assert minimum > 8 and engine.min_new_tokens({"json_schema": schema}) == minimum
     result = engine.generate("Write.", max_new_tokens=minimum, temperature=1.0, seed=0, constraint={"json_schema": schema})
@@ -212,7 +212,7 @@ def test_a_bad_constraint_fails_the_whole_batch_before_any_prefill(make_engine):
     engine = make_engine("llama")
     with pytest.raises(InvalidInputError):
         engine.generate_batch(["Look something up.", "Again."], constraint={"json_schema": {"type": "no-such-type"}})
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])

@@ -9,7 +9,6 @@ from kvboost_rag import KVBoost
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.warming import CONTEXT_DOCUMENT_SEPARATOR
-from kvboost_rag.warming.batch import BatchWarmer
 
 
 def _warmed_texts(engine: KVBoost, texts: list[str], monkeypatch) -> dict[str, str]:
@@ -65,22 +64,6 @@ def test_a_document_too_long_for_the_window_is_not_a_context_document(tokenizer,
     seen = _warmed_texts(engine, [long_text, docs[0], docs[1]], monkeypatch)
     assert seen[docs[1]] == SYSTEM_PROMPT + docs[0] + CONTEXT_DOCUMENT_SEPARATOR + docs[1]
     assert seen[docs[0]] == SYSTEM_PROMPT + docs[1] + CONTEXT_DOCUMENT_SEPARATOR + docs[0]
-
-
-def test_a_batch_with_different_contexts_of_one_length_is_refused(make_engine, docs):
-    engine = make_engine("llama", warm_context_documents=1)
-    engine.warm(SYSTEM_PROMPT)
-    context = docs[1]
-    # Another context of the same token count: the batch warmer must compare the tokens.
-    other = next(
-        variant
-        for variant in (context[:-1] + letter for letter in "XYZQJK")
-        if variant != context and engine.count_tokens(SYSTEM_PROMPT + variant) == engine.count_tokens(SYSTEM_PROMPT + context)
-    )
-    record = engine._warming.document_record(docs[0])
-    jobs = [engine._warming._plan_document_warm(record, engine._warming._lead_in((text,))).job for text in (context, other)]
-    assert jobs[0].plan.lookup_limit == jobs[1].plan.lookup_limit
-    assert BatchWarmer(engine._adapter, engine._cache).run(jobs) is None
 
 
 def test_documents_warmed_behind_others_hit_in_any_prompt(make_engine, docs):

@@ -24,7 +24,7 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from kvboost_rag import KVBoost
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.decode.drafting import Proposal
-from kvboost_rag.generation import lifecycle
+from kvboost_rag.generation import request_work
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler
 from kvboost_rag.decode.step import DecodeSequence, decode_step
 from kvboost_rag.hf.small_rows import onednn_available
@@ -71,7 +71,7 @@ def oracle_drafts(monkeypatch, always_draft):
     def drafter(plan):
         return OracleDrafter(answers.get(plan.tokens.text, []), 1024)
 
-    monkeypatch.setattr(lifecycle, "drafter_for", drafter)
+    monkeypatch.setattr(request_work, "drafter_for", drafter)
     return answers
 
 

@@ -39,15 +39,15 @@ def _blend_outcome(make_engine, docs, monkeypatch, **settings):
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:4])
     outcomes = []
-    run = Prefiller.run
+    steps = Prefiller.steps
 
-    def capture(self, plan, **kwargs):
-        outcome = run(self, plan, **kwargs)
+    def capture(self, plan, found, **kwargs):
+        outcome = yield from steps(self, plan, found, **kwargs)
         outcomes.append((outcome, outcome.keys[:, :, : plan.num_tokens].clone()))
         return outcome
 
     with monkeypatch.context() as patch:
-        patch.setattr(Prefiller, "run", capture)
+        patch.setattr(Prefiller, "steps", capture)
         result = engine.generate(rag_prompt([docs[3], docs[1], docs[0], docs[2]]), max_new_tokens=1)
     (outcome, keys), = outcomes
     return result, outcome, keys

@@ -13,7 +13,8 @@ from kvboost_rag import KVBoostSettings
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.prefill import prefiller as prefill_module
-from kvboost_rag.repair.lookahead import look_ahead
+from kvboost_rag.hf.passes import run_now
+from kvboost_rag.repair.lookahead import look_ahead_steps
 from kvboost_rag.repair.probe import attention_scores, run_probe
 from kvboost_rag.repair.selection import select_highest
 
@@ -39,6 +40,11 @@ def stale_prompt(adapter: ModelAdapter, n: int, capacity: int):
     live = torch.zeros(n, dtype=torch.bool)
     live[n - 4 :] = True
     return ids, keys, values, logits, stale, live
+
+
+def look_ahead(adapter, *args) -> int:
+    """The lookahead repair run at once (no engine loop)."""
+    return run_now(adapter, look_ahead_steps(adapter, *args))
 
 
 def test_lookahead_recomputes_the_stale_tokens_the_first_answer_token_reads_most(adapter):
@@ -120,6 +126,6 @@ def test_a_failing_lookahead_reaches_the_caller(make_engine, docs, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("lookahead failed")
 
-    monkeypatch.setattr(prefill_module, "look_ahead", fail)
+    monkeypatch.setattr(prefill_module, "look_ahead_steps", fail)
     with pytest.raises(RuntimeError, match="lookahead failed"):
         _rag_run(make_engine, docs, lookahead_ratio=0.05)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from pydantic import BaseModel
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag.cache.storage.memory import MemoryTier
+from kvboost_rag.dev.threads import wait_for
 from kvboost_rag.request.documents import DocumentRegistry, make_record
 from kvboost_rag.request.hashing import prefix_hash, root_hash
 from kvboost_rag.request.plan import PromptTokens, build_plan
@@ -122,9 +126,9 @@ def test_warmed_beginning_is_pinned_and_survives_eviction(make_engine, docs):
 
 
 def test_generate_flows_one_way(make_engine, docs):
-    """One prompt enters each stage once, in order: text -> plan -> lookup and stitch
-    (prefill, cache manager) -> repair -> decode -> write-back; nothing calls back into the
-    engine facade or the request lifecycle."""
+    """One prompt enters each stage once, in order: text -> plan -> lookup (prefill, cache
+    manager) -> stitch -> repair -> decode -> write-back, on the request's thread and the engine
+    loop's; nothing calls back into the engine facade or the request lifecycle."""
     engine = make_engine("llama")
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:3])
@@ -142,11 +146,8 @@ def test_generate_flows_one_way(make_engine, docs):
         if callee.startswith("kvboost_rag.") and caller.startswith("kvboost_rag.") and callee != caller:
             calls.append((caller, callee, frame.f_code.co_name))
 
-    sys.setprofile(profile)
-    try:
+    with profiled(engine, profile):
         result = engine.generate(prompt, max_new_tokens=4)
-    finally:
-        sys.setprofile(None)
     assert result.content_hit_tokens > 0 and result.strategy == "attention"
     back = [c for c in calls if c[1] in ("kvboost_rag.engine", "kvboost_rag.generation.lifecycle") and c[0] != "kvboost_rag.engine"]
     assert back == [], f"calls back into the facade or the lifecycle: {sorted(set(back))}"
@@ -154,7 +155,7 @@ def test_generate_flows_one_way(make_engine, docs):
     entries = {
         ("kvboost_rag.request.text", "prompt"): "text",
         ("kvboost_rag.request.plan", "plan"): "plan",
-        ("kvboost_rag.prefill.prefiller", "run"): "prefill",
+        ("kvboost_rag.prefill.prefiller", "lookup"): "prefill",
         ("kvboost_rag.cache.manager", "match_prefix"): "lookup",
         ("kvboost_rag.cache.manager", "load"): "lookup",
         ("kvboost_rag.prefill.stitch", "stitch_documents"): "stitch",
@@ -270,25 +271,38 @@ def _handoffs(engine, prompt: str) -> tuple[list[str], list[str]]:
         if walk is not None and (not walk or walk[-1] != callee):
             walk.append(callee)
 
-    sys.setprofile(profile)
-    try:
+    with profiled(engine, profile):
         result = engine.generate(prompt, max_new_tokens=4)
-    finally:
-        sys.setprofile(None)
     assert result.content_hit_tokens > 0 and result.generated_tokens == 4
     return orchestrated, by_prefill
 
 
+@contextmanager
+def profiled(engine, profile) -> Iterator[None]:
+    """``profile`` on this thread and on the engine loop's (started afresh, after the work
+    before it left), for the duration."""
+    wait_for(lambda: not engine._loop.active)
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        yield
+    finally:
+        threading.setprofile(None)
+        sys.setprofile(None)
+        wait_for(lambda: not engine._loop.active)
+
+
 def test_one_prompt_enters_each_stage_package_once(make_engine, docs):
     """Handed from stage to stage, one prompt enters each stage package once, in order:
-    request (options, tokens, plan), the decode worker's admission (a place in its batch is
-    reserved before the prefill, which bounds memory), prefill, decoding (its loop one stage),
-    then the cache (counters and write-back, after the answer). Prefill hands the prompt to the
-    cache once (lookup, every chunk in one pass) and then to the repair. No package is entered
-    again after the walk left it."""
+    request (options, tokens, plan), prefill (the lookup on the request's thread, then its
+    passes on the engine loop's), decoding (the first token, its steps and the pieces read
+    back: one stage), then the cache (counters and write-back, after the answer). Prefill
+    hands the prompt to the cache once (lookup, every chunk in one pass) and then to the
+    repair. No package is entered again after the walk left it; the place in the batch is
+    the engine loop's (not a stage)."""
     engine = make_engine("llama")
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:3])
     orchestrated, by_prefill = _handoffs(engine, rag_prompt([docs[2], docs[0], docs[1]]))
-    assert orchestrated == ["request", "decode", "prefill", "decode", "cache"]
+    assert orchestrated == ["request", "prefill", "decode", "cache"]
     assert by_prefill == ["cache", "repair"]

@@ -1,4 +1,4 @@
-"""Continuous batching: concurrent generate/stream calls share decode steps."""
+"""Continuous batching: concurrent generate/stream calls share the engine loop's steps."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.decode.scheduler import DecodeScheduler
 from kvboost_rag.dev.threads import wait_for
+from kvboost_rag.engine_loop import BatchPlaces
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.hf.turns import ModelTurns
+from loop_hooks import record_decode_sizes
 
 
 def _prompts(docs: list[str]) -> list[str]:
@@ -33,10 +33,7 @@ def _reference(make_engine, docs, prompts, **options) -> list:
 
 
 def _record_steps(engine: KVBoost) -> list[int]:
-    sizes: list[int] = []
-    step = engine._scheduler._step
-    engine._scheduler._step = lambda sequences: (sizes.append(len(sequences)), step(sequences))[1]
-    return sizes
+    return record_decode_sizes(engine)
 
 
 def _concurrently(fn, items) -> list:
@@ -66,7 +63,7 @@ def test_concurrent_generates_share_steps_and_match_sequential_outputs(make_engi
     # Every token after the first came from one shared step (as its own token or an accepted
     # draft): no step ran a request twice.
     assert sum(sizes) == sum(r.generated_tokens - 1 - r.drafted_tokens + (r.finish_reason == "eos") for r in results)
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
 
 
 def test_concurrent_streams_yield_per_request(make_engine, docs):
@@ -95,7 +92,7 @@ def test_batch_size_cap_is_respected(make_engine, docs):
     assert max(sizes) == 2
     threaded = _concurrently(lambda p: engine.generate(p, max_new_tokens=10), prompts)
     assert [r.token_ids for r in threaded] == [r.token_ids for r in reference]
-    assert max(sizes) == 2 and engine._scheduler.peak_batch == 2
+    assert max(sizes) == 2 and engine._loop.peak_batch == 2
 
 
 def test_cache_memory_cap_is_respected(make_engine, docs):
@@ -115,23 +112,23 @@ def test_cache_memory_cap_is_respected(make_engine, docs):
 
 
 def test_admission_is_first_come_first_served():
-    scheduler = DecodeScheduler(lambda sequences: [], ModelTurns(), KVBoostSettings(max_batch_size=1))
-    first = scheduler.reserve(10)
+    places = BatchPlaces(KVBoostSettings(max_batch_size=1))
+    first = places.reserve(10)
     admitted: list[tuple[int, object]] = []
     threads = []
     for i in range(4):
-        thread = threading.Thread(target=lambda i=i: admitted.append((i, scheduler.reserve(10))))
+        thread = threading.Thread(target=lambda i=i: admitted.append((i, places.reserve(10))))
         thread.start()
         threads.append(thread)
-        wait_for(lambda: len(scheduler._waiting) == i + 1)  # it waits before the next arrives
-    scheduler.release(first)
+        wait_for(lambda: places.waiting == i + 1)  # it waits before the next arrives
+    places.release(first)
     for expected in range(4):
         wait_for(lambda: len(admitted) == expected + 1)
-        assert admitted[expected][0] == expected and scheduler.admitted == 1
-        scheduler.release(admitted[expected][1])
+        assert admitted[expected][0] == expected and places.admitted == 1
+        places.release(admitted[expected][1])
     for thread in threads:
         thread.join(5)
-    assert scheduler.admitted == 0
+    assert places.admitted == 0
 
 
 def test_a_failing_request_does_not_break_the_others(make_engine, docs):
@@ -143,47 +140,57 @@ def test_a_failing_request_does_not_break_the_others(make_engine, docs):
     assert isinstance(results[2], InvalidInputError) and isinstance(results[4], InvalidInputError)
     good = [r for r in results if not isinstance(r, Exception)]
     assert [r.token_ids for r in good] == [r.token_ids for r in reference]
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine, docs):
-    prompts = _prompts(docs)[:2]
-    engine = _engine(make_engine, docs)
-    step = engine._scheduler._step
-    failures = []
-
-    def failing_once(sequences):
-        if not failures:
-            failures.append(len(sequences))
-            raise RuntimeError("the model failed")
-        return step(sequences)
-
-    engine._scheduler._step = failing_once
-    results = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
-    assert all(isinstance(r, RuntimeError) for r in results) and failures == [2]
-    assert engine._scheduler.admitted == 0
-    again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+def test_a_failing_row_fails_its_request_alone_and_the_engine_goes_on(make_engine, docs):
+    """A pass that fails is run again row by row: the row that fails again ends its own
+    request only; the others' answers are their answers alone."""
+    prompts = _prompts(docs)[:3]
     full = [_engine(make_engine, docs).generate(p, max_new_tokens=6, reuse=False) for p in prompts]
+    engine = _engine(make_engine, docs)
+    real, poisoned = engine._adapter.forward_segments, []
+
+    def forward(segments):
+        rows = [s for s in segments if s.logits == len(s)]
+        if not poisoned and len(rows) > 1:
+            poisoned.append(rows[1].cache)
+        if any(s.cache is c for s in segments for c in poisoned):
+            raise RuntimeError("the model failed")
+        return real(segments)
+
+    engine._adapter.forward_segments = forward
+    results = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
+    failed = [r for r in results if isinstance(r, RuntimeError)]
+    assert len(failed) == 1 and poisoned
+    assert [r.token_ids for r, f in zip(results, full) if not isinstance(r, Exception)] == [
+        f.token_ids for r, f in zip(results, full) if not isinstance(r, Exception)
+    ]
+    assert engine._places.admitted == 0
+    engine._adapter.forward_segments = real
+    again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
     assert [r.token_ids for r in again] == [r.token_ids for r in full]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dying_worker_fails_its_requests_instead_of_leaving_them_waiting(make_engine, docs):
+def test_a_dying_loop_fails_its_requests_instead_of_leaving_them_waiting(make_engine, docs):
     class Stop(BaseException):
         pass
 
     prompts = _prompts(docs)[:3]
     engine = _engine(make_engine, docs)
-    step = engine._scheduler._step
+    loop = engine._loop
+    finish = loop._finish_rows
 
-    def dying(sequences):
-        engine._scheduler._step = step  # the next worker steps normally
+    def dying(rows, outputs):
+        loop._finish_rows = finish  # the next loop thread steps normally
         raise Stop()
 
-    engine._scheduler._step = dying
+    loop._finish_rows = dying
     with pytest.raises(Stop):
         engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
-    assert engine._scheduler.admitted == 0
+    wait_for(lambda: not loop.active)
+    assert engine._places.admitted == 0
     again = engine.generate_batch(prompts, max_new_tokens=6, reuse=False)
     assert all(r.generated_tokens == 6 for r in again)
 
@@ -192,7 +199,7 @@ def test_closing_a_stream_gives_its_place_back(make_engine, docs):
     engine = _engine(make_engine, docs, max_batch_size=1)
     stream = engine.stream(_prompts(docs)[0], max_new_tokens=200)
     next(stream)
-    assert engine._scheduler.admitted == 1
+    assert engine._places.admitted == 1
     stream.close()
     result = engine.generate(_prompts(docs)[1], max_new_tokens=4)  # would wait forever on a leaked place
     assert result.generated_tokens == 4

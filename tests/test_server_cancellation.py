@@ -1,17 +1,17 @@
 """A client that hangs up costs the server nothing more: over a real uvicorn server (in a
-thread) on the tiny model, a request whose client leaves while it waits for the model leaves
-the queue without a prefill, streamed or not, one prompt or several; many such clients leave
-no place, buffer or turn behind, and the answers of the clients that stay are unchanged.
+thread) on the tiny model, a request whose client leaves while its work waits in the engine
+loop's queue leaves it without a prefill, streamed or not, one prompt or several; many such
+clients leave no place, buffer or queued work behind, and the answers of the clients that
+stay are unchanged.
 
-The test holds the model (its turn for prompt work) so that each request waits there for sure
-while its client leaves: nothing depends on timing."""
+The test holds the engine loop (busy with another piece of work) so that each request waits
+in its queue for sure while its client leaves: nothing depends on timing."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import httpx
@@ -20,6 +20,7 @@ from server_helpers import MODEL, SETTINGS, server_engine
 
 from kvboost_rag.server import BackgroundServer
 from kvboost_rag.dev.threads import HUNG_SECONDS, wait_for
+from loop_hooks import loop_held
 
 
 
@@ -40,8 +41,13 @@ def prefills(engine, monkeypatch) -> list[int]:
     """Prompts the engine prefilled (their token counts) during the test."""
     seen: list[int] = []
     prefiller = engine._requests.prefiller
-    run = prefiller.run
-    monkeypatch.setattr(prefiller, "run", lambda plan, **kw: seen.append(plan.num_tokens) or run(plan, **kw))
+    steps = prefiller.steps
+
+    def recording(plan, found, **kw):  # counted when the loop starts the work, not before
+        seen.append(plan.num_tokens)
+        return (yield from steps(plan, found, **kw))
+
+    monkeypatch.setattr(prefiller, "steps", recording)
     return seen
 
 
@@ -64,19 +70,15 @@ def _send_raw(server, path: str, body: dict) -> socket.socket:
     return connection
 
 
-@contextmanager
-def model_held(engine):
-    """The model busy with another prompt's work for the duration."""
-    with engine._requests.turns.prompt_work():
-        yield
+model_held = loop_held
 
 
 def _waiting_requests(engine) -> int:
-    return engine._requests.turns._prompt_waiting + len(engine._scheduler._waiting)
+    return engine._loop.queued + engine._places.waiting
 
 
 def _assert_all_back(engine, server) -> None:
-    wait_for(lambda: _held(server) == 0 and engine._scheduler.admitted == 0 and _waiting_requests(engine) == 0)
+    wait_for(lambda: _held(server) == 0 and engine._places.admitted == 0 and _waiting_requests(engine) == 0)
 
 
 def test_a_streaming_client_gone_after_its_first_event_costs_no_prefill(server, engine, prefills):
@@ -84,7 +86,7 @@ def test_a_streaming_client_gone_after_its_first_event_costs_no_prefill(server, 
         with httpx.stream("POST", f"{server.url}/chat/completions", json=_chat("Hang up now.", True), timeout=HUNG_SECONDS) as r:
             lines = r.iter_lines()  # kept: dropping the iterator would close the response at once
             assert next(lines).startswith("data: ")  # the role chunk
-            wait_for(lambda: engine._requests.turns._prompt_waiting == 1)  # waiting for the model
+            wait_for(lambda: engine._loop.queued == 1)  # its work waits in the loop's queue
         wait_for(lambda: _waiting_requests(engine) == 0)  # it left the queue while the model was held
     _assert_all_back(engine, server)
     assert prefills == []
@@ -97,7 +99,7 @@ def test_a_streaming_client_gone_after_its_first_event_costs_no_prefill(server, 
 def test_a_client_gone_before_its_answer_is_sent_cancels_its_request(server, engine, prefills, path, body):
     with model_held(engine):
         connection = _send_raw(server, path, body)
-        wait_for(lambda: engine._requests.turns._prompt_waiting == 1)
+        wait_for(lambda: engine._loop.queued >= 1)  # one work a prompt
         connection.close()
         wait_for(lambda: _waiting_requests(engine) == 0)
     _assert_all_back(engine, server)
@@ -114,7 +116,7 @@ def test_many_clients_hanging_up_leave_nothing_behind_and_change_no_answer(serve
                               timeout=HUNG_SECONDS) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")
-                wait_for(lambda: engine._requests.turns._prompt_waiting == 1)
+                wait_for(lambda: engine._loop.queued == 1)
             wait_for(lambda: _waiting_requests(engine) == 0)
     _assert_all_back(engine, server)
     assert prefills == []

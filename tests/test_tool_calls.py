@@ -309,7 +309,7 @@ def test_a_batch_below_the_minimum_fails_before_any_prefill(engine):
     constraint = tool_choice_constraint(tool_specs([SEARCH]), "search")
     with pytest.raises(InvalidInputError, match="raise max_new_tokens to at least"):
         engine.generate_batch(["Search.", "Again."], max_new_tokens=4, constraint=constraint)
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
 
 
 def test_parallel_choice_takes_several_calls_and_single_takes_one(engine):

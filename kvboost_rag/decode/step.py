@@ -3,9 +3,9 @@
 A :class:`DecodeSequence` is one prompt after its prefill: its cache, the position of its
 next token, its options, sampler, text assembler and budget. :func:`decode_step` feeds the
 pending token of every sequence, and the tokens drafted after it
-(:mod:`kvboost_rag.decode.drafting`), through the model in one forward pass
-(:meth:`~kvboost_rag.hf.adapter.ModelAdapter.forward_rows`: each sequence at its own position
-over its own cache) and hands each sequence its logits. A sequence then chooses its tokens one
+(:mod:`kvboost_rag.decode.drafting`), through the model in one forward pass (:class:`DecodeRows`:
+each sequence a segment of a packed pass, at its own positions over its own cache, beside the
+prompt work the engine loop runs in the same pass) and hands each sequence its logits. A sequence then chooses its tokens one
 by one exactly as plain decoding would (greedy, sampling, constraint, repetition penalty), and
 keeps going through the logits of its drafts while the token it chose is the one drafted: each
 accepted draft is a token produced without a forward pass of its own. At the first token that
@@ -24,7 +24,7 @@ the ones plain sampling draws, one draw per token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +36,7 @@ from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, next_to
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import ModelCache, truncate_cache
 from kvboost_rag.hf.captured import CapturedRows, Row, Slot
+from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.request.options import GenerationOptions
 
 FinishReason = Literal["stop", "eos", "length"]
@@ -58,9 +59,6 @@ class DecodeSequence:
         finish_reason: Set once it is done.
         finished_at: ``time.perf_counter()`` when it was done.
         step_logits: The logits of each step, kept on the host when ``options.return_logits``.
-        before_first_step: Work on its cache that must run once its first token is chosen and
-            before that token is decoded (the lookahead repair); the decode worker runs it
-            when the sequence joins, so the first token is already on its way.
         make_drafter: Builds its drafter at its first step (``None``: it never drafts).
         drafts: What it drafted and how much of it was accepted.
         slot: Its slot of the captured steps' pool when it decodes through captured steps
@@ -80,7 +78,6 @@ class DecodeSequence:
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    before_first_step: Callable[[], None] | None = None
     make_drafter: Callable[[], Drafter] | None = None
     drafts: SequenceDrafts = field(default_factory=SequenceDrafts)
     slot: Slot | None = None
@@ -187,6 +184,100 @@ class StepResult:
     error: BaseException | None = None
 
 
+@dataclass
+class DecodeRows:
+    """One step's decode rows: every sequence's pending token and its draft.
+
+    Sequences with a slot of the captured steps' pool run through captured steps; the others
+    are :meth:`segments` of the step's packed pass (beside prompt work, in the engine loop).
+
+    Attributes:
+        sequences: The sequences (not done, each with a pending ``token``).
+        drafts: Each one's draft and the proposal it came from.
+        slotted: Whether each one runs through the captured steps.
+    """
+
+    sequences: list[DecodeSequence]
+    drafts: list[tuple[list[int], Proposal | None]]
+    slotted: list[bool]
+
+    @classmethod
+    def plan(
+        cls,
+        sequences: Sequence[DecodeSequence],
+        policy: DraftPolicy | None = None,
+        captured: CapturedRows | None = None,
+        row_tokens: int | None = None,
+    ) -> DecodeRows:
+        """Each sequence's row of the next step (its draft chosen by ``policy``; ``None``: no
+        drafts), at most ``row_tokens`` tokens a row (``None``: as many as the policy
+        drafts)."""
+        slotted = [captured is not None and s.slot is not None for s in sequences]
+        per_row = None if captured is None or not any(slotted) else max(1, captured.max_tokens // sum(slotted))
+        caps = [per_row if flag else row_tokens for flag in slotted]
+        drafts = _drafts(sequences, policy, caps)
+        return cls(list(sequences), drafts, slotted)
+
+    def subset(self, indexes: Sequence[int]) -> DecodeRows:
+        """The rows of these sequences only (in order)."""
+        return DecodeRows(
+            [self.sequences[i] for i in indexes], [self.drafts[i] for i in indexes], [self.slotted[i] for i in indexes]
+        )
+
+    @property
+    def width(self) -> int:
+        """The token bucket of the longest row (what step costs are kept by)."""
+        return token_bucket(1 + max((len(d) for d, _ in self.drafts), default=0))
+
+    @property
+    def packed_rows(self) -> int:
+        """Rows that are segments of the packed pass (not run through captured steps)."""
+        return sum(1 for slotted in self.slotted if not slotted)
+
+    @property
+    def packed_tokens(self) -> int:
+        """Tokens those rows feed in all (pending tokens and drafts)."""
+        return sum(1 + len(draft) for (draft, _), slotted in zip(self.drafts, self.slotted) if not slotted)
+
+    def segments(self) -> list[Segment]:
+        """The rows not run through captured steps, as segments of a packed pass: the pending
+        token and the draft at the sequence's next positions, every token's logits back."""
+        out = []
+        for sequence, (draft, _), slotted in zip(self.sequences, self.drafts, self.slotted):
+            if slotted:
+                continue
+            tokens = [sequence.token, *draft]
+            positions = torch.arange(sequence.position, sequence.position + len(tokens))
+            out.append(Segment(torch.tensor(tokens), positions, sequence.cache, logits=len(tokens)))  # type: ignore[arg-type]
+        return out
+
+    def finish(
+        self, outputs: Sequence[SegmentOutput], policy: DraftPolicy | None = None, captured: CapturedRows | None = None
+    ) -> list[StepResult]:
+        """Hand each sequence its logits (``outputs``: those of :meth:`segments`, in order; the
+        captured rows run here) and choose its next tokens.
+
+        Returns:
+            One result per sequence, in order. Choosing or detokenizing a token that fails ends
+            that sequence only (its ``error``); the others go on.
+        """
+        rows: list[tuple[torch.Tensor, list[int] | None]] = []
+        eager = [s for s, slotted in zip(self.sequences, self.slotted) if not slotted]
+        eager_rows = iter(_with_argmax([output.logits for output in outputs], eager))
+        slotted_indexes = [i for i, flag in enumerate(self.slotted) if flag]
+        captured_rows: Iterator = iter(())
+        if slotted_indexes:
+            assert captured is not None, "rows in slots need the captured steps"
+            captured_rows = iter(_captured_rows(
+                captured, [self.sequences[i] for i in slotted_indexes], [self.drafts[i][0] for i in slotted_indexes]
+            ))
+        rows = [next(captured_rows) if slotted else next(eager_rows) for slotted in self.slotted]
+        return [
+            _advance(sequence, logits, draft, proposal, policy, argmax)
+            for sequence, (logits, argmax), (draft, proposal) in zip(self.sequences, rows, self.drafts)
+        ]
+
+
 def decode_step(
     adapter: ModelAdapter,
     sequences: Sequence[DecodeSequence],
@@ -194,7 +285,8 @@ def decode_step(
     captured: CapturedRows | None = None,
 ) -> list[StepResult]:
     """Feed every sequence's pending token, and its draft, in one forward pass and choose its
-    next tokens.
+    next tokens (a step of decode rows alone; the engine loop runs :class:`DecodeRows` beside
+    prompt work instead).
 
     Args:
         adapter: The model adapter.
@@ -204,52 +296,37 @@ def decode_step(
             in one step, or a few when they hold more tokens than one step takes).
 
     Returns:
-        One result per sequence, in order. Choosing or detokenizing a token that fails ends
-        that sequence only (its ``error``); the others go on.
+        One result per sequence, in order (see :meth:`DecodeRows.finish`).
 
     Raises:
         Exception: Whatever the forward pass raised (no sequence advanced).
     """
-    in_slots = [captured is not None and s.slot is not None for s in sequences]
-    per_row = None if captured is None or not any(in_slots) else max(1, captured.max_tokens // sum(in_slots))
-    drafts = _drafts(sequences, policy, [per_row if slotted else None for slotted in in_slots])
+    rows = DecodeRows.plan(sequences, policy, captured)
     start = time.perf_counter()
-    rows: list[tuple[torch.Tensor, list[int] | None]] = [None] * len(sequences)  # type: ignore[list-item]
-    eager = [i for i, slotted in enumerate(in_slots) if not slotted]
-    if eager:
-        for i, row in zip(eager, _eager_rows(adapter, [sequences[i] for i in eager], [drafts[i][0] for i in eager])):
-            rows[i] = row
-    slotted = [i for i, flag in enumerate(in_slots) if flag]
-    if slotted:
-        assert captured is not None
-        for i, row in zip(slotted, _captured_rows(captured, [sequences[i] for i in slotted], [drafts[i][0] for i in slotted])):
-            rows[i] = row
-    results = [
-        _advance(sequence, logits, draft, proposal, policy, argmax)
-        for sequence, (logits, argmax), (draft, proposal) in zip(sequences, rows, drafts)
-    ]
+    segments = rows.segments()
+    outputs = adapter.forward_segments(segments) if segments else []
+    results = rows.finish(outputs, policy, captured)
     if policy is not None:
-        width = token_bucket(1 + max(len(d) for d, _ in drafts))
-        policy.costs.record(len(sequences), width, time.perf_counter() - start)
+        policy.costs.record(len(sequences), rows.width, time.perf_counter() - start)
     return results
 
 
-def _eager_rows(
-    adapter: ModelAdapter, sequences: Sequence[DecodeSequence], drafts: Sequence[list[int]]
+def _with_argmax(
+    logits: Sequence[torch.Tensor | None], sequences: Sequence[DecodeSequence]
 ) -> list[tuple[torch.Tensor, list[int] | None]]:
-    """Each sequence's ``[1 + draft, vocab]`` logits from one eager forward pass over the
-    sequences' own caches, and their argmax where the sequence decodes plain greedy."""
-    width = token_bucket(1 + max(len(d) for d in drafts))
-    tokens = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, (sequence, draft) in enumerate(zip(sequences, drafts)):
-        row = [sequence.token, *draft]
-        tokens[b, : len(row)] = torch.tensor(row)
-        tokens[b, len(row) :] = row[-1]
-    positions = torch.tensor([s.position for s in sequences])
-    counts = [1 + len(d) for d in drafts]
-    logits = adapter.forward_rows(tokens, positions, counts, [s.cache for s in sequences])  # [batch, width, vocab]
-    argmax = _argmax_if_greedy(logits, sequences)
-    return [(logits[b, : counts[b]], None if argmax is None else argmax[b]) for b in range(len(sequences))]
+    """Each row's ``[tokens, vocab]`` logits and, for the sequences that decode plain greedy,
+    their argmax, read from the device in one copy."""
+    greedy = [plain_greedy(s.options, s.sampling) for s in sequences]
+    argmax: list[list[int] | None] = [None] * len(sequences)
+    picked = [rows for rows, plain in zip(logits, greedy) if plain]
+    if picked:
+        flat = torch.cat(picked).argmax(dim=-1).tolist()  # type: ignore[arg-type]
+        offset = 0
+        for i, (rows, plain) in enumerate(zip(logits, greedy)):
+            if plain:
+                count = rows.shape[0]  # type: ignore[union-attr]
+                argmax[i], offset = flat[offset : offset + count], offset + count
+    return [(rows, picked_argmax) for rows, picked_argmax in zip(logits, argmax)]  # type: ignore[misc]
 
 
 def _captured_rows(
@@ -285,20 +362,11 @@ def _captured_rows(
     return out
 
 
-def _argmax_if_greedy(logits: torch.Tensor, sequences: Sequence[DecodeSequence]) -> list[list[int] | None] | None:
-    """Every row's argmax in one device read, for the sequences that decode plain greedy."""
-    greedy = [plain_greedy(s.options, s.sampling) for s in sequences]
-    if not any(greedy):
-        return None
-    argmax = logits.argmax(dim=-1).tolist()
-    return [row if plain else None for row, plain in zip(argmax, greedy)]
-
-
 def _drafts(
     sequences: Sequence[DecodeSequence], policy: DraftPolicy | None, caps: Sequence[int | None]
 ) -> list[tuple[list[int], Proposal | None]]:
     """Each sequence's draft for this step and the proposal it came from (``caps``: most
-    tokens a row may run in all, where a captured step bounds it)."""
+    tokens a row may run in all, where a captured step or the step's budget bounds it)."""
     drafts: list[tuple[list[int], Proposal | None]] = []
     for sequence, cap in zip(sequences, caps):
         proposal = sequence.propose() if policy is not None and policy.max_tokens and cap != 1 else None

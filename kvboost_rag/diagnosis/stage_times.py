@@ -2,7 +2,9 @@
 
 A call marks its stages (tokenize, plan, lookup, stitch, probe, select, blend, ...) with :func:`stage`; a
 caller that wants the times wraps a call in :func:`record_stages` and reads the yielded
-dict. Outside :func:`record_stages` a stage costs one thread-local read and nothing is
+dict. Work another thread runs for the call (its prompt work in the engine loop) records into
+the same dict (:func:`current`, :func:`recording_into`); a stage whose block spans a pass the
+loop runs counts the pass (and whatever else the loop ran meanwhile: time one call at a time). Outside :func:`record_stages` a stage costs one thread-local read and nothing is
 recorded. A stage's time excludes the stages nested in it. On CUDA the device is synchronized at each stage boundary while recording, so the
 times are the work's and not the launch's.
 """
@@ -36,6 +38,28 @@ def record_stages(synchronize: bool = True) -> Iterator[dict[str, float]]:
     _state.times, _state.nested, _state.sync = times, [0.0], synchronize
     try:
         yield times
+    finally:
+        _state.times, _state.nested, _state.sync = previous
+
+
+Recording = tuple[dict[str, float], list[float], bool]
+
+
+def current() -> Recording | None:
+    """What this thread records stages into (``None``: nothing), for work another thread runs
+    on its behalf."""
+    times = getattr(_state, "times", None)
+    return None if times is None else (times, _state.nested, _state.sync)
+
+
+@contextlib.contextmanager
+def recording_into(recording: Recording | None) -> Iterator[None]:
+    """Within the block, stages on this thread record into ``recording`` (from
+    :func:`current` on another thread; ``None``: nothing is recorded)."""
+    previous = getattr(_state, "times", None), getattr(_state, "nested", None), getattr(_state, "sync", True)
+    _state.times, _state.nested, _state.sync = recording if recording is not None else (None, None, True)
+    try:
+        yield
     finally:
         _state.times, _state.nested, _state.sync = previous
 

@@ -1,9 +1,13 @@
-"""The request lifecycle: from a prompt's tokens to its result, beside the decode scheduler.
+"""The request lifecycle: from a prompt's tokens to its result, through the engine loop.
 
-:class:`Requests` runs ``generate``/``stream``/``generate_batch``: plan, prefill (lookup,
-stitch, repair), the first token, hand-over to the decode worker
-(:class:`~kvboost_rag.decode.scheduler.DecodeScheduler`), the result, and the write-back of what the
-prompt taught. Nothing here calls back into the engine facade.
+:class:`Requests` runs ``generate``/``stream``/``generate_batch``. On the caller's thread: the
+prompt's tokens and plan, its place in the batch
+(:class:`~kvboost_rag.engine_loop.places.BatchPlaces`), its buffers, the cache lookup. Then its
+prompt work goes to the engine loop (:class:`~kvboost_rag.engine_loop.loop.EngineLoop`):
+stitch, repair, prefill in slices beside the running answers, the first token, and the
+sequence joining the running batch. The caller reads the text pieces as the loop decodes them,
+builds the result and hands what the prompt taught to the write-back. Nothing here calls back
+into the engine facade.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -20,11 +25,10 @@ import torch
 
 from kvboost_rag.cancellation import Cancellation, ambient
 from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
-from kvboost_rag.decode.drafting import drafter_for
-from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler, make_generator
-from kvboost_rag.decode.scheduler import DecodeHandle, DecodeScheduler, Reservation
+from kvboost_rag.decode.handle import DecodeHandle
 from kvboost_rag.decode.step import DecodeSequence
 from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.engine_loop import BatchPlaces, Reservation
 from kvboost_rag.errors import InvalidInputError, KVBoostError, RequestCancelled, UnsupportedModelError
 from kvboost_rag.generation.missed_documents import (
     explain_evicted_documents,
@@ -32,8 +36,10 @@ from kvboost_rag.generation.missed_documents import (
 )
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.generation.host_buffers import HostBufferPool
+from kvboost_rag.generation.request_work import RequestWork, Started
 from kvboost_rag.generation.slots import Lease, SlotLease
 from kvboost_rag.hf.captured import SlotPool
+from kvboost_rag.hf.passes import PassSteps
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.prefiller import SPARE_ROWS
@@ -95,8 +101,9 @@ class Request:
         sequence: Its decode state.
         ttft_ms: Wall time from the call to its first token.
         first_pieces: Text of the first token, not yielded yet.
-        reservation: Its place in the batch while it is not handed to the decode worker yet.
-        handle: Its place in the decode worker's batch once handed over.
+        reservation: Its place in the batch while its sequence has not joined the running
+            batch (a first token that ended it; once joined, the loop gives it back).
+        handle: Its sequence's pieces, once it joined the running batch.
         lease: Its K/V buffers on loan: a slot of the captured steps' pool, or buffers of the
             host buffer pool (``None``: buffers of its own).
         cancellation: The call's cancellation: once set, its sequence leaves the batch.
@@ -116,14 +123,10 @@ class Request:
     cancellation: Cancellation | None = None
     unwatch: Callable[[], None] | None = None
 
-    def submit(self, scheduler: DecodeScheduler) -> None:
-        """Hand the sequence to the decode worker (it joins the batch at the next step)."""
-        submit_together([self], scheduler)
-
-    def close(self, scheduler: DecodeScheduler) -> None:
+    def close(self, places: BatchPlaces) -> None:
         """Give its place back: out of the batch at the next step if it is still decoding."""
         if self.reservation is not None:
-            scheduler.release(self.reservation)
+            places.release(self.reservation)
             self.reservation = None
         if self.handle is not None:
             handle, self.handle = self.handle, None
@@ -145,15 +148,69 @@ class Request:
         return None if lease is None else partial(lease.release, "request")
 
 
-def submit_together(requests: Sequence[Request], scheduler: DecodeScheduler) -> None:
-    """Hand the sequences of ``requests`` not handed over yet to the decode worker; they join
-    the same step."""
-    pending = [request for request in requests if request.reservation is not None]
-    handles = scheduler.submit_many([(request.sequence, request.reservation) for request in pending])
-    for request, handle in zip(pending, handles):
-        request.handle, request.reservation = handle, None
-        if request.cancellation is not None:
-            request.unwatch = request.cancellation.watch(handle.cancel)
+@dataclass
+class Pending:
+    """A request whose prompt work the engine loop runs; :meth:`wait` gives the request.
+
+    Attributes:
+        plan: Its plan.
+        options: Its options.
+        start: ``perf_counter`` at the call.
+        steps: Its prompt work, until it is handed to the loop.
+        reservation: Its place in the batch.
+        lease: Its K/V buffers on loan.
+        cancellation: The call's cancellation.
+        future: The prompt work's future (a :class:`Started`), once handed to the loop.
+    """
+
+    plan: PromptPlan
+    options: GenerationOptions
+    start: float
+    steps: PassSteps[Started] | None
+    reservation: Reservation
+    lease: Lease | None
+    cancellation: Cancellation
+    future: Future | None = None
+
+    def wait(self, places: BatchPlaces) -> Request:
+        """The request once its first token is chosen (its place and buffers go back when it
+        failed or was cancelled first).
+
+        Raises:
+            RequestCancelled: The call was cancelled before its first token.
+            Exception: What ended its prompt work.
+        """
+        assert self.future is not None, "wait for a request handed to the engine loop"
+        try:
+            started: Started = _settled(self.future, self.cancellation)
+        except BaseException:
+            places.release(self.reservation)
+            if self.lease is not None:
+                self.lease.release("request")
+            raise
+        joined = started.handle is not None
+        request = Request(
+            self.plan, self.options, self.start, started.outcome, started.sequence,
+            (started.first_token_at - self.start) * 1000, started.first_pieces,
+            None if joined else self.reservation, started.handle, self.lease, self.cancellation,
+        )
+        if started.handle is not None:
+            request.unwatch = self.cancellation.watch(started.handle.cancel)
+        else:
+            request.close(places)
+        return request
+
+
+def _settled(future: Future, cancellation: Cancellation):
+    """The future's result; an interrupted wait cancels the work and waits until the loop
+    dropped it (its buffers may go back only then)."""
+    try:
+        return future.result()
+    except BaseException:
+        if not future.done():
+            cancellation.cancel()
+            future.exception()
+        raise
 
 
 class Requests:
@@ -161,7 +218,7 @@ class Requests:
 
     Args:
         parts: The engine's parts.
-        scheduler: The decode worker.
+        places: The batch's places.
         constraints: Compiles output constraints.
         eos_ids: End-of-sequence token ids.
         slots: The captured steps' pool, when the engine decodes through captured steps: each
@@ -174,15 +231,15 @@ class Requests:
     def __init__(
         self,
         parts: EngineParts,
-        scheduler: DecodeScheduler,
+        places: BatchPlaces,
         constraints: ConstraintCompiler,
         eos_ids: frozenset[int],
         slots: SlotPool | None = None,
         host_buffers: HostBufferPool | None = None,
     ) -> None:
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
-        self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
-        self.parts, self.scheduler, self.constraints, self.eos_ids = parts, scheduler, constraints, eos_ids
+        self.tokenizing, self.planner, self.prefiller, self.loop = parts.tokenizing, parts.planner, parts.prefiller, parts.loop
+        self.parts, self.places, self.constraints, self.eos_ids = parts, places, constraints, eos_ids
         self.slots, self.host_buffers = slots, host_buffers
 
     def stream(self, prompt: str, options: GenerationOptions, start: float) -> GenerationStream:
@@ -207,13 +264,6 @@ class Requests:
             # Shared by every prompt: a bad one, or too small a budget for it, fails the call.
             self.constraints.compile(resolved.constraint, resolved.max_new_tokens)
         outputs: list[GenerationResult | Exception | None] = [None] * len(prompts)
-        started: list[tuple[int, Request]] = []
-
-        def submit_all() -> None:
-            # The prefilled prompts join the batch together (and before a prefill waits for
-            # a place, so the places they hold can free up).
-            submit_together([request for _, request in started], self.scheduler)
-
         tokenized: list[tuple[int, PromptTokens]] = []
         for i, prompt in enumerate(prompts):
             try:
@@ -222,30 +272,73 @@ class Requests:
                 outputs[i] = error
         if resolved.reuse:
             self._store_common_beginning([tokens for _, tokens in tokenized])
+        cancellation = Cancellation()
+        unfollow = cancellation.follow(ambient())
+        pending: list[tuple[int, Pending]] = []
+        started: list[Request] = []
+        waited = 0
         try:
-            cancellation = ambient()
-            for i, tokens in tokenized:
+            pending = self._submit_batch(tokenized, resolved, start, cancellation, outputs)
+            for waited, (i, waiting) in enumerate(pending, start=1):
                 try:
-                    started.append(
-                        (i, self._start(tokens, resolved, start, hold=True, on_wait=submit_all, cancellation=cancellation))
-                    )
+                    request = waiting.wait(self.places)
                 except KVBoostError as error:
                     outputs[i] = error
-            submit_all()
-            for i, request in started:  # the decode worker runs every started prompt meanwhile
-                follow = self._follow(request, end_at_last_token=True)
-                try:
-                    while True:
-                        next(follow)
-                except StopIteration as stop:
-                    outputs[i] = stop.value
-                except Exception as error:  # noqa: BLE001 - what ended this prompt's decoding ends it alone
-                    outputs[i] = error
+                    continue
+                started.append(request)
+                outputs[i] = self._follow_to_end(request)
         finally:
-            for _, request in started:
-                request.close(self.scheduler)
+            cancellation.cancel()  # what was not followed (an error above) stops
+            for _, waiting in pending[waited:]:
+                _drain(waiting, self.places)
+            for request in started:
+                request.close(self.places)
                 request.release_slot()
+            unfollow()
         return cast("list[GenerationResult | Exception]", outputs)  # every entry is set above
+
+    def _submit_batch(
+        self,
+        tokenized: Sequence[tuple[int, PromptTokens]],
+        options: GenerationOptions,
+        start: float,
+        cancellation: Cancellation,
+        outputs: list[GenerationResult | Exception | None],
+    ) -> list[tuple[int, Pending]]:
+        """Prepare every prompt of a batch and hand them to the loop together (their passes
+        then share its steps); when a prompt has to wait for a place, those prepared so far
+        are handed over first, so places can free up. A prompt refused alone gets its error in
+        ``outputs``."""
+        pending: list[tuple[int, Pending]] = []
+        held: list[Pending] = []
+
+        def hand_over() -> None:
+            self._hand_over(held)
+            held.clear()
+
+        try:
+            for i, tokens in tokenized:
+                try:
+                    prepared = self._prepare(tokens, options, start, cancellation=cancellation, on_wait=hand_over)
+                except KVBoostError as error:
+                    outputs[i] = error
+                    continue
+                held.append(prepared)
+                pending.append((i, prepared))
+        finally:
+            hand_over()
+        return pending
+
+    def _follow_to_end(self, request: Request) -> GenerationResult | Exception:
+        """A batch prompt's result, or what ended its decoding."""
+        follow = self._follow(request, end_at_last_token=True)
+        try:
+            while True:
+                next(follow)
+        except StopIteration as stop:
+            return stop.value
+        except Exception as error:  # noqa: BLE001 - what ended this prompt's decoding ends it alone
+            return error
 
     def _store_common_beginning(self, prompts: Sequence[PromptTokens]) -> None:
         """Compute once, and store, the leading tokens several prompts share (at least one
@@ -261,8 +354,7 @@ class Requests:
             return
         tokens = PromptTokens(first.text[: first.offsets[common - 1][1]], first.ids[:common], first.offsets[:common])
         plan = self.planner.plan(tokens, find_documents=False, content_reuse=False, lookup_limit=common)
-        with self.turns.prompt_work():
-            outcome = self.prefiller.run(plan)
+        outcome = self.loop.run(self.prefiller.steps(plan, self.prefiller.lookup(plan)))
         if outcome.logits is not None:  # something was computed: store it
             self.cache.write_back(plan, outcome, store_documents=False)
 
@@ -279,102 +371,79 @@ class Requests:
         cancellation = stream.cancellation
         unfollow = cancellation.follow(ambient())  # iterated under an async bridge's cancellation
         try:
-            request = self._start(tokens, options, start, guide=guide, cancellation=cancellation)
+            request = self._submit(tokens, options, start, guide=guide, cancellation=cancellation).wait(self.places)
             try:
                 stream.result = yield from self._follow(request, end_at_last_token=False)
             finally:
-                request.close(self.scheduler)
+                request.close(self.places)
         except RequestCancelled:
             if not cancellation.cancelled:
                 raise
         finally:
             unfollow()
 
-    def _start(
+    def _submit(
+        self, tokens: PromptTokens, options: GenerationOptions, start: float, *, guide: GrammarGuide | None = None,
+        cancellation: Cancellation,
+    ) -> Pending:
+        """:meth:`_prepare` one prompt and hand it to the engine loop."""
+        pending = self._prepare(tokens, options, start, guide=guide, cancellation=cancellation)
+        self._hand_over([pending])
+        return pending
+
+    def _prepare(
         self,
         tokens: PromptTokens,
         options: GenerationOptions,
         start: float,
         *,
-        hold: bool = False,
-        on_wait: Callable[[], None] | None = None,
         guide: GrammarGuide | None = None,
-        cancellation: Cancellation | None = None,
-    ) -> Request:
-        """Plan and prefill a prompt and choose its first token, after waiting for a place in
-        the batch.
+        cancellation: Cancellation,
+        on_wait: Callable[[], None] | None = None,
+    ) -> Pending:
+        """Plan a prompt, wait for its place in the batch, take its buffers, look it up, and
+        make its prompt work (prefill, first token, joining the batch).
 
         Args:
             tokens: The prompt.
             options: Its options.
             start: ``perf_counter`` at the call.
-            hold: Keep the sequence until :meth:`Request.submit` (a batch joins at once);
-                else it is handed to the decode worker now (unless its first token ended it).
-            on_wait: Called once if the request must wait for a place.
             guide: The state of the output constraint, already compiled (else compiled here
                 from ``options.constraint``, when set: every sequence has its own).
-            cancellation: The call's: waiting for a place or a turn ends once it is set, the
-                prefill stops at its next chunk boundary, the sequence leaves the batch.
+            cancellation: The call's: waiting for a place ends once it is set, the loop drops
+                its prompt work at the next step, its sequence leaves the batch.
+            on_wait: Called once if it must wait for a place.
 
         Raises:
-            RequestCancelled: ``cancellation`` was set before the first token.
+            RequestCancelled: ``cancellation`` was set before a place came.
         """
         n = len(tokens)
         budget = self._output_budget(n, options)
         if guide is None and options.constraint is not None:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
-        reservation = self.scheduler.reserve(self._kv_bytes(n + budget), on_wait=on_wait, cancellation=cancellation)
+        reservation = self.places.reserve(self._kv_bytes(n + budget), cancellation, on_wait)
         lease = self._lease(n + budget + SPARE_ROWS)
         if lease is not None:
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
-            with self.turns.prompt_work(cancellation):
-                outcome = self.prefiller.run(
-                    plan, reuse=options.reuse, buffers=lease.buffers if lease else None, slot=lease.slot if lease else None
-                )
-            sequence, first_pieces = self._first_token(plan, outcome, budget, options, guide, lease)
+            found = self.prefiller.lookup(plan) if options.reuse else None
+            work = RequestWork(plan, options, budget, guide, reservation, self.eos_ids)
+            steps = work.steps(self.prefiller, found, self.adapter, lease)
         except BaseException:
-            self.scheduler.release(reservation)
+            self.places.release(reservation)
             if lease is not None:
                 lease.release("request")
             raise
-        ttft_ms = (time.perf_counter() - start) * 1000
-        request = Request(
-            plan, options, start, outcome, sequence, ttft_ms, first_pieces, reservation, lease=lease,
-            cancellation=cancellation,
-        )
-        if sequence.done:
-            request.close(self.scheduler)
-        elif not hold:
-            request.submit(self.scheduler)
-        return request
+        return Pending(plan, options, start, steps, reservation, lease, cancellation)
 
-    def _first_token(
-        self,
-        plan: PromptPlan,
-        outcome: PrefillOutcome,
-        budget: int,
-        options: GenerationOptions,
-        guide: GrammarGuide | None,
-        lease: Lease | None,
-    ) -> tuple[DecodeSequence, list[str]]:
-        """The prefilled prompt's decode state, and the text pieces of its first token."""
-        sequence = DecodeSequence(
-            cache=outcome.cache,
-            position=plan.num_tokens,
-            budget=budget,
-            options=options,
-            sampling=SequenceSampling(make_generator(options.seed, self.adapter.device), guide),
-            assembler=TextAssembler(self.adapter.tokenizer, options.stop),
-            eos_ids=self.eos_ids,
-            make_drafter=partial(drafter_for, plan),
-            slot=None if lease is None else lease.slot,
-        )
-        first_pieces = sequence.choose(outcome.logits)
-        if outcome.follow_up is not None and not sequence.done:
-            sequence.before_first_step = partial(_look_ahead, outcome, sequence)
-        return sequence, first_pieces
+    def _hand_over(self, pending: Sequence[Pending]) -> None:
+        """Hand prepared prompts' work to the engine loop together."""
+        if not pending:
+            return
+        futures = self.loop.submit_many([(p.steps, p.cancellation) for p in pending], request=True)
+        for waiting, future in zip(pending, futures):
+            waiting.future, waiting.steps = future, None
 
     def _lease(self, capacity: int) -> Lease | None:
         """K/V buffers of ``capacity`` tokens on loan: a slot of the captured steps' pool, else
@@ -394,7 +463,7 @@ class Requests:
         taught, and return its :class:`GenerationResult`.
 
         Args:
-            request: From :meth:`_start`.
+            request: From :meth:`Pending.wait`.
             end_at_last_token: ``total_ms`` ends at the last token (a batch) rather than
                 after the write-back (one call).
         """
@@ -405,7 +474,7 @@ class Requests:
                 yield from request.handle.pieces()
             decoded = _decoded(sequence, options)  # what decoding produced, read once it is over
         finally:
-            request.close(self.scheduler)
+            request.close(self.places)
             self._store_what_it_taught(request)
         end = sequence.finished_at if end_at_last_token and sequence.finished_at is not None else time.perf_counter()
         token_ids, text, finish_reason, step_logits = decoded
@@ -525,14 +594,15 @@ class Requests:
         return True
 
 
-def _look_ahead(outcome: PrefillOutcome, sequence: DecodeSequence) -> None:
-    """Run a prefill's follow-up repair with the sequence's first token and count what it
-    recomputed (those tokens no longer count as read from cache)."""
-    if outcome.follow_up is None or sequence.token is None:
+def _drain(waiting: Pending, places: BatchPlaces) -> None:
+    """Let a request that will not be followed go (its work is cancelled): its place and
+    buffers go back once the loop dropped it."""
+    try:
+        request = waiting.wait(places)
+    except BaseException:  # noqa: BLE001 - cancelled or failed: already given back
         return
-    outcome.recomputed_tokens += outcome.follow_up(sequence.token)
-    if outcome.content_tokens:
-        outcome.recompute_ratio = outcome.recomputed_tokens / outcome.content_tokens
+    request.close(places)
+    request.release_slot()
 
 
 def _decoded(sequence: DecodeSequence, options: GenerationOptions) -> tuple[list[int], str, str, torch.Tensor | None]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvboost_rag.cache.manager import CacheManager
 from kvboost_rag.config import KVBoostSettings
-from kvboost_rag.hf.turns import ModelTurns
+from kvboost_rag.engine_loop import EngineLoop
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.documents import DocumentRecord
@@ -25,7 +25,7 @@ class EngineParts:
         tokenizing: Text to tokens.
         planner: Plans prompts.
         prefiller: Lookup, stitching, repair.
-        turns: The model lock (prefills, warms and decode steps take turns).
+        loop: The engine loop: runs every pass of prompt work and every decode step.
     """
 
     adapter: ModelAdapter
@@ -34,7 +34,7 @@ class EngineParts:
     tokenizing: Tokenizing
     planner: Planner
     prefiller: Prefiller
-    turns: ModelTurns
+    loop: EngineLoop
 
     def document_record(self, text: str, register: bool = True) -> DocumentRecord:
         """The stored record of ``text`` (read from the tiers, not re-tokenized), else a new

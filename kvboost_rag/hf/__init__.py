@@ -5,10 +5,10 @@ the engine's attention functions (:mod:`~kvboost_rag.hf.attention_switch`), runn
 decoder layers (:mod:`~kvboost_rag.hf.layers`), RoPE discovery (:mod:`~kvboost_rag.hf.rope`),
 attention windows (:mod:`~kvboost_rag.hf.windows`), feature probes
 (:mod:`~kvboost_rag.hf.probes`), the adapter the engine calls
-(:mod:`~kvboost_rag.hf.adapter`), captured steps: compiled graphs over a static K/V pool
-(:mod:`~kvboost_rag.hf.captured`), the model's turns between prompt work and decode steps
-(:mod:`~kvboost_rag.hf.turns`), and prompt passes in slices that pause for them
-(:mod:`~kvboost_rag.hf.passes`).
+(:mod:`~kvboost_rag.hf.adapter`), the packed pass of several sequences' tokens over their own
+K/V (:mod:`~kvboost_rag.hf.packed`), passes as requests of prompt work
+(:mod:`~kvboost_rag.hf.passes`), captured steps: compiled graphs over a static K/V pool
+(:mod:`~kvboost_rag.hf.captured`).
 """
 
 from kvboost_rag.hf.adapter import ModelAdapter

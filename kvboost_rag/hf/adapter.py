@@ -1,9 +1,10 @@
 """The model adapter: the engine's one handle on a transformers model.
 
 The rest of the engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` tensors and calls
-a few things here: a forward pass over chosen tokens at chosen positions on top of a cache, a
-pass through a range of layers (CacheBlend's selection, gradual filtering), one decode step of
-several sequences, a batched warm pass, and key re-rotation. What the model supports is
+a few things here: one packed pass over several sequences' tokens, each over its own cache
+(the engine loop's step: decode rows and slices of prompt work), a forward pass over chosen
+tokens at chosen positions on top of a cache, a pass through a range of layers (CacheBlend's
+selection, gradual filtering), and key re-rotation. What the model supports is
 probed once, at construction (:mod:`kvboost_rag.hf.probes`), and every fallback is named by
 :attr:`ModelAdapter.features`.
 """
@@ -24,17 +25,26 @@ from kvboost_rag.hf.attention_switch import AttentionSwitch
 from kvboost_rag.hf.caches import (
     BufferedCache,
     ModelCache,
-    RaggedCache,
     cache_keyword,
     cache_tensors,
 )
 from kvboost_rag.hf.fingerprint import model_fingerprint
 from kvboost_rag.hf.layers import DecoderLayers, StopForward
+from kvboost_rag.hf.packed import (
+    PACKED_ATTENTION,
+    PackedCache,
+    Segment,
+    SegmentOutput,
+    logits_index,
+    packed_ids,
+    packed_layout,
+    packed_positions,
+    split_outputs,
+)
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
-from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION
 from kvboost_rag.hf.rope import find_rope
 from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel
-from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, query_positions
+from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, last_query_attention, query_positions
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
 
@@ -174,101 +184,59 @@ class ModelAdapter:
         return logits[0, -1].float() if logits_to_keep == 1 else logits[0, -logits_to_keep:].float()
 
     @torch.inference_mode()
-    def forward_ragged(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]
-    ) -> torch.Tensor:
-        """One decode step of several sequences in one forward pass.
-
-        Row ``b`` runs token ``input_ids[b]`` at ``position_ids[b]`` over ``caches[b]``, which
-        must hold exactly positions ``0..position_ids[b] - 1``; its K/V is appended there.
-        Attention runs per row over the row's own cache (:mod:`kvboost_rag.hf.ragged_attention`), so
-        sequences of any lengths share the step without padding.
+    def forward_segments(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
+        """One forward pass over several segments, each over its own cache
+        (:mod:`kvboost_rag.hf.packed`): the running answers' next tokens and slices of prompt
+        work in one pass that reads the weights once. A model whose attention the packed pass
+        cannot replace (:attr:`ModelFeatures.batched_decoding` false) runs one pass per
+        segment instead.
 
         Args:
-            input_ids: ``[batch]`` tokens.
-            position_ids: ``[batch]`` their positions.
-            caches: One cache per row.
+            segments: The runs of tokens, in any order.
 
         Returns:
-            ``[batch, vocab]`` float32 logits.
-        """
-        return self.forward_rows(input_ids.view(-1, 1), position_ids, [1] * len(caches), caches)[:, 0]
-
-    @torch.inference_mode()
-    def forward_rows(
-        self, input_ids: torch.Tensor, first_positions: torch.Tensor, counts: Sequence[int], caches: Sequence[ModelCache]
-    ) -> torch.Tensor:
-        """A decode or verify step of several sequences in one forward pass.
-
-        Row ``b`` runs its first ``counts[b]`` tokens of ``input_ids[b]`` at positions
-        ``first_positions[b]`` on over ``caches[b]``, which must hold exactly the positions
-        before; their K/V is appended there. The rest of the row pads it to the step's width:
-        it is neither stored nor attended to.
-
-        Args:
-            input_ids: ``[batch, width]`` host tokens.
-            first_positions: ``[batch]`` position of each row's first token.
-            counts: Real tokens per row (1 to ``width``).
-            caches: One cache per row.
-
-        Returns:
-            ``[batch, width, vocab]`` float32 logits (a padded token's mean nothing).
+            Per segment, the logits of its last tokens it asked for and the attention it
+            recorded.
         """
         if not self.features.batched_decoding:
-            return self._rows_one_by_one(input_ids, first_positions, counts, caches)
-        return self.ragged_step(input_ids, first_positions, caches, counts)
-
-    def _rows_one_by_one(
-        self, input_ids: torch.Tensor, first_positions: torch.Tensor, counts: Sequence[int], caches: Sequence[ModelCache]
-    ) -> torch.Tensor:
-        """:meth:`forward_rows` as one forward pass per row (models whose attention the
-        ragged step cannot replace)."""
-        width = input_ids.shape[1]
-        out = torch.zeros((len(caches), width, self.vocab_width), dtype=torch.float32, device=self.device)
-        with self.small_rows.active():
-            for b, cache in enumerate(caches):
-                real, first = counts[b], int(first_positions[b])
-                positions = torch.arange(first, first + real)
-                out[b, :real] = self.forward(input_ids[b, :real], positions, cache, logits_to_keep=real)
-        return out
+            return [self._segment_alone(segment) for segment in segments]
+        return self.forward_packed(segments)
 
     @torch.inference_mode()
-    def ragged_step(
-        self,
-        input_ids: torch.Tensor,
-        first_positions: torch.Tensor,
-        caches: Sequence[ModelCache],
-        counts: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """:meth:`forward_rows` as one forward pass, whatever the probe found (the probe
-        itself calls it with ``[batch]`` tokens and positions: one token per row, logits
-        ``[batch, vocab]``)."""
-        one_token = input_ids.dim() == 1
-        ids = input_ids.view(-1, 1) if one_token else input_ids
-        width = ids.shape[1]
-        positions = first_positions.view(-1, 1) + torch.arange(width).view(1, -1)
-        with self._attention.use(RAGGED_ATTENTION), self.small_rows.active():
+    def forward_packed(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
+        """:meth:`forward_segments` as one packed pass, whatever the probe found (the probe
+        itself calls it)."""
+        runs = packed_layout(segments, self.device)
+        index = logits_index(runs)
+        with self._attention.use(PACKED_ATTENTION), self.small_rows.active():
             out = self.model(
-                input_ids=host_to_device(ids, self.device),
-                position_ids=host_to_device(positions, self.device),
-                **{self._cache_keyword: RaggedCache(caches, counts)},
+                input_ids=host_to_device(packed_ids(runs), self.device),
+                position_ids=host_to_device(packed_positions(runs), self.device),
+                **{self._cache_keyword: PackedCache(runs)},
                 use_cache=True,
-                logits_to_keep=width,
+                logits_to_keep=host_to_device(index, self.device),
             )
-        logits = out.logits[:, -width:].float()
-        return logits[:, 0] if one_token else logits
+        return split_outputs(runs, out.logits[0])
 
-    @torch.inference_mode()
-    def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BufferedCache) -> None:
-        """Run ``[rows, tokens]`` on top of a :meth:`batch_cache`, filling it
-        (batched warming; the logits are not needed)."""
-        self.model(
-            input_ids=host_to_device(input_ids, self.device),
-            position_ids=host_to_device(position_ids, self.device),
-            **{self._cache_keyword: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    def _segment_alone(self, segment: Segment) -> SegmentOutput:
+        """One segment in a pass of its own, through the model's own attention (a segment
+        that starts a cache) or the sparse attention (scattered tokens, or tokens after what
+        the cache holds)."""
+        cache, positions = segment.cache, segment.positions
+        held = cache.get_seq_length()
+        first, last = int(positions[0]), int(positions[-1])
+        appended = first == held and last - first + 1 == len(segment)
+        if not appended:
+            cache.arm(host_to_device(positions, self.device))
+        recording = last_query_attention(segment.record) if segment.record else nullcontext([])
+        small_rows = self.small_rows.active() if segment.logits == len(segment) else nullcontext()
+        with recording as recorded, small_rows:
+            logits = self.forward(
+                segment.ids, positions, cache, sparse_queries=not appended or held > 0, logits_to_keep=max(1, segment.logits)
+            )
+        rows = None if not segment.logits else logits.view(-1, logits.shape[-1])
+        depth = segment.record_layers
+        return SegmentOutput(rows, list(recorded if depth is None else recorded[:depth]))
 
     @torch.inference_mode()
     def forward_from_layer(
@@ -304,8 +272,7 @@ class ModelAdapter:
         """Run decoder layers ``first_layer..last_layer`` only, from ``hidden`` (the output of
         the layer before; ``None`` with ``first_layer=0``), filling ``cache`` for them; the
         final norm and the logits are not computed. From the first layer the model's layers
-        stay as they are (the pass stops after ``last_layer``), so it may pause between them
-        (:meth:`~kvboost_rag.hf.layers.DecoderLayers.between_layers`).
+        stay as they are (the pass stops after ``last_layer``).
 
         Args:
             sparse_queries: As in :meth:`forward`: attention causal by position over a cache
@@ -350,17 +317,6 @@ class ModelAdapter:
         """A cache's K/V as ``[layers, heads, tokens, dim]`` (a view when it still lives in the
         buffers it was built over; callers that keep it must clone it)."""
         return cache_tensors(cache)
-
-    def batch_buffers(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uninitialized ``[layers, rows, heads, capacity, dim]`` K and V buffers."""
-        shape = (self.num_layers, rows, self.layout.kv_heads, capacity, self.layout.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return keys, torch.empty_like(keys)
-
-    @staticmethod
-    def batch_cache(keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache:
-        """A cache of several rows over :meth:`batch_buffers` holding ``length`` tokens each."""
-        return BufferedCache(keys.shape[0], keys.shape[3], keys, values, length)
 
     # ----------------------------------------------------------------- RoPE
     def rotation(

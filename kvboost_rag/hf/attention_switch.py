@@ -1,8 +1,9 @@
 """The engine's attention functions, registered with transformers, and the switch to them.
 
-Two attention functions run inside a model call: the sparse causal attention of blend passes
-and prefix hits (:mod:`kvboost_rag.hf.sparse_attention`) and the per-row attention of a batched decode
-step (:mod:`kvboost_rag.hf.ragged_attention`). Each is registered under its name with transformers'
+Two attention functions run inside a model call: the per-segment attention of the engine
+loop's packed passes (:mod:`kvboost_rag.hf.packed`) and the sparse causal attention of a pass
+over one prompt run alone (:mod:`kvboost_rag.hf.sparse_attention`: passes through part of the
+model, models that cannot pack). Each is registered under its name with transformers'
 ``AttentionInterface``, together with a mask function that builds no mask (both functions
 derive causality from positions themselves), so transformers never spends time on a mask
 they would ignore. :class:`AttentionSwitch` selects one of them for the duration of a block,
@@ -21,7 +22,7 @@ from typing import Any, ContextManager
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 
-from kvboost_rag.hf.ragged_attention import RAGGED_ATTENTION, ragged_decode_attention
+from kvboost_rag.hf.packed import PACKED_ATTENTION, packed_attention
 from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, sparse_causal_attention
 
 
@@ -37,7 +38,10 @@ def _no_mask(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
-for _name, _function in ((ATTENTION_NAME, sparse_causal_attention), (RAGGED_ATTENTION, ragged_decode_attention)):
+for _name, _function in (
+    (ATTENTION_NAME, sparse_causal_attention),
+    (PACKED_ATTENTION, packed_attention),
+):
     AttentionInterface.register(_name, _function)
     AttentionMaskInterface.register(_name, _no_mask)
 
@@ -65,14 +69,12 @@ class AttentionSwitch:
 
         Args:
             name: :data:`~kvboost_rag.hf.sparse_attention.ATTENTION_NAME` or
-                :data:`~kvboost_rag.hf.ragged_attention.RAGGED_ATTENTION`.
+                :data:`~kvboost_rag.hf.packed.PACKED_ATTENTION`.
         """
         return self._set([name] * len(self._configs))
 
     def own(self) -> ContextManager[None]:
-        """Within the block the attention layers call the model's own implementation, also when
-        a pass paused inside :meth:`use` lent the model to this one (a decode step run between
-        two decoder layers of a prefill)."""
+        """Within the block the attention layers call the model's own implementation."""
         return self._set(self._own)
 
     @contextmanager

@@ -2,9 +2,9 @@
 
 The engine sees K/V as ``[layers, kv_heads, tokens, head_dim]`` buffers. The classes here
 present such buffers to a model as a transformers ``Cache``: :class:`BufferedCache` (one
-sequence, or several rows behind one shared beginning for batched warming; appends in place
-and scatters into armed positions) and :class:`RaggedCache` (one decode step of several
-sequences, each over its own cache).
+sequence; appends in place, writes at chosen positions, and scatters into armed positions).
+The engine loop's packed pass hands the model a cache over several of them
+(:class:`~kvboost_rag.hf.packed.PackedCache`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvboost_rag.hf.ragged_attention import set_rows
 
 #: The cache type every forward call of the engine receives and returns.
 ModelCache = DynamicCache
@@ -90,6 +89,37 @@ class BufferedLayer(DynamicLayer):
         self._length = end
         return self.keys, self.values
 
+    def put(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        first: int,
+        last: int,
+        index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the K/V of new tokens at their positions: ``first..last`` (``index`` ``None``),
+        or the ascending positions ``index`` holds on the buffers' device (``first`` and
+        ``last`` its first and last, read on the host). The layer then holds every position
+        up to ``last``, at least. Returns every token held, as :meth:`update` does.
+
+        Tokens right after those held are appended (:meth:`update`); positions among them
+        overwrite their rows (the blend pass, the probe).
+        """
+        if index is None and first == self._length or self._key_buffer is None:
+            if first != self._length or last - first + 1 != key_states.shape[-2]:
+                raise ValueError(f"a layer of {self._length} tokens cannot take tokens at {first}..{last} first")
+            return self.update(key_states, value_states)
+        if last >= self._key_buffer.shape[-2]:
+            self._grow(max(last + 1, 2 * self._key_buffer.shape[-2]))
+        if index is None:
+            self._key_buffer[:, :, first : last + 1] = key_states
+            self._value_buffer[:, :, first : last + 1] = value_states
+        else:
+            self._key_buffer[:, :, index] = key_states
+            self._value_buffer[:, :, index] = value_states
+        self._length = max(self._length, last + 1)
+        return self.keys, self.values
+
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (the rows past them are never read again and
         are overwritten by the next append)."""
@@ -112,9 +142,8 @@ class BufferedCache(DynamicCache):
     Args:
         num_layers: Layers of the model.
         capacity: Tokens to reserve per layer (prompt plus new tokens).
-        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer (one sequence) or
-            ``[layers, rows, heads, >=capacity, dim]`` (several, batched warming) already
-            holding the first ``length`` tokens; each layer uses a view of it.
+        key_buffer: Optional ``[layers, heads, >=capacity, dim]`` buffer already holding the
+            first ``length`` tokens; each layer uses a view of it.
         value_buffer: Same for V.
         length: Tokens already in the buffers.
     """
@@ -133,9 +162,7 @@ class BufferedCache(DynamicCache):
         if self._shared is None:
             self.layers = [BufferedLayer(None, None, 0, capacity) for _ in range(num_layers)]
         else:
-            rows = key_buffer.dim() == 5
-            keys = key_buffer if rows else key_buffer.unsqueeze(1)
-            values = value_buffer if rows else value_buffer.unsqueeze(1)
+            keys, values = key_buffer.unsqueeze(1), value_buffer.unsqueeze(1)  # [layers, 1, heads, capacity, dim]
             self.layers = [BufferedLayer(keys[i], values[i], length, capacity) for i in range(num_layers)]
 
     def arm(self, positions: torch.Tensor, first_layer: int = 0) -> None:
@@ -151,7 +178,7 @@ class BufferedCache(DynamicCache):
     def shared_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``[layers, heads, tokens, dim]`` views of the tokens held, if the cache was built over
         one sequence's buffers and every layer still writes into them (no layer had to grow)."""
-        if self._shared is None or self._shared[0].dim() != 4:
+        if self._shared is None:
             return None
         keys, values = self._shared
         for i, layer in enumerate(self.layers):
@@ -183,59 +210,3 @@ def cache_tensors(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
     return keys, values
-
-
-class RaggedLayer(DynamicLayer):
-    """Layer ``i`` of several sequences' caches, one row each.
-
-    Args:
-        rows: Layer ``i`` of each sequence's cache, in batch order.
-        counts: New tokens of each row that are real (the rest pad the row to the step's
-            width and are neither stored nor attended to); ``None``: all of them.
-    """
-
-    def __init__(self, rows: Sequence[DynamicLayer], counts: Sequence[int] | None = None) -> None:
-        super().__init__()
-        self.rows = list(rows)
-        self.counts = list(counts) if counts is not None else None
-        first = self.rows[0]
-        self.dtype, self.device = first.dtype, first.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append row ``b``'s real new tokens of ``[batch, kv_heads, tokens, dim]`` to sequence
-        ``b``; the rows' whole K/V go to the ragged attention function, the new states are
-        returned unchanged."""
-        width = key_states.shape[-2]
-        counts = self.counts or [width] * len(self.rows)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for b, row in enumerate(self.rows):
-            real = counts[b]
-            k, v = row.update(key_states[b : b + 1, :, :real], value_states[b : b + 1, :, :real])
-            keys.append(k)
-            values.append(v)
-        set_rows(keys, values, counts if width > 1 else None)
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return max(row.get_seq_length() for row in self.rows)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-
-class RaggedCache(DynamicCache):
-    """The caches of several sequences seen by the model as one batch cache.
-
-    Args:
-        caches: One cache per row, each with the same number of layers.
-        counts: Real new tokens per row (see :class:`RaggedLayer`); ``None``: all.
-    """
-
-    def __init__(self, caches: Sequence[DynamicCache], counts: Sequence[int] | None = None) -> None:
-        super().__init__()
-        self.layer_class_to_replicate = None  # the layers are set here, not grown by update()
-        self.layers = [
-            RaggedLayer([cache.layers[i] for cache in caches], counts) for i in range(len(caches[0].layers))
-        ]

@@ -3,15 +3,14 @@
 The repair runs some passes through part of the model: CacheBlend's selection stops after
 ``check_layer``, gradual filtering runs the layers in spans. :class:`DecoderLayers` finds the
 decoder layer list once and, within :meth:`DecoderLayers.only`, lets the model run a range of
-them (fed a hidden state from the layer before) or stop after one; within
-:meth:`DecoderLayers.between_layers` a pass calls back between two layers (where prompt work
-lends the model to a decode step).
+them (fed a hidden state from the layer before) or stop after one. These passes run whole, on
+the engine loop's thread: no other pass runs while the layer list is changed.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -90,26 +89,4 @@ class DecoderLayers:
             if layer_types:
                 config.layer_types = layer_types
             if handle is not None:
-                handle.remove()
-
-    @contextmanager
-    def between_layers(self, callback: Callable[[], None]) -> Iterator[None]:
-        """Within the block, a forward pass run by this thread calls ``callback`` before each
-        decoder layer but the first (passes of other threads do not: the callback may lend
-        the model to another thread's pass, which then runs while this one waits in it).
-
-        Not within :meth:`only`: another thread's pass would see the layers changed
-        (:meth:`stop_after` is fine: it stops this thread's passes only).
-        """
-        owner = threading.get_ident()
-
-        def pause(_module: torch.nn.Module, _args: object) -> None:
-            if threading.get_ident() == owner:
-                callback()
-
-        handles = [layer.register_forward_pre_hook(pause) for layer in list(self._layers)[1:]]
-        try:
-            yield
-        finally:
-            for handle in handles:
                 handle.remove()

@@ -1,161 +1,175 @@
-"""Prefill passes in slices, with the model lent to decode steps between them.
+"""Forward passes as requests: what prompt work asks the engine loop to run.
 
-A prefill pass over many tokens holds the model for a long time (about a second for 2k tokens
-of the embedded model on a 2-core CPU), and every open stream would pause that long. Here a
-pass runs in chunks of at most :attr:`Chunking.tokens` tokens, one forward each, and calls
-:attr:`Chunking.pause` between two chunks; with :attr:`Chunking.layers` it also calls it
-between two decoder layers of a chunk (no extra forward, so no extra read of the weights: the
-cheap boundary where a forward's fixed cost dominates, as on a CPU). The pause is where the
-prompt work's holder lends the model to a waiting decode step
-(:meth:`~kvboost_rag.hf.turns.ModelTurns.between_chunks`) and where a cancelled request
-stops.
+Prompt work (a prefill, the repair's probe and blend pass, a document being warmed) is written
+as a generator that yields what it needs from the model and is sent the result:
 
-Every chunked pass gives what the whole pass gives, to float tolerance: the chunks run in
-position order, and a token's K/V depends only on the tokens before it (causal attention by
-position), which earlier chunks have written.
+- :class:`TokenPass`: tokens at sorted positions over one cache, as many as the work needs.
+  The engine loop runs it in slices, each a segment of one step's packed pass beside the
+  running answers' next tokens and other prompt work (:mod:`kvboost_rag.hf.packed`); the
+  result is the whole pass's, to float tolerance: the slices run in position order, and a
+  token's K/V depends only on the tokens at positions before it, which earlier slices (or the
+  cache) hold.
+- :class:`ModelCall`: model work that runs whole, alone (a pass through part of the model,
+  a captured pass): a callable the loop's thread runs between two steps.
 
-- :func:`append_pass`: tokens appended after what a cache holds (full prefill, the tokens
-  after a prefix hit, a warm).
-- :func:`scatter_pass`: tokens at scattered positions of an armed cache that holds every
-  prompt position (the blend pass).
-- :func:`batch_pass`: several rows behind one shared beginning (batched warming).
+:func:`run_now` runs such a generator at once, each pass whole or in slices of a given size
+(tools and tests, and anything that runs without the engine loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import ContextManager
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union
 
 import torch
 
 from kvboost_rag.hf.adapter import ModelAdapter
-from kvboost_rag.hf.caches import BufferedCache, ModelCache
-from kvboost_rag.hf.layers import DecoderLayers
+from kvboost_rag.hf.caches import BufferedCache
+from kvboost_rag.hf.packed import Segment
 from kvboost_rag.hf.transfer import host_to_device
 
-
-def _nothing() -> None:
-    return None
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Chunking:
-    """How a prompt's passes are cut and where they pause.
+class PassResult:
+    """What a :class:`TokenPass` gives back.
 
     Attributes:
-        tokens: Most tokens (rows times columns in a batched pass) one forward runs.
-        pause: Called between two chunks (and, with ``layers``, between two decoder layers).
-        layers: The model's decoder layers, when a pass may also pause between them; ``None``:
-            between chunks only (passes whose other threads' steps must not run mid-forward,
-            such as captured steps compiled over the model).
+        logits: ``[vocab]`` float32 logits of its last token (``None`` unless asked for).
+        recorded: One ``[keys]`` tensor per recorded layer (see :attr:`TokenPass.record`).
     """
 
-    tokens: int = 1 << 30
-    pause: Callable[[], None] = _nothing
-    layers: DecoderLayers | None = None
-
-    def spans(self, count: int, last_at_least: int = 1) -> list[tuple[int, int]]:
-        """``[start, stop)`` of each chunk of ``count`` tokens, in order; the last one holds
-        at least ``last_at_least`` tokens (when there are that many: it may then be longer
-        than the others)."""
-        starts = list(range(0, count, max(1, self.tokens)))
-        tail = min(count, max(1, last_at_least))
-        if starts and count - starts[-1] < tail:
-            last = count - tail
-            starts = [start for start in starts if start < last] + [last]
-        return list(zip(starts, [*starts[1:], count]))
-
-    def chunks(self, count: int, last_at_least: int = 1) -> Iterator[tuple[int, int]]:
-        """:meth:`spans`, pausing before every chunk but the first."""
-        for k, span in enumerate(self.spans(count, last_at_least)):
-            if k:
-                self.pause()
-            yield span
-
-    def within_pass(self) -> ContextManager[None]:
-        """The block of one whole forward: pauses between its decoder layers (with ``layers``)."""
-        if self.layers is None:
-            return nullcontext()
-        return self.layers.between_layers(self.pause)
+    logits: torch.Tensor | None = None
+    recorded: list[torch.Tensor] = field(default_factory=list)
 
 
-#: One pass, no pause: what callers without turns (tests, tools) use.
-WHOLE = Chunking()
+@dataclass(eq=False)
+class TokenPass:
+    """Tokens at sorted positions over one cache, run in slices by the engine loop.
+
+    Attributes:
+        ids: ``[m]`` host token ids.
+        positions: ``[m]`` host int64 positions, ascending: right after what ``cache`` holds
+            (appended: a prefill, a chunk after a prefix hit, a warm) or inside a cache that
+            holds every position of its prompt (scattered: the blend pass, the probe).
+        cache: The cache the tokens' K/V goes into and their attention reads.
+        logits: Return the last token's logits.
+        record: Record the attention of this many of the last tokens (the probe); the last
+            slice then holds at least that many tokens.
+        record_layers: Layers recorded, from the first (``None``: all).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cache: BufferedCache
+    logits: bool = False
+    record: int = 0
+    record_layers: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def next_stop(self, done: int, budget: int) -> int:
+        """Where the slice after ``done`` tokens ends for a budget of ``budget`` tokens (at
+        least one): the rest when it fits, else ``done + budget``, moved back so that the
+        last slice holds the recorded queries."""
+        count = len(self)
+        stop = min(count, done + max(1, budget))
+        if stop < count and count - stop < self.record:
+            stop = count - self.record if count - self.record > done else count
+        return stop
+
+    def segment(self, start: int, stop: int) -> Segment:
+        """The slice ``[start, stop)`` as a segment of a packed pass (the logits and recorded
+        attention come from the last slice only)."""
+        last = stop == len(self)
+        return Segment(
+            self.ids[start:stop],
+            self.positions[start:stop],
+            self.cache,
+            logits=1 if last and self.logits else 0,
+            record=self.record if last else 0,
+            record_layers=self.record_layers,
+        )
+
+    def before_slices(self, first_stop: int) -> None:
+        """Called once, before the first slice (ending at ``first_stop``) when the pass is
+        cut: the rows of the positions later slices compute, where the cache already holds
+        positions (a scattered pass), are zeroed. No query of an earlier slice attends to
+        them (they come after it), but a row nobody wrote must not hold what an attention
+        kernel could turn into NaN even where it masks it."""
+        later = self.positions[first_stop:]
+        held = self.cache.get_seq_length()
+        inside = later[later < held]
+        if inside.numel():
+            zero_rows(self.cache, inside)
 
 
-@torch.inference_mode()
-def append_pass(
-    adapter: ModelAdapter,
-    chunking: Chunking,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    cache: ModelCache,
-    sparse_queries: bool,
-) -> torch.Tensor:
-    """Run ``input_ids`` ``[m]`` at ``positions`` ``[m]`` (consecutive) after what ``cache``
-    holds, in chunks; the ``[vocab]`` logits of the last token.
+@dataclass(eq=False)
+class ModelCall:
+    """Model work that runs whole and alone, on the loop's thread.
+
+    Attributes:
+        run: The work; its return value is sent back to the prompt work.
+        tokens: Tokens it computes (how much of a step it is).
+    """
+
+    run: Callable[[], Any]
+    tokens: int = 0
+
+
+PassRequest = Union[TokenPass, ModelCall]
+#: Prompt work: a generator of the passes it needs, returning its result.
+PassSteps = Generator[PassRequest, Any, T]
+
+
+def run_now(adapter: ModelAdapter, steps: PassSteps[T], slice_tokens: int | None = None) -> T:
+    """Run prompt work at once on this thread, each :class:`TokenPass` as one pass, or in
+    slices of ``slice_tokens`` tokens.
 
     Args:
-        sparse_queries: The first chunk runs on top of a cache already (a prefix hit): causal
-            attention by position (:meth:`ModelAdapter.forward`); later chunks always do.
+        adapter: The model adapter.
+        steps: The prompt work.
+        slice_tokens: Most tokens per pass (``None``: every pass whole).
+
+    Returns:
+        What the work returns.
+
+    Raises:
+        TypeError: The work asked for something that needs the engine loop.
     """
-    logits = None
-    for start, stop in chunking.chunks(len(input_ids)):
-        with chunking.within_pass():
-            logits = adapter.forward(
-                input_ids[start:stop], positions[start:stop], cache, sparse_queries=sparse_queries or start > 0
-            )
-    assert logits is not None, "a pass of no token"
-    return logits
+    reply: Any = None
+    while True:
+        try:
+            request = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(request, TokenPass):
+            reply = run_token_pass(adapter, request, slice_tokens)
+        elif isinstance(request, ModelCall):
+            reply = request.run()
+        else:
+            steps.close()
+            raise TypeError(f"{type(request).__name__} needs the engine loop")
 
 
-@torch.inference_mode()
-def scatter_pass(
-    adapter: ModelAdapter,
-    chunking: Chunking,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    cache: BufferedCache,
-) -> torch.Tensor:
-    """Run the tokens of ``input_ids`` ``[n]`` (every prompt token) at the sorted
-    ``positions`` over ``cache``, which holds every prompt position, in chunks: each chunk's
-    K/V is scattered into its positions and attention is causal by position; the ``[vocab]``
-    logits of the last one.
-
-    The rows of the positions later chunks compute are zeroed first: no query of an earlier
-    chunk attends to them (they come after it), and a row nobody wrote must not hold what an
-    attention kernel could turn into NaN even where it masks it.
-    """
-    spans = chunking.spans(len(positions))
-    if len(spans) > 1:
-        zero_rows(cache, positions[spans[1][0] :])
-    logits = None
-    for start, stop in chunking.chunks(len(positions)):
-        chunk = positions[start:stop]
-        cache.arm(host_to_device(chunk, adapter.device))
-        with chunking.within_pass():
-            logits = adapter.forward(input_ids[chunk], chunk, cache, sparse_queries=True)
-    assert logits is not None, "a pass of no token"
-    return logits
-
-
-@torch.inference_mode()
-def batch_pass(
-    adapter: ModelAdapter, chunking: Chunking, input_ids: torch.Tensor, positions: torch.Tensor, cache: BufferedCache
-) -> None:
-    """:meth:`ModelAdapter.forward_batch` of ``[rows, width]`` tokens in chunks of columns
-    (``chunking.tokens`` over the rows, at least one column each)."""
-    rows, width = input_ids.shape
-    columns = Chunking(max(1, chunking.tokens // max(1, rows)), chunking.pause, chunking.layers)
-    for start, stop in columns.chunks(width):
-        with chunking.within_pass():
-            adapter.forward_batch(input_ids[:, start:stop], positions[:, start:stop], cache)
+def run_token_pass(adapter: ModelAdapter, request: TokenPass, slice_tokens: int | None = None) -> PassResult:
+    """Run one :class:`TokenPass` alone: whole, or in slices of ``slice_tokens`` tokens."""
+    done, output = 0, None
+    while done < len(request):
+        stop = request.next_stop(done, slice_tokens or len(request))
+        if done == 0 and stop < len(request):
+            request.before_slices(stop)
+        output = adapter.forward_segments([request.segment(done, stop)])[0]
+        done = stop
+    assert output is not None, "a pass of no token"
+    return PassResult(None if output.logits is None else output.logits[-1], output.recorded)
 
 
 def zero_rows(cache: BufferedCache, positions: torch.Tensor) -> None:
-    """Zero the K/V rows of ``positions`` in every layer of ``cache`` (rows a later chunk of a
+    """Zero the K/V rows of ``positions`` in every layer of ``cache`` (rows a later slice of a
     pass writes: read by no earlier query, and never NaN)."""
     keys, values = ModelAdapter.cache_tensors(cache)  # [layers, heads, tokens, dim] views
     index = host_to_device(positions, keys.device)

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hf.caches import ModelCache, cache_keyword
-from kvboost_rag.hf.ragged_attention import attention_calls
+from kvboost_rag.hf.packed import Segment, SegmentOutput, attention_calls
 from kvboost_rag.hf.sparse_attention import last_query_attention
 
 
@@ -34,9 +34,7 @@ class ProbedModel(Protocol):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: ModelCache, sparse_queries: bool = False
     ) -> torch.Tensor: ...
 
-    def ragged_step(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: Sequence[ModelCache]
-    ) -> torch.Tensor: ...
+    def forward_packed(self, segments: Sequence[Segment]) -> list[SegmentOutput]: ...
 
 
 @dataclass(frozen=True)
@@ -44,8 +42,9 @@ class ModelFeatures:
     """What the engine found the model supports.
 
     Attributes:
-        batched_decoding: One forward pass decodes several sequences (else one pass per
-            sequence: the fallback).
+        batched_decoding: One forward pass runs several sequences' tokens, each over its own
+            K/V (the engine loop's packed pass: decode rows and slices of prompt work
+            together); else one pass per sequence and per slice: the fallback.
         batched_decoding_reason: Why not, when it does not.
         records_attention: The model's attention goes through transformers' attention
             interface, so the attention repair can read what the last token attends to (else
@@ -84,7 +83,7 @@ def probe_features(adapter: ProbedModel) -> ModelFeatures:
     cache = adapter.new_cache(3)
     adapter.forward(token, torch.tensor([0]), cache)
     before = attention_calls()
-    adapter.ragged_step(token, torch.tensor([1]), [cache])
+    adapter.forward_packed([Segment(token, torch.tensor([1]), cache, logits=1)])
     calls = attention_calls() - before
     batched = calls == adapter.num_layers
     reason = "" if batched else (

@@ -1,21 +1,16 @@
-"""One decode step for several sequences of different lengths, each over its own cache.
+"""Attention kernels for short rows: a few new tokens at the end of their own K/V.
 
-Batched decoding feeds each sequence's new tokens through the model in one forward pass (one
-token per row in a plain step; the pending token and its drafts in a verify step, rows padded
-to one width): the projections, MLPs and logits run as one ``[batch, tokens, hidden]`` batch,
-while attention runs row by row, each row's queries over that row's own K/V. Padded tokens are
-neither stored nor attended to, and no K/V is copied into a shared batch tensor: every sequence
-keeps the
-:class:`~kvboost_rag.hf.caches.BufferedCache` its prefill built (with room reserved for its
-new tokens), so a sequence joins or leaves the batch between two steps at no cost.
+A decode step feeds each running sequence one token; a verify step the pending token and its
+drafts. In the engine loop's packed pass (:mod:`kvboost_rag.hf.packed`) each such row is a
+segment whose new tokens are the last keys of its own cache. Two kernels serve them better than
+the general attention by blocks of queries:
 
-:class:`~kvboost_rag.hf.caches.RaggedCache` is the cache handed to the model: its layer ``i`` appends row ``b``'s new
-K/V to sequence ``b``'s layer ``i`` and leaves the per-row K/V where the attention function
-registered by :mod:`kvboost_rag.hf.attention_switch` (:data:`RAGGED_ATTENTION`, active while the model's attention implementation
-is switched to it) reads them. Each new token attends causally up to its own position, within
-the layer's sliding window if it has one, with softcapping where the model applies it, as in
-:mod:`kvboost_rag.hf.sparse_attention`'s block loop, so a row sees exactly what a one-sequence
-step sees.
+- :func:`last_tokens_attention`: a row's few tokens over its keys as one product per K/V head
+  (a CPU in float32: SDPA's kernels run a few queries of a grouped-query model one head and
+  token block at a time);
+- :func:`in_one_call`: many rows in one SDPA call, their K/V padded to the longest row and
+  masked (CUDA: one kernel instead of one per row, while the padding copies little;
+  :func:`one_call` overrides the choice).
 """
 
 from __future__ import annotations
@@ -27,77 +22,13 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.hf.sparse_attention import attend_blocks, thread_setting
+from kvboost_rag.hf.sparse_attention import thread_setting
 from kvboost_rag.hf.transfer import host_to_device
 
-RAGGED_ATTENTION = "kvboost_ragged_decode"
 #: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it
 #: the rows are attended one by one (a kernel per row instead of a copy of every row's K/V).
 ONE_CALL_MAX_TOKENS = 16384
 _state = threading.local()
-
-
-def ragged_decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention of each row's new tokens over that row's own K/V (left by :func:`set_rows`).
-
-    Args:
-        module: The attention module (unused).
-        query: ``[batch, heads, tokens, dim]``: each row's new tokens (a decode step: one; a
-            verify step: the pending token and its drafts, rows padded to one width).
-        key: The new keys only (the rows' whole K/V come from the cache's update).
-        value: The new values only.
-        attention_mask: Ignored; a row's new tokens are its last keys, and each attends to the
-            keys up to its own position.
-        scaling: Softmax scale (default ``dim ** -0.5``).
-        dropout: Must be 0 (inference only).
-        **kwargs: ``sliding_window`` and ``softcap`` are honoured.
-
-    Returns:
-        ``([batch, tokens, heads, dim], None)`` like transformers' SDPA function; a padded
-        token's output is zero.
-    """
-    rows = getattr(_state, "rows", None)
-    if rows is None or len(rows[0]) != query.shape[0]:
-        raise RuntimeError("ragged decode attention used outside a RaggedCache decode step")
-    keys, values, counts = rows
-    _state.rows = None
-    _state.calls = getattr(_state, "calls", 0) + 1
-    window = kwargs.get("sliding_window") or None
-    softcap = kwargs.get("softcap") or None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    groups = query.shape[1] // keys[0].shape[1]
-    width = query.shape[2]
-    counts = counts or [width] * len(keys)
-    one_call = getattr(_state, "one_call", None)
-    if one_call is None:  # by default: on CUDA, when padding copies little
-        one_call = query.device.type == "cuda" and len(keys) * max(k.shape[-2] for k in keys) <= ONE_CALL_MAX_TOKENS
-    if softcap is None and one_call and len(keys) > 1:
-        out = _in_one_call(query, keys, values, counts, scale, window, groups)
-        return out.transpose(1, 2).contiguous(), None
-    out = torch.zeros_like(query) if min(counts) < width else torch.empty_like(query)
-    for b, (k, v) in enumerate(zip(keys, values)):
-        real = counts[b]
-        q = query[b : b + 1, :, :real]
-        every_key = softcap is None and (window is None or window >= k.shape[-2])
-        if real == 1 and window is None and softcap is None:  # the last position: every key is visible
-            out[b : b + 1, :, :1] = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
-        elif every_key and query.device.type == "cpu" and query.dtype == torch.float32:  # a verify row
-            out[b : b + 1, :, :real] = last_tokens_attention(q, k, v, scale)
-        else:  # a row's real tokens are its last keys; their positions are made on the device (no copy)
-            length = k.shape[-2]
-            on_device = torch.arange(length - real, length, device=query.device)
-            positions = list(range(length - real, length))
-            out[b : b + 1, :, :real] = attend_blocks(q, k, v, positions, scale, window, softcap, on_device)
-    return out.transpose(1, 2).contiguous(), None
 
 
 def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -144,7 +75,7 @@ def _corner(tokens: int, device: torch.device) -> torch.Tensor:
     return corner
 
 
-def _in_one_call(
+def in_one_call(
     query: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
@@ -188,14 +119,6 @@ def one_call(enabled: bool) -> Iterator[None]:
         yield
 
 
-def set_rows(keys: list[torch.Tensor], values: list[torch.Tensor], counts: list[int] | None = None) -> None:
-    """Hand every row's whole K/V of the layer being run, and how many of the step's new
-    tokens of each row are real (``None``: all), to the next attention call."""
-    _state.rows = (keys, values, counts)
-
-
-def attention_calls() -> int:
-    """Calls of :func:`ragged_decode_attention` in this thread so far (a model whose attention
-    does not go through transformers' attention interface never calls it)."""
-    return getattr(_state, "calls", 0)
-
+def one_call_setting() -> bool | None:
+    """What :func:`one_call` set in this thread (``None``: the default)."""
+    return getattr(_state, "one_call", None)

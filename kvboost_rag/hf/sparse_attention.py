@@ -17,10 +17,12 @@ tolerance (``tests/test_attention.py``):
   block attending only to the keys up to its last position (the least arithmetic, the most
   kernel launches).
 
-:func:`default_backend` picks per device. On CPU ``blocks``, by measurement
-(``bench/attention_bench.py``, 1 thread, SmolLM2-135M head shapes: one masked SDPA call was
-1.3-1.8x slower on blend passes of 1k-8k tokens, since it computes every query against every
-key up to the last position, and equal on prefix hits; eager FlexAttention 5-10x slower).
+:func:`default_backend` picks per device and kind of queries. On CPU ``blocks`` for scattered
+queries and ``masked_sdpa`` for consecutive ones, by measurement (``bench/attention_bench.py``,
+1 thread, SmolLM2-135M head shapes: one masked SDPA call was 1.3-1.8x slower on blend passes
+of 1k-8k tokens, since it computes every query against every key up to the last position;
+eager FlexAttention 5-10x slower; on 2 threads a chunk of 64-256 consecutive queries at the
+end of 1k-2.2k keys took 1.2-1.5x less time in one masked call than in blocks).
 On CUDA ``flex`` (one compiled, block-sparse call per layer, no Python loop) where
 FlexAttention is available, else ``masked_sdpa``; the first call compiles the kernel, and if
 compiling fails the call is answered by ``masked_sdpa`` with a logged warning and
@@ -39,7 +41,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -86,6 +88,20 @@ class QueryPositions:
     host: torch.Tensor
     listed: list[int]
     on_device: torch.Tensor
+    masks: dict[tuple, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the queries sit at consecutive positions (a chunk of a prompt, not the
+        scattered tokens of a blend pass)."""
+        return self.listed[-1] - self.listed[0] == len(self.listed) - 1
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, device: torch.device | None = None) -> QueryPositions:
+        """The positions ``[queries]`` (sorted) in every form, sent to ``device`` (default:
+        where they are)."""
+        host = positions.view(-1).to("cpu", torch.long)
+        return cls(host, host.tolist(), host_to_device(host, device or host.device))
 
 
 @contextlib.contextmanager
@@ -96,14 +112,11 @@ def query_positions(positions: torch.Tensor, device: torch.device | None = None)
         positions: Sorted ``[queries]`` absolute positions of the tokens being run.
         device: The model's device (where the masks are built); default: the host.
     """
-    host = positions.view(-1).to("cpu", torch.long)
-    _state.positions = QueryPositions(host, host.tolist(), host_to_device(host, device or host.device))
-    _state.cached = {}
+    _state.positions = QueryPositions.of(positions, device)
     try:
         yield
     finally:
         _state.positions = None
-        _state.cached = None
 
 
 @contextlib.contextmanager
@@ -142,12 +155,13 @@ def use_backend(backend: Backend) -> Iterator[None]:
         yield
 
 
-def default_backend(device: torch.device) -> Backend:
+def default_backend(device: torch.device, contiguous: bool = False) -> Backend:
     """The backend for ``device``: ``flex`` on CUDA when FlexAttention is available (else
-    ``masked_sdpa``), ``blocks`` elsewhere (fastest on CPU as measured)."""
+    ``masked_sdpa``); on a CPU ``masked_sdpa`` for queries at consecutive positions and
+    ``blocks`` for scattered ones (the faster of each, as measured)."""
     if device.type == "cuda":
         return "flex" if _flex_functions() is not None else "masked_sdpa"
-    return "blocks"
+    return "masked_sdpa" if contiguous else "blocks"
 
 
 def sparse_causal_attention(
@@ -184,20 +198,46 @@ def sparse_causal_attention(
     recorded: list[torch.Tensor] | None = getattr(_state, "recorded", None)
     if recorded is not None:
         count = min(getattr(_state, "recorded_queries", 1), query.shape[2])
-        recorded.append(_last_queries_weights(query[:, :, -count:], key, positions, count, scale, window, softcap))
-    backend = getattr(_state, "backend", None) or default_backend(query.device)
-    if backend == "blocks":
-        out = attend_blocks(query, key, value, positions.listed, scale, window, softcap, positions.on_device)
-    elif backend == "flex":
-        out = _flex(query, key, value, positions, scale, window, softcap)
-        if out is None:
-            out = _masked(query, key, value, positions, scale, window, softcap)
-    else:
-        out = _masked(query, key, value, positions, scale, window, softcap)
+        recorded.append(last_queries_weights(query[:, :, -count:], key, positions, count, scale, window, softcap))
+    out = attend(query, key, value, positions, scale, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _last_queries_weights(
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: QueryPositions,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Queries at sorted absolute ``positions`` over keys ``0..N-1``, causal by position, on
+    the backend of this thread or device (see the module's doc).
+
+    Args:
+        query: ``[batch, heads, queries, dim]``.
+        key: ``[batch, kv_heads, N, dim]``.
+        value: ``[batch, kv_heads, N, dim]``.
+        positions: The queries' positions.
+        scale: Softmax scale.
+        window: Sliding window, or ``None``.
+        softcap: Logit softcapping, or ``None``.
+
+    Returns:
+        ``[batch, heads, queries, dim]``.
+    """
+    backend = getattr(_state, "backend", None) or default_backend(query.device, positions.contiguous)
+    if backend == "blocks":
+        return attend_blocks(query, key, value, positions.listed, scale, window, softcap, positions.on_device)
+    if backend == "flex":
+        out = _flex(query, key, value, positions, scale, window, softcap)
+        if out is not None:
+            return out
+    return _masked(query, key, value, positions, scale, window, softcap)
+
+
+def last_queries_weights(
     query: torch.Tensor,
     key: torch.Tensor,
     positions: QueryPositions,
@@ -206,8 +246,9 @@ def _last_queries_weights(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """``[N]`` attention weights of ``query``'s queries (the last ``count`` of the pass) over
-    ``key``, mean over heads and batch rows, summed over the queries."""
+    """``[N]`` attention weights of ``query``'s queries (the last ``count`` of ``positions``)
+    over ``key``, mean over heads and batch rows, summed over the queries (zero beyond the last
+    query's position and outside its sliding window)."""
     last = positions.listed[-1]
     first = max(0, positions.listed[-count] - window + 1) if window else 0
     k = key[:, :, first : last + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
@@ -239,7 +280,7 @@ def _key_range(positions: QueryPositions, window: int | None) -> tuple[int, int]
 
 def _allowed(positions: QueryPositions, first: int, last: int, window: int | None, device: torch.device) -> torch.Tensor:
     """``[queries, last - first]`` bool: which keys each query sees (built once per forward)."""
-    cache = _state.cached
+    cache = positions.masks
     tag = ("mask", first, last, window, device)
     if tag not in cache:
         keys = torch.arange(first, last, device=device).view(1, -1)
@@ -337,7 +378,7 @@ def _flex(
     k, v = key[:, :, first:last], value[:, :, first:last]
     device = query.device
     tag = ("flex", first, last, window, device)
-    cache = _state.cached
+    cache = positions.masks
     if tag not in cache:
         pos = positions.on_device - first
 

@@ -1,15 +1,18 @@
 """Async calls and iteration over the engine's blocking API, for async integrations.
 
-Each call runs in a thread of its own rather than in the event loop's default executor: that
-executor has a handful of workers (``min(32, cpus + 4)``), which would cap how many concurrent
-requests reach the engine and decode together in one batch.
+Each call runs on a thread of one shared, bounded pool (:data:`MAX_CALL_THREADS` threads made
+as needed and reused, not daemons), not in the event loop's default executor: that executor
+has a handful of workers (``min(32, cpus + 4)``), which would cap how many concurrent requests
+reach the engine and decode together in one batch. The threads only wait: every forward pass
+runs on the engine loop's own thread.
 
 Each call and each iteration runs under a
 :class:`~kvboost_rag.cancellation.Cancellation` of its own (the ambient one, which the
 engine's streams started or iterated there follow): cancelling the awaiting task, or closing
 the async iterator early, cancels it, so the engine stops that work (its queued request leaves
-the queue, its prefill stops at the next chunk boundary, its sequence leaves the batch) instead
-of running it to its end for nobody.
+the queue, its prompt work stops at the next step, its sequence leaves the batch) instead of
+running it to its end for nobody. A call still queued for a thread when its task is cancelled
+never runs.
 """
 
 from __future__ import annotations
@@ -18,16 +21,31 @@ import asyncio
 import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvboost_rag.cancellation import Cancellation, cancelling
 
 T = TypeVar("T")
 _DONE = object()
+#: Most threads the bridges run calls on at once (more calls wait for one, in order): well
+#: above what an engine decodes together (``max_batch_size``) and what the server admits.
+MAX_CALL_THREADS = 256
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def call_threads() -> ThreadPoolExecutor:
+    """The bridges' shared pool of threads (made on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_CALL_THREADS, thread_name_prefix="kvboost-call")
+        return _pool
 
 
 async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking call in a thread of its own and await its result.
+    """Run a blocking call on a thread of the bridges' pool and await its result.
 
     Context variables are copied into the thread. Cancelling the awaiting task cancels the
     call's ambient cancellation: an engine call stops early (``generate`` then raises
@@ -40,35 +58,15 @@ async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         **kwargs: Its keyword arguments.
     """
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
     context = contextvars.copy_context()
     cancellation = Cancellation()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # the awaiting task was cancelled
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
 
     def under_cancellation() -> T:
         with cancelling(cancellation):
             return fn(*args, **kwargs)
 
-    def run() -> None:
-        try:
-            result, error = context.run(under_cancellation), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed: nobody is waiting
-            pass
-
-    threading.Thread(target=run, name="kvboost-call", daemon=True).start()
     try:
-        return await future
+        return await loop.run_in_executor(call_threads(), context.run, under_cancellation)
     except asyncio.CancelledError:
         cancellation.cancel()
         raise

@@ -18,12 +18,13 @@ what was reused). It stores nothing: write-back reads the outcome.
   tokens that still deviate most (gradual filtering). No pass over all cached tokens through
   the whole model.
 
-Every pass over many tokens runs in slices (:mod:`kvboost_rag.hf.passes`: chunks of
-``prefill_chunk_tokens``, and decoder layers where the decode steps run eagerly) that pause
-between them, where the model may be lent to a decode step and a cancelled request stops; the
-result is the whole pass's, to float tolerance. The stages pause between them too. Two
-passes still run whole: CacheBlend's gradual filtering (its layer spans feed hidden states
-forward) and the lookahead probe (a few tokens).
+The lookup (:meth:`Prefiller.lookup`) reads the tiers on the caller's thread; the rest
+(:meth:`Prefiller.steps`) is prompt work for the engine loop: a generator that yields its
+passes (:mod:`kvboost_rag.hf.passes`) and is sent their results, so the loop runs them in
+slices beside the running answers' next tokens; the result is the whole pass's, to float
+tolerance. Passes through part of the model (CacheBlend's selection and gradual filtering)
+and captured passes run whole, each as a :class:`~kvboost_rag.hf.passes.ModelCall`.
+:meth:`Prefiller.run` does both at once, without the loop (tools and tests).
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.hf import BufferedCache, ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, Row, Slot
-from kvboost_rag.hf.layers import DecoderLayers
-from kvboost_rag.hf.passes import WHOLE, Chunking, append_pass, scatter_pass
+from kvboost_rag.hf.passes import ModelCall, PassResult, PassSteps, TokenPass, run_now
 from kvboost_rag.prefill.outcome import PrefillOutcome
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
 from kvboost_rag.repair.base import Selection
 from kvboost_rag.repair.blend_pass import filtered_blend
-from kvboost_rag.repair.lookahead import look_ahead
+from kvboost_rag.repair.lookahead import look_ahead_steps
 from kvboost_rag.repair.runs import contiguous_runs
 from kvboost_rag.repair.selection import leading_tokens, recompute_budget
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
@@ -80,6 +80,26 @@ class ContentHits:
         return bool(self.runs)
 
 
+@dataclass
+class Lookup:
+    """What the cache holds of a prompt, read before its passes run.
+
+    Attributes:
+        pieces: The stored prefix chunks of its exact prefix hit.
+        documents: Documents after the prefix hit.
+        hits: Document chunks loaded, and where their rows go.
+    """
+
+    pieces: list = field(default_factory=list)
+    documents: list[PlacedDocument] = field(default_factory=list)
+    hits: ContentHits = field(default_factory=ContentHits)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens the prefix hit serves."""
+        return sum(piece.length for piece in self.pieces)
+
+
 class Prefiller:
     """Runs prefill with whatever the cache can serve.
 
@@ -92,9 +112,6 @@ class Prefiller:
             when they fit the largest bucket; else (and without them) eagerly.
         captured_probe: Captured passes that record attention: the attention repair's probe
             of a prompt in a slot, when its live tokens fit; else the probe runs eagerly.
-        pause: Called between the slices of a pass (the model's turns: lends the model to
-            a waiting decode step, stops a cancelled request); ``None``: passes run whole.
-        layers: The model's decoder layers, when passes may also pause between two of them.
     """
 
     def __init__(
@@ -104,13 +121,10 @@ class Prefiller:
         settings: KVBoostSettings,
         captured: CapturedRows | None = None,
         captured_probe: CapturedRows | None = None,
-        pause: Callable[[], None] | None = None,
-        layers: DecoderLayers | None = None,
     ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.settings = settings
-        self._pause, self._layers = pause, layers
         self.captured, self.captured_probe = captured, captured_probe
         self._strategies: dict[str, RepairStrategy] = {}
 
@@ -125,13 +139,6 @@ class Prefiller:
             strategy = self._strategies[name] = make_strategy(self.adapter, self.settings)
         return strategy
 
-    @property
-    def chunking(self) -> Chunking:
-        """How passes are sliced now (``prefill_chunk_tokens`` is read at every call)."""
-        if self._pause is None:
-            return WHOLE
-        return Chunking(self.settings.prefill_chunk_for(self.adapter.device.type), self._pause, self._layers)
-
     def run(
         self,
         plan: PromptPlan,
@@ -140,11 +147,38 @@ class Prefiller:
         buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
         slot: Slot | None = None,
     ) -> PrefillOutcome:
-        """Prefill the planned prompt: look up, stitch, re-rotate, repair, compute the rest.
+        """Prefill the planned prompt at once, on this thread (no engine loop): look up,
+        stitch, re-rotate, repair, compute the rest; see :meth:`steps`."""
+        found = self.lookup(plan) if reuse else None
+        return run_now(self.adapter, self.steps(plan, found, buffers=buffers, slot=slot))
+
+    def lookup(self, plan: PromptPlan) -> Lookup:
+        """What the cache holds of the planned prompt: its exact prefix hit and, with content
+        reuse, the document chunks after it (loaded from the tiers)."""
+        with stage("lookup", self.adapter.device):
+            pieces = self.cache.match_prefix(plan)
+            found = Lookup(pieces=pieces)
+            found.documents = plan.documents_after(found.prefix_tokens)
+            if plan.content_reuse and found.prefix_tokens < plan.num_tokens:
+                found.hits = self._content_hits(plan, found.documents, found.prefix_tokens)
+        return found
+
+    def steps(
+        self,
+        plan: PromptPlan,
+        found: Lookup | None,
+        *,
+        buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        slot: Slot | None = None,
+    ) -> PassSteps[PrefillOutcome]:
+        """The prompt work of the planned prompt's prefill (a generator of passes, see
+        :mod:`kvboost_rag.hf.passes`): stitch what ``found`` holds, re-rotate, repair,
+        compute the rest.
 
         Args:
             plan: The prompt's plan.
-            reuse: ``False`` computes every token (the full-prefill baseline) and reads no cache.
+            found: What :meth:`lookup` found; ``None`` computes every token (the full-prefill
+                baseline) and reads no cache.
             buffers: Gives the prompt's ``[layers, kv_heads, capacity, head_dim]`` K and V
                 buffers for a capacity (a slot of the captured steps' pool, reused host
                 buffers); default: new ones.
@@ -157,30 +191,24 @@ class Prefiller:
         """
         n = plan.num_tokens
         allocate = buffers or self.adapter.buffers
-        if not reuse:
+        if found is None:
             keys, values = allocate(n + plan.reserve + SPARE_ROWS)
-            return self._exact(plan, keys, values, 0, (), None)
-        with stage("lookup", self.adapter.device):
-            pieces = self.cache.match_prefix(plan)
-            h = sum(p.length for p in pieces)
-            prefix_keys = tuple(p.key for p in pieces)
-            documents = plan.documents_after(h)
-            if h >= n:
-                return PrefillOutcome(
-                    logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=documents,
-                    strategy="exact",
-                )
-            hits = self._content_hits(plan, documents, h) if plan.content_reuse else ContentHits()
+            return (yield from self._exact(plan, keys, values, 0, (), None))
+        h, prefix_keys = found.prefix_tokens, tuple(p.key for p in found.pieces)
+        if h >= n:
+            return PrefillOutcome(
+                logits=None, cache=None, prefix_tokens=n, prefix_keys=prefix_keys, documents=found.documents,
+                strategy="exact",
+            )
         with stage("stitch", self.adapter.device):
             keys, values = allocate(n + plan.reserve + SPARE_ROWS)
-            stitch_prefix(keys, values, [(piece.block, piece.length) for piece in pieces])
-        self.chunking.pause()
-        if not hits:
-            outcome = self._exact(plan, keys, values, h, prefix_keys, slot)
+            stitch_prefix(keys, values, [(piece.block, piece.length) for piece in found.pieces])
+        if not found.hits:
+            outcome = yield from self._exact(plan, keys, values, h, prefix_keys, slot)
         else:
-            outcome = self._blend(plan, keys, values, h, prefix_keys, hits, slot)
-        outcome.documents = documents
-        outcome.merged_tokens = sum(d.merged_tokens for d in documents)
+            outcome = yield from self._blend(plan, keys, values, h, prefix_keys, found.hits, slot)
+        outcome.documents = found.documents
+        outcome.merged_tokens = sum(d.merged_tokens for d in found.documents)
         return outcome
 
     # ------------------------------------------------------------------ exact path
@@ -192,20 +220,17 @@ class Prefiller:
         h: int,
         prefix_keys: tuple[str, ...],
         slot: Slot | None,
-    ) -> PrefillOutcome:
+    ) -> PassSteps[PrefillOutcome]:
         """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
         ids = plan.tokens.ids
         n = len(ids)
-        logits = self._captured_pass(slot, ids[h:], range(h, n)) if h else None
+        logits = (yield from self._captured_pass(slot, ids[h:], range(h, n))) if h else None
         if logits is not None:
             kv = self.adapter.cache_over(keys, values, n)
         else:
             kv = self.adapter.cache_over(keys, values, h)
-            # On top of a cache, transformers hands SDPA an explicit mask and it takes a slow path
-            # (measured 35% slower per token than prefill from scratch on CPU); causal attention
-            # by position over blocks of queries keeps the prefix hit (and every chunk after
-            # the first) cheaper than full prefill.
-            logits = append_pass(self.adapter, self.chunking, plan.tokens.id_tensor[h:], torch.arange(h, n), kv, h > 0)
+            computed: PassResult = yield TokenPass(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, logits=True)
+            logits = computed.logits
         return PrefillOutcome(
             logits=logits,
             cache=kv,
@@ -262,7 +287,7 @@ class Prefiller:
         prefix_keys: tuple[str, ...],
         hits: ContentHits,
         slot: Slot | None,
-    ) -> PrefillOutcome:
+    ) -> PassSteps[PrefillOutcome]:
         """Stitch re-rotated document K/V after the prefix, repair, prefill the rest.
 
         ``keys``/``values`` are ``[layers, heads, capacity, dim]`` buffers holding the prefix;
@@ -273,13 +298,12 @@ class Prefiller:
         cached = torch.zeros(n, dtype=torch.bool)  # [n] host mask of the positions loaded
         with stage("stitch", self.adapter.device):
             cached[stitch_documents(self.adapter, keys, values, hits.blocks, hits.runs)] = True
-        live, selection, keep = self._choose(plan, keys, values, h, cached, slot)
-        self.chunking.pause()
+        live, selection, keep = yield from self._choose(plan, keys, values, h, cached, slot)
         compute = live.clone()  # [n] bool: every position the blend pass runs
         compute[selection.positions] = True
         compute[keep] = True
         stitched = self.adapter.cache_over(keys, values, n)
-        logits, recomputed = self._blend_pass(plan, stitched, compute, selection, keep, slot)
+        logits, recomputed = yield from self._blend_pass(plan, stitched, compute, selection, keep, slot)
         if not selection.stage_sizes[1:]:
             recomputed = float((cached & compute).sum())
         loaded = int(cached.sum())
@@ -302,7 +326,7 @@ class Prefiller:
 
     def _choose(
         self, plan: PromptPlan, keys: torch.Tensor, values: torch.Tensor, h: int, cached: torch.Tensor, slot: Slot | None
-    ) -> tuple[torch.Tensor, Selection, torch.Tensor]:
+    ) -> PassSteps[tuple[torch.Tensor, Selection, torch.Tensor]]:
         """``(live, selection, keep)``: the positions computed whatever the repair (after the
         prefix, not loaded, and the last token), the cached ones the repair recomputes, and
         the first tokens of each document kept fresh (``keep_document_start``)."""
@@ -316,9 +340,10 @@ class Prefiller:
         with stage("select", self.adapter.device):  # the probe inside it is timed apart
             probe = partial(self._captured_probe, slot, n) if self.captured_probe is not None and slot is not None else None
             inputs = RepairInputs(
-                plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe, self.chunking
+                plan.tokens.id_tensor, h, live, keys, values, content_positions, budget, probe,
+                self.settings.prefill_chunk_for(self.adapter.device.type),
             )
-            selection = self.repair.choose(inputs)
+            selection = yield from self.repair.choose(inputs)
         keep_start = self.settings.keep_document_start
         keep = leading_tokens(contiguous_runs(content_positions) if keep_start else [], keep_start)
         return live, selection, keep
@@ -331,7 +356,7 @@ class Prefiller:
         selection: Selection,
         keep: torch.Tensor,
         slot: Slot | None,
-    ) -> tuple[torch.Tensor, float]:
+    ) -> PassSteps[tuple[torch.Tensor, float]]:
         """Run the positions of ``compute`` over the stitched cache (in stages with gradual
         filtering; captured when it fits); returns the last logits and, for gradual filtering,
         the tokens recomputed per layer on average."""
@@ -339,14 +364,16 @@ class Prefiller:
         positions = compute.nonzero().view(-1)  # [computed] sorted
         with stage("blend", adapter.device):
             if len(selection.stage_sizes) > 1:
-                return filtered_blend(
-                    adapter, self.settings.blend_stages, input_ids, positions, selection.positions, keep,
-                    selection.stage_sizes, stitched,
+                filtered = partial(
+                    filtered_blend, adapter, self.settings.blend_stages, input_ids, positions, selection.positions,
+                    keep, selection.stage_sizes, stitched,
                 )
-            logits = self._captured_pass(slot, input_ids[positions].tolist(), positions.tolist())
+                return (yield ModelCall(filtered, int(positions.numel())))
+            logits = yield from self._captured_pass(slot, input_ids[positions].tolist(), positions.tolist())
             if logits is not None:
                 return logits, 0.0
-            return scatter_pass(adapter, self.chunking, input_ids, positions, stitched), 0.0
+            blended: PassResult = yield TokenPass(input_ids[positions], positions, stitched, logits=True)
+            return blended.logits, 0.0
 
     def _captured_probe(
         self, slot: Slot, length: int, tokens: torch.Tensor, positions: torch.Tensor, queries: int
@@ -363,18 +390,25 @@ class Prefiller:
         probe.run([Row(slot, tokens.tolist(), positions=positions.tolist())])
         return probe.recorded(slot, length)
 
-    def _captured_pass(self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
+    def _captured_pass(
+        self, slot: Slot | None, tokens: Sequence[int], positions: Sequence[int]
+    ) -> PassSteps[torch.Tensor | None]:
         """The ``[vocab]`` logits of the last of ``tokens`` run at ``positions`` (ascending) in
-        ``slot`` as captured passes (one per chunk): their K/V written at their positions,
-        attention causal by position over the slot; ``None`` (run it eagerly) without captured
-        passes, without a slot, or when the tokens do not fit the largest bucket."""
+        ``slot`` as captured passes (one per chunk of ``prefill_chunk_tokens``, each run whole):
+        their K/V written at their positions, attention causal by position over the slot;
+        ``None`` (run it eagerly) without captured passes, without a slot, or when the tokens
+        do not fit the largest bucket."""
         captured = self.captured
         if captured is None or slot is None or not tokens or len(tokens) > captured.max_tokens:
             return None
         tokens, positions = list(tokens), list(positions)
-        for start, stop in self.chunking.chunks(len(tokens)):
-            out = captured.run([Row(slot, tokens[start:stop], positions=positions[start:stop])])
-        return out.last(0).clone()  # the step's output buffer is reused by the next
+        chunk = self.settings.prefill_chunk_for(self.adapter.device.type)
+        logits = None
+        for start in range(0, len(tokens), chunk):
+            row = Row(slot, tokens[start : start + chunk], positions=positions[start : start + chunk])
+            # The step's output buffer is reused by the next: the logits are copied out.
+            logits = yield ModelCall(lambda row=row: captured.run([row]).last(0).clone(), len(row.tokens))
+        return logits
 
     def _lookahead(
         self,
@@ -384,15 +418,15 @@ class Prefiller:
         stitched: BufferedCache,
         stale: torch.Tensor,
         loaded: int,
-    ) -> Callable[[int], int] | None:
+    ) -> Callable[[int], PassSteps[int]] | None:
         """The lookahead repair to run once the first token is chosen (it reads the stale tokens
         it attends to most), or ``None`` without ``lookahead_ratio``."""
         extra = recompute_budget(loaded, self.settings.lookahead_ratio) if self.repair.name == "attention" else 0
         if not extra:
             return None
         return partial(
-            look_ahead, self.adapter, input_ids=plan.tokens.id_tensor, keys=keys, values=values, stitched=stitched,
-            stale=stale, budget=extra,
+            look_ahead_steps, self.adapter, input_ids=plan.tokens.id_tensor, keys=keys, values=values,
+            stitched=stitched, stale=stale, budget=extra,
         )
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.hf.passes import ModelCall, PassSteps
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
-from kvboost_rag.repair.probe import attention_scores, run_probe
+from kvboost_rag.repair.probe import attention_scores, probe_steps
 from kvboost_rag.repair.selection import budget_for_left, select_highest
 
 
@@ -27,7 +28,7 @@ class AttentionRepair(SelectingRepair):
 
     name = "attention"
 
-    def choose(self, inputs: RepairInputs) -> Selection:
+    def choose(self, inputs: RepairInputs) -> PassSteps[Selection]:
         """The most attended cached tokens of the first filtering stage (sorted)."""
         content = inputs.content_positions
         count = int(content.numel())
@@ -40,12 +41,14 @@ class AttentionRepair(SelectingRepair):
         positions = inputs.live.nonzero().view(-1)
         with stage("probe", adapter.device):
             recorded = None
-            if inputs.captured_probe is not None and settings.probe_layers in (None, adapter.num_layers):
-                recorded = inputs.captured_probe(inputs.ids[positions], positions, settings.probe_queries)
+            captured = inputs.captured_probe
+            if captured is not None and settings.probe_layers in (None, adapter.num_layers):
+                ids, queries = inputs.ids[positions], settings.probe_queries
+                recorded = yield ModelCall(lambda: captured(ids, positions, queries), int(positions.numel()))
             if recorded is None:
-                recorded = run_probe(
+                recorded = yield from probe_steps(
                     adapter, inputs.ids[positions], positions, inputs.keys, inputs.values, len(inputs.ids),
-                    layers=settings.probe_layers, queries=settings.probe_queries, chunking=inputs.chunking,
+                    layers=settings.probe_layers, queries=settings.probe_queries,
                 )
         weighting = settings.probe_weighting
         attention = attention_scores(

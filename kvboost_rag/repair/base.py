@@ -10,7 +10,7 @@ import torch
 
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.passes import WHOLE, Chunking
+from kvboost_rag.hf.passes import PassSteps
 from kvboost_rag.repair.selection import layer_spans, recompute_budget, stage_sizes
 
 
@@ -30,7 +30,8 @@ class RepairInputs:
         captured_probe: Runs the probe as one captured pass when it can: ``(tokens,
             positions, queries)`` -> what :func:`~kvboost_rag.repair.probe.run_probe` returns
             over every layer, or ``None`` (then the probe runs eagerly).
-        chunking: How the selection's passes are cut into chunks and where they pause.
+        chunk_tokens: Most tokens of a selection pass that runs whole (CacheBlend's pass
+            through its first layers runs in chunks of this many).
     """
 
     ids: torch.Tensor
@@ -41,7 +42,7 @@ class RepairInputs:
     content_positions: torch.Tensor
     budget: int | None
     captured_probe: Callable[[torch.Tensor, torch.Tensor, int], list[torch.Tensor] | None] | None = None
-    chunking: Chunking = WHOLE
+    chunk_tokens: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class RepairStrategy(Protocol):
     #: The name results report (``GenerationResult.strategy``).
     name: str
 
-    def choose(self, inputs: RepairInputs) -> Selection:
-        """The tokens to recompute for one stitched prompt."""
+    def choose(self, inputs: RepairInputs) -> PassSteps[Selection]:
+        """The tokens to recompute for one stitched prompt (prompt work: the passes it
+        needs are yielded, see :mod:`kvboost_rag.hf.passes`)."""
         ...
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.diagnosis.stage_times import stage
+from kvboost_rag.hf.passes import ModelCall, PassSteps
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 from kvboost_rag.repair.selection import (
@@ -30,8 +31,10 @@ class CacheBlendRepair(SelectingRepair):
 
     name = "cacheblend"
 
-    def choose(self, inputs: RepairInputs) -> Selection:
-        """The most deviating cached tokens of the first filtering stage (sorted)."""
+    def choose(self, inputs: RepairInputs) -> PassSteps[Selection]:
+        """The most deviating cached tokens of the first filtering stage (sorted); the pass
+        through layers ``0..check_layer`` runs in chunks of ``inputs.chunk_tokens``, each
+        whole (a :class:`~kvboost_rag.hf.passes.ModelCall`: it stops after a chosen layer)."""
         content = inputs.content_positions
         if inputs.budget == 0:
             return Selection(content[:0])
@@ -43,10 +46,15 @@ class CacheBlendRepair(SelectingRepair):
         fresh_values[:, :, :h] = inputs.values[: check + 1, :, :h]
         partial = adapter.cache_over(fresh_keys, fresh_values, h)
         with stage("probe", adapter.device):
-            for start, stop in inputs.chunking.chunks(n - h):  # layers 0..check of every token after the prefix
-                positions = torch.arange(h + start, h + stop)
-                with inputs.chunking.within_pass():
-                    adapter.hidden_through_layers(ids[h + start : h + stop], positions, partial, 0, check, None)
+            for start in range(h, n, max(1, inputs.chunk_tokens)):  # layers 0..check of every token after the prefix
+                stop = min(n, start + max(1, inputs.chunk_tokens))
+                positions = torch.arange(start, stop)
+                yield ModelCall(
+                    lambda tokens=ids[start:stop], at=positions: adapter.hidden_through_layers(
+                        tokens, at, partial, 0, check, None
+                    ),
+                    stop - start,
+                )
         rows = host_to_device(content, adapter.device)
         fresh_k, fresh_v = fresh_keys[check][:, rows], fresh_values[check][:, rows]
         deviation = kv_deviation(fresh_k, fresh_v, inputs.keys[check][:, rows], inputs.values[check][:, rows])

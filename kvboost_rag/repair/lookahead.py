@@ -1,7 +1,7 @@
 """A second, smaller repair chosen by what the answer's first token reads.
 
 The blend pass chose its tokens by the attention of the prompt's last token. The answer's
-first token reads the documents too, sometimes other tokens: :func:`look_ahead` runs the first
+first token reads the documents too, sometimes other tokens: :func:`look_ahead_steps` runs the first
 token once over the repaired cache (at the position it will be decoded at), records its
 attention, and recomputes the stale cached tokens it attends to most. The first token itself
 was already chosen from the blend pass's logits; the tokens after it read the refreshed K/V.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from kvboost_rag.hf import BufferedCache, ModelAdapter
-from kvboost_rag.hf.transfer import host_to_device
-from kvboost_rag.repair.probe import attention_scores, run_probe
+from kvboost_rag.hf.passes import PassSteps, TokenPass
+from kvboost_rag.repair.probe import attention_scores, probe_steps
 from kvboost_rag.repair.selection import select_highest
 
 
-def look_ahead(
+def look_ahead_steps(
     adapter: ModelAdapter,
     first_token: int,
     input_ids: torch.Tensor,
@@ -26,8 +26,9 @@ def look_ahead(
     stitched: BufferedCache,
     stale: torch.Tensor,
     budget: int,
-) -> int:
-    """Recompute the ``budget`` stale tokens the first answer token attends to most.
+) -> PassSteps[int]:
+    """Recompute the ``budget`` stale tokens the first answer token attends to most (prompt
+    work: a probe of that token, then a pass of the chosen tokens).
 
     Args:
         adapter: The model adapter.
@@ -47,10 +48,9 @@ def look_ahead(
     candidates = stale.nonzero().view(-1)
     if budget <= 0 or candidates.numel() == 0 or keys.shape[2] <= n:
         return 0
-    recorded = run_probe(adapter, torch.tensor([first_token]), torch.tensor([n]), keys, values, n + 1)
+    recorded = yield from probe_steps(adapter, torch.tensor([first_token]), torch.tensor([n]), keys, values, n + 1)
     if not recorded:
         return 0
     chosen = select_highest(candidates, attention_scores(recorded, candidates), budget)
-    stitched.arm(host_to_device(chosen, adapter.device))
-    adapter.forward(input_ids[chosen], chosen, stitched, sparse_queries=True)
+    yield TokenPass(input_ids[chosen], chosen, stitched)
     return int(chosen.numel())

@@ -2,26 +2,55 @@
 
 The probe runs the live tokens (those computed whatever the repair: question, separators,
 the last token) over the stitched cache as loaded, with no repair, and records the attention
-of the last ``queries`` of them (:func:`~kvboost_rag.hf.sparse_attention.last_query_attention`). Its
-cost is one pass of the live tokens; ``layers`` below the model's depth stops it early (the
-live tokens' K/V it writes is overwritten by the blend pass either way). Many live tokens run
-in chunks (:class:`~kvboost_rag.hf.passes.Chunking`), the last one holding the recorded
-queries (only its attention is recorded); each chunk runs the decoder layers up to
-``layers`` and stops there (no final norm, no logits), pausing between them.
+of the last ``queries`` of them, in the first ``layers`` decoder layers. Its cost is one pass
+of the live tokens, with no logits; the live tokens' K/V it writes is overwritten by the blend
+pass either way. It is one :class:`~kvboost_rag.hf.passes.TokenPass` of prompt work
+(:func:`probe_steps`): the engine loop runs it in slices beside other work, the last slice
+holding the recorded queries.
 
 :func:`attention_scores` turns the recorded attention into one score per cached token.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.passes import WHOLE, Chunking, zero_rows
-from kvboost_rag.hf.sparse_attention import last_query_attention
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.hf.passes import PassResult, PassSteps, TokenPass, run_now
+
+
+def probe_steps(
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: int,
+    *,
+    layers: int | None = None,
+    queries: int = 1,
+) -> PassSteps[list[torch.Tensor]]:
+    """Run the live tokens over the stitched cache and record what their last ones attend to
+    (prompt work: one token pass).
+
+    Args:
+        adapter: The model adapter.
+        input_ids: ``[live]`` the live tokens.
+        positions: ``[live]`` their sorted positions.
+        keys: ``[layers, heads, capacity, dim]`` stitched K buffer (the live rows are written).
+        values: Same for V.
+        length: Prompt tokens.
+        layers: Decoder layers recorded, from the first; ``None`` (or the model's depth): all.
+        queries: How many of the last live tokens' attention to record (sum over them).
+
+    Returns:
+        One ``[length]`` tensor per layer recorded (empty when the model's attention does not
+        go through the registered attention function).
+    """
+    probe = adapter.cache_over(keys, values, length)
+    depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
+    result: PassResult = yield TokenPass(input_ids, positions, probe, record=queries, record_layers=depth)
+    return result.recorded
 
 
 def run_probe(
@@ -34,39 +63,12 @@ def run_probe(
     *,
     layers: int | None = None,
     queries: int = 1,
-    chunking: Chunking = WHOLE,
+    slice_tokens: int | None = None,
 ) -> list[torch.Tensor]:
-    """Run the live tokens over the stitched cache and record what their last ones attend to.
-
-    Args:
-        adapter: The model adapter.
-        input_ids: ``[live]`` the live tokens.
-        positions: ``[live]`` their sorted positions.
-        keys: ``[layers, heads, capacity, dim]`` stitched K buffer (the live rows are written).
-        values: Same for V.
-        length: Prompt tokens.
-        layers: Decoder layers to run, from the first; ``None`` (or the model's depth): all.
-        queries: How many of the last live tokens' attention to record (sum over them).
-        chunking: Chunks of live tokens and the pause between them.
-
-    Returns:
-        One ``[length]`` tensor per layer run (empty when the model's attention does not go
-        through the registered attention function).
-    """
-    probe = adapter.cache_over(keys, values, length)
-    depth = adapter.num_layers if layers is None else max(1, min(layers, adapter.num_layers))
-    spans = chunking.spans(len(positions), last_at_least=queries)
-    if len(spans) > 1:
-        zero_rows(probe, positions[spans[1][0] :])
-    recorded: list[torch.Tensor] = []
-    for start, stop in chunking.chunks(len(positions), last_at_least=queries):
-        probe.arm(host_to_device(positions[start:stop], adapter.device))
-        holds_queries = stop == len(positions)  # only the last chunk's attention is recorded
-        with last_query_attention(queries) if holds_queries else nullcontext(recorded) as layers_recorded:
-            with chunking.within_pass():
-                adapter.hidden_through_layers(input_ids[start:stop], positions[start:stop], probe, 0, depth - 1, None)
-        recorded = layers_recorded
-    return recorded
+    """:func:`probe_steps` at once, on this thread (tools and tests), its pass whole or in
+    slices of ``slice_tokens``."""
+    steps = probe_steps(adapter, input_ids, positions, keys, values, length, layers=layers, queries=queries)
+    return run_now(adapter, steps, slice_tokens)
 
 
 def attention_scores(

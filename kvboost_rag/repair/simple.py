@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvboost_rag.hf.passes import PassSteps
 from kvboost_rag.repair.base import RepairInputs, Selection
 from kvboost_rag.repair.runs import contiguous_runs
 from kvboost_rag.repair.selection import select_document_starts
@@ -12,9 +13,10 @@ class SelectiveRepair:
 
     name = "selective"
 
-    def choose(self, inputs: RepairInputs) -> Selection:
-        """The leading tokens of each run of cached positions, within the budget."""
+    def choose(self, inputs: RepairInputs) -> PassSteps[Selection]:
+        """The leading tokens of each run of cached positions, within the budget (no pass)."""
         return Selection(select_document_starts(contiguous_runs(inputs.content_positions), inputs.budget))
+        yield  # a generator that runs no pass
 
 
 class NoRepair:
@@ -22,6 +24,7 @@ class NoRepair:
 
     name = "none"
 
-    def choose(self, inputs: RepairInputs) -> Selection:
-        """No tokens."""
+    def choose(self, inputs: RepairInputs) -> PassSteps[Selection]:
+        """No tokens (no pass)."""
         return Selection(inputs.content_positions[:0])
+        yield  # a generator that runs no pass

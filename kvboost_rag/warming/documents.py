@@ -25,9 +25,9 @@ from kvboost_rag.request.documents import (
     DocumentRecord,
 )
 from kvboost_rag.request.inputs import check_text
-from kvboost_rag.request.plan import PromptPlan, PromptTokens
+from kvboost_rag.request.plan import PromptTokens
 from kvboost_rag.results import WarmResult
-from kvboost_rag.warming.batch import BatchWarmer, WarmJob, batches
+from kvboost_rag.warming.batch import WarmJob, batches
 from kvboost_rag.warming.fit import corpus_fit, kept_summary, summary_line
 
 logger = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ class Warming:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
         self.adapter, self.cache, self.settings = parts.adapter, parts.cache, parts.settings
-        self.tokenizing, self.planner, self.prefiller, self.turns = parts.tokenizing, parts.planner, parts.prefiller, parts.turns
-        self._batch_warmer = BatchWarmer(parts.adapter, parts.cache, lambda: parts.prefiller.chunking)
+        self.tokenizing, self.planner, self.prefiller, self.loop = parts.tokenizing, parts.planner, parts.prefiller, parts.loop
         self._last_beginning: str | None = None
         # The first distinct documents warmed: others are warmed behind them.
         self._context_documents: list[str] = []
@@ -119,8 +118,7 @@ class Warming:
         tokens = self.tokenizing.prompt(text, "warmed text")
         n = len(tokens)
         plan = self.planner.plan(tokens, find_documents=False, content_reuse=False, lookup_limit=n)
-        with self.turns.prompt_work():
-            outcome = self.prefiller.run(plan)
+        outcome = self.loop.run(self.prefiller.steps(plan, self.prefiller.lookup(plan)))
         self.cache.write_back(plan, outcome, store_documents=False, pin=True)
         return WarmResult(
             kind="prefix",
@@ -210,9 +208,7 @@ class Warming:
         for warm, context in zip(warms, contexts):
             if warm.job is not None:
                 behind.setdefault(context, []).append(warm.job)
-        budget = self.settings.warm_batch_tokens
-        batched = budget and self.adapter.windows.all_global
-        return [group for jobs in behind.values() for group in (batches(jobs, budget) if batched else [[job] for job in jobs])]
+        return [group for jobs in behind.values() for group in batches(jobs, self.settings.warm_batch_tokens)]
 
     def _warn_if_corpus_does_not_fit(self, records: Sequence[DocumentRecord]) -> None:
         """Warn (once a minute at most) when the documents' K/V exceed what the tiers keep."""
@@ -224,18 +220,23 @@ class Warming:
             logger.info("%s", fit.overflow_line())
 
     def _warm_batch(self, group: list[WarmJob]) -> dict[int, int]:
-        """Compute and store a group of documents: one forward pass when there are several
-        (and the document context is stored whole), else one prefill each."""
-        with self.turns.prompt_work():
-            if len(group) > 1:
-                stored = self._batch_warmer.run(group)
-                if stored is not None:
-                    return stored
-            return {job.index: self._warm_one(job.plan) for job in group}
+        """Compute and store a group of documents: their prefills go to the engine loop
+        together (it packs them into shared passes, beside the running answers), then each is
+        stored as a one-by-one warm stores it.
 
-    def _warm_one(self, plan: PromptPlan) -> int:
-        outcome = self.prefiller.run(plan)
-        return self.cache.write_back(plan, outcome, store_documents=True)
+        Raises:
+            Exception: What ended a document's prefill (after the others were stored).
+        """
+        works = [self.prefiller.steps(job.plan, self.prefiller.lookup(job.plan)) for job in group]
+        outcomes = self.loop.run_all(works)
+        stored: dict[int, int] = {}
+        for job, outcome in zip(group, outcomes):
+            if not isinstance(outcome, BaseException):
+                stored[job.index] = self.cache.write_back(job.plan, outcome, store_documents=True)
+        failed = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return stored
 
     def _remember_context_documents(self, records: list[DocumentRecord]) -> None:
         """Keep the first distinct documents warmed (one more than ``warm_context_documents``,

@@ -21,8 +21,9 @@ def _messages(question: str) -> list[ChatMessage]:
 
 def _record_steps(engine: KVBoost) -> list[int]:
     sizes: list[int] = []
-    step = engine._scheduler._step
-    engine._scheduler._step = lambda sequences: (sizes.append(len(sequences)), step(sequences))[1]
+    loop = engine._loop
+    finish = loop._finish_rows
+    loop._finish_rows = lambda rows, outputs: (sizes.append(len(rows.sequences)), finish(rows, outputs))[1]
     return sizes
 
 

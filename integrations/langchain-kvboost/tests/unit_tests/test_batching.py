@@ -20,8 +20,9 @@ PROMPTS = [SYSTEM + f"Question: what is a {word}?\nAnswer:" for word in WORDS]
 def _record_steps(engine: Any) -> list[int]:
     """Sizes of the engine's decode steps from now on."""
     sizes: list[int] = []
-    step = engine._scheduler._step
-    engine._scheduler._step = lambda sequences: (sizes.append(len(sequences)), step(sequences))[1]
+    loop = engine._loop
+    finish = loop._finish_rows
+    loop._finish_rows = lambda rows, outputs: (sizes.append(len(rows.sequences)), finish(rows, outputs))[1]
     return sizes
 
 
@@ -61,7 +62,7 @@ def test_llm_batch_raises_the_failing_prompts_error(engine: Any) -> None:
     llm = KVBoostLLM(engine=engine, max_new_tokens=4)
     outputs = llm.batch([PROMPTS[0], "   "], return_exceptions=True)
     assert all(isinstance(o, InvalidInputError) for o in outputs)
-    assert engine._scheduler.admitted == 0
+    assert engine._places.admitted == 0
 
 
 def _conversations() -> list[list[Any]]:

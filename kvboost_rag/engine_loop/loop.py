@@ -1,0 +1,400 @@
+"""The engine loop: one thread owns the model and builds every forward pass.
+
+Requests, warming and batches put prompt work on the loop (:meth:`EngineLoop.submit`: a
+generator of the passes it needs, see :mod:`kvboost_rag.engine_loop.work`) and wait on its
+future; a request's sequence, once its first token is chosen, joins the running batch and its
+text pieces reach the request through its :class:`~kvboost_rag.decode.handle.DecodeHandle`.
+Nothing else runs the model while the loop does, so nothing is paused mid-pass, lent or
+swapped.
+
+Each step (as vLLM's engine core schedules one: running requests first, then waiting prompt
+work up to a token budget, one forward pass):
+
+1. drop the work and sequences whose request was cancelled (their places go back);
+2. plan the running sequences' rows: each one's pending token and its draft
+   (:class:`~kvboost_rag.decode.step.DecodeRows`);
+3. fill the step's prompt budget (:class:`~kvboost_rag.engine_loop.budget.StepBudget`) with
+   slices of waiting prompt work, oldest first, one slice per work (a prefill chunk, the
+   repair's probe or blend pass, a document being warmed), starting new work as the budget
+   reaches it; or, when the oldest work waits for a pass that runs whole
+   (:class:`~kvboost_rag.hf.passes.ModelCall`), that pass;
+4. run the rows and the slices as one packed forward pass
+   (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.forward_segments`); sequences that decode
+   through captured steps (CUDA) run there;
+5. hand each sequence its tokens (finished ones leave, their places given back) and each
+   slice's result to its work, which runs its host work up to its next pass.
+
+A pass that fails is run again segment by segment, so an error ends only the work or
+sequence it belongs to. The thread starts with the first work and ends when nothing is left
+(it is not a daemon: at interpreter exit it finishes what it holds before the interpreter
+tears down).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from kvboost_rag.cancellation import Cancellation
+from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.decode.draft_policy import DraftPolicy
+from kvboost_rag.decode.handle import DecodeHandle
+from kvboost_rag.decode.step import DecodeRows, StepResult
+from kvboost_rag.engine_loop.budget import MIN_SLICE, StepBudget
+from kvboost_rag.engine_loop.places import BatchPlaces
+from kvboost_rag.engine_loop.work import JoinDecode, PromptWork
+from kvboost_rag.errors import RequestCancelled
+from kvboost_rag.hf import ModelAdapter
+from kvboost_rag.hf.caches import truncate_cache
+from kvboost_rag.hf.captured import CapturedRows
+from kvboost_rag.hf.packed import Segment, SegmentOutput
+from kvboost_rag.hf.passes import ModelCall, PassSteps, TokenPass
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: The loop thread's name.
+LOOP_THREAD = "kvboost-engine"
+
+
+class EngineLoop:
+    """The thread that runs every forward pass of one engine.
+
+    Args:
+        adapter: The model adapter.
+        settings: Engine settings (the step budget's ``max_decode_wait`` and
+            ``prefill_chunk_tokens``).
+        places: The batch's places (given back here when a sequence leaves).
+        policy: Chooses draft lengths (``None``: no drafts).
+        captured: Captured decode steps the sequences with a slot run through (CUDA).
+        clock: Seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        settings: KVBoostSettings,
+        places: BatchPlaces,
+        policy: DraftPolicy | None = None,
+        captured: CapturedRows | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._adapter, self._places, self._policy, self._captured = adapter, places, policy, captured
+        self._clock = clock
+        self.budget = StepBudget(settings, adapter.device.type)
+        self._lock = threading.Lock()
+        self._incoming: list[PromptWork] = []
+        self._thread: threading.Thread | None = None
+        # Touched by the loop's thread only:
+        self._works: list[PromptWork] = []
+        self._running: list[DecodeHandle] = []
+        self._after: dict[PromptWork, DecodeHandle] = {}  # work before a sequence's first step -> its sequence
+        #: Steps run so far (all kinds).
+        self.steps = 0
+        #: Most sequences one step has decoded.
+        self.peak_batch = 0
+
+    # ------------------------------------------------------------------ submitting work
+    def submit(self, steps: PassSteps[T], cancellation: Cancellation | None = None, *, request: bool = False) -> Future:
+        """Queue prompt work; its future settles with what it returns or the error that
+        ended it (:class:`~kvboost_rag.errors.RequestCancelled` once ``cancellation`` is set).
+
+        Args:
+            steps: The work.
+            cancellation: Its request's cancellation.
+            request: It is a request's way to its first token (its user waits): while several
+                wait, steps carry more of their prompts (see :mod:`kvboost_rag.engine_loop.budget`).
+
+        Raises:
+            RuntimeError: Called from the loop's own thread (it would wait for itself).
+        """
+        return self.submit_many([(steps, cancellation)], request=request)[0]
+
+    @staticmethod
+    def _work(steps: PassSteps[Any], cancellation: Cancellation | None, request: bool) -> PromptWork:
+        work = PromptWork(steps, cancellation, urgent=request)
+        if cancellation is not None:  # cancelled before the loop starts it: withdrawn at once
+            unwatch = cancellation.watch(work.withdraw)
+            work.future.add_done_callback(lambda _: unwatch())
+        return work
+
+    def _enqueue(self, works: list[PromptWork]) -> None:
+        """Hand works to the loop's thread (started if it is not running)."""
+        with self._lock:
+            self._incoming.extend(works)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=LOOP_THREAD)
+                self._thread.start()
+
+    def submit_many(self, works: Sequence[tuple[PassSteps[Any], Cancellation | None]], *, request: bool = False) -> list[Future]:
+        """:meth:`submit` of several pieces of work at once: the loop sees them together, so
+        their first passes share its next step."""
+        if threading.current_thread().name == LOOP_THREAD and self._owns_current_thread():
+            for steps, _ in works:
+                steps.close()
+            raise RuntimeError("work submitted from the engine loop's own thread would wait for itself")
+        made = [self._work(steps, cancellation, request) for steps, cancellation in works]
+        self._enqueue(made)
+        return [work.future for work in made]
+
+    def run(self, steps: PassSteps[T], cancellation: Cancellation | None = None) -> T:
+        """:meth:`submit` and wait for the result (raises what ended the work)."""
+        return self.submit(steps, cancellation).result()
+
+    def run_all(self, works: Sequence[PassSteps[Any]], cancellation: Cancellation | None = None) -> list[Any]:
+        """Queue several pieces of work at once (the loop packs their passes together) and
+        wait for them all: each one's result, or the exception that ended it."""
+        futures = self.submit_many([(steps, cancellation) for steps in works])
+        outcomes: list[Any] = []
+        for future in futures:
+            error = future.exception()
+            outcomes.append(error if error is not None else future.result())
+        return outcomes
+
+    def _owns_current_thread(self) -> bool:
+        with self._lock:
+            return self._thread is threading.current_thread()
+
+    @property
+    def queued(self) -> int:
+        """Pieces of work submitted and not started yet (an estimate from another thread)."""
+        with self._lock:
+            works = self._incoming + self._works
+        return sum(1 for work in works if not work.started and not work.finished)
+
+    @property
+    def decoding(self) -> int:
+        """Sequences in the running batch now (an estimate from another thread)."""
+        return len(self._running)
+
+    @property
+    def active(self) -> bool:
+        """Whether the loop's thread is running."""
+        with self._lock:
+            return self._thread is not None
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # the loop itself failed: nobody may wait forever
+            logger.exception("the engine loop failed; its work and sequences end with the error")
+            self._fail_everything(exc)
+            raise
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            works, self._incoming = self._works + self._incoming, []
+            self._works, self._thread = [], None
+        for work in works:
+            if not work.finished:
+                work.fail(error)
+        running, self._running = self._running + list(self._after.values()), []
+        self._after.clear()
+        for handle in running:
+            self._places.release(handle.reservation)
+            handle.deliver(StepResult(error=error))
+
+    def _step(self) -> bool:
+        """One step; ``False`` once nothing is left (the thread then ends)."""
+        with self._lock:
+            self._works += self._incoming
+            self._incoming.clear()
+            if not self._works and not self._running:
+                self._thread = None
+                return False
+        start = self._clock()
+        self._drop_cancelled()
+        rows = self._plan_rows()
+        requests = sum(1 for work in self._works if work.urgent and not work.finished)
+        call = self._model_call_due()
+        slices = [] if call is not None else self._slices(self._prompt_budget(rows))
+        self._run_pass(rows, slices)
+        if call is not None:
+            self._run_call(call)
+        self.steps += 1
+        self._works = [work for work in self._works if not work.finished]
+        if rows is not None and call is None:
+            prompt_tokens = sum(len(segment) for _, segment in slices)
+            self.budget.record(rows.packed_rows, prompt_tokens, self._clock() - start, requests)
+        return True
+
+    def _prompt_budget(self, rows: DecodeRows | None) -> int:
+        """Prompt tokens this step carries beside ``rows``."""
+        if rows is None:
+            return self.budget.prompt_tokens(0, 0)
+        return self.budget.prompt_tokens(rows.packed_rows, rows.packed_tokens)
+
+    def _plan_rows(self) -> DecodeRows | None:
+        """The running sequences' rows of this step, each with the draft its policy chose
+        (shorter while prompt work waits, as the budget says)."""
+        if not self._running:
+            return None
+        row_tokens = self.budget.row_tokens(any(not work.finished for work in self._works))
+        return DecodeRows.plan([handle.sequence for handle in self._running], self._policy, self._captured, row_tokens)
+
+    # ------------------------------------------------------------------ choosing the step's work
+    def _drop_cancelled(self) -> None:
+        """End the work and sequences whose request was cancelled."""
+        for work in self._works:
+            if work.cancelled and not work.finished:
+                work.fail(RequestCancelled("the request was cancelled"))
+                self._abandon_sequence_of(work)
+        for handle in [h for h in self._running if h.cancelled]:
+            self._running.remove(handle)
+            self._places.release(handle.reservation)
+
+    def _model_call_due(self) -> tuple[PromptWork, ModelCall] | None:
+        """The oldest waiting work's pass, when it runs whole (it runs alone this step)."""
+        for work in self._works:
+            if work.finished:
+                continue
+            if not work.started:
+                self._start(work)
+                if work.finished:
+                    continue
+            request = work.request
+            return (work, request) if isinstance(request, ModelCall) else None
+        return None
+
+    def _slices(self, budget: int) -> list[tuple[PromptWork, Segment]]:
+        """Slices of the waiting token passes, oldest work first, one per work, within
+        ``budget`` tokens; new work is started (its host work run) as the budget reaches it."""
+        slices: list[tuple[PromptWork, Segment]] = []
+        left = budget
+        for work in self._works:
+            if left < MIN_SLICE and slices:
+                break
+            if not work.started:
+                self._start(work)
+            if work.finished or not isinstance(work.request, TokenPass):
+                continue
+            segment = work.next_slice(max(left, 1))
+            slices.append((work, segment))
+            left -= len(segment)
+        return slices
+
+    # ------------------------------------------------------------------ running it
+    def _run_pass(self, rows: DecodeRows | None, slices: list[tuple[PromptWork, Segment]]) -> None:
+        """The step's packed pass: decode rows and prompt slices; results handed on."""
+        row_segments = rows.segments() if rows is not None else []
+        segments = row_segments + [segment for _, segment in slices]
+        start = self._clock()
+        outputs = self._forward(segments) if segments else []
+        if rows is not None:
+            self.peak_batch = max(self.peak_batch, len(rows.sequences))
+            self._finish_rows(rows, outputs[: len(row_segments)])
+            if not slices and self._policy is not None:  # the draft policy learns from decode-only steps
+                self._policy.costs.record(len(rows.sequences), rows.width, self._clock() - start)
+        for (work, _), output in zip(slices, outputs[len(row_segments) :]):
+            if isinstance(output, BaseException):
+                work.fail(output)
+                continue
+            result = work.slice_ran(output)
+            if result is not None:
+                self._advance(work, result)
+
+    def _forward(self, segments: list[Segment]) -> list[SegmentOutput | BaseException]:
+        """Every segment in one pass; if the pass fails, each segment alone, so a failure
+        reaches only the segment it belongs to."""
+        lengths = [segment.cache.get_seq_length() for segment in segments]
+        try:
+            return list(self._adapter.forward_segments(segments))
+        except Exception:  # noqa: BLE001 - found out segment by segment below
+            logger.debug("a packed pass failed; its segments run one by one", exc_info=True)
+        outputs: list[SegmentOutput | BaseException] = []
+        for segment, length in zip(segments, lengths):
+            _restore_length(segment, length)
+            try:
+                outputs.append(self._adapter.forward_segments([segment])[0])
+            except Exception as exc:  # noqa: BLE001 - handed to the segment's owner
+                _restore_length(segment, length)
+                outputs.append(exc)
+        return outputs
+
+    def _finish_rows(self, rows: DecodeRows, outputs: list[SegmentOutput | BaseException]) -> None:
+        """Hand each running sequence its step: tokens chosen, pieces posted, finished
+        sequences out of the batch (their places given back before their requests hear)."""
+        handles = {id(handle.sequence): handle for handle in self._running}
+        eager = [i for i, slotted in enumerate(rows.slotted) if not slotted]
+        failed = {eager[k]: output for k, output in enumerate(outputs) if isinstance(output, BaseException)}
+        kept = [i for i in range(len(rows.sequences)) if i not in failed]
+        results: dict[int, StepResult] = {i: StepResult(error=error) for i, error in failed.items()}
+        if kept:
+            subset = rows.subset(kept)
+            ok = [output for output in outputs if not isinstance(output, BaseException)]
+            try:
+                finished = subset.finish(ok, self._policy, self._captured)
+            except Exception as exc:  # noqa: BLE001 - the step failed for every sequence in it
+                finished = [StepResult(error=exc) for _ in kept]
+            results.update(zip(kept, finished))
+        stepped = [(handles[id(sequence)], results[i]) for i, sequence in enumerate(rows.sequences)]
+        for handle, result in stepped:
+            if handle.ends_with(result):
+                self._running.remove(handle)
+                self._places.release(handle.reservation)
+        for handle, result in stepped:
+            handle.deliver(result)
+
+    def _run_call(self, due: tuple[PromptWork, ModelCall]) -> None:
+        work, call = due
+        try:
+            reply = call.run()
+        except Exception as exc:  # noqa: BLE001 - the work's own failure, re-raised by its caller
+            work.fail(exc)
+            self._abandon_sequence_of(work)
+            return
+        self._advance(work, reply)
+
+    # ------------------------------------------------------------------ work and sequences
+    def _start(self, work: PromptWork) -> None:
+        """Start a work (unless it was withdrawn) and serve what it asks first."""
+        self._serve(work, work.start())
+
+    def _advance(self, work: PromptWork, reply: Any) -> None:
+        """Send a work its reply and serve what it asks next."""
+        self._serve(work, work.advance(reply))
+
+    def _serve(self, work: PromptWork, request: Any) -> None:
+        """Serve what a work asks that is not a pass (a sequence joining the batch); a work
+        that ran before a sequence's first step lets it in once it is done."""
+        while isinstance(request, JoinDecode):
+            request = work.advance(self._join(request))
+        if work.finished and work in self._after:
+            handle = self._after.pop(work)
+            if work.future.exception() is None:
+                self._running.append(handle)
+            else:
+                self._places.release(handle.reservation)
+                handle.deliver(StepResult(error=work.future.exception()))
+
+    def _join(self, request: JoinDecode) -> DecodeHandle:
+        """The sequence's handle; it decodes from the next step (after its work before the
+        first step, if any, has run)."""
+        handle = DecodeHandle(request.sequence, request.reservation)
+        if request.before is None:
+            self._running.append(handle)
+            return handle
+        before = PromptWork(request.before, handle.cancellation)
+        self._after[before] = handle
+        self._works.append(before)
+        return handle
+
+    def _abandon_sequence_of(self, work: PromptWork) -> None:
+        """A work run before a sequence's first step ended early: the sequence leaves too."""
+        handle = self._after.pop(work, None)
+        if handle is not None:
+            self._places.release(handle.reservation)
+            if not handle.cancelled:
+                handle.deliver(StepResult(error=work.future.exception()))
+
+
+def _restore_length(segment: Segment, length: int) -> None:
+    """Give a segment's cache back the length it had before a failed pass."""
+    if segment.cache.get_seq_length() > length:
+        truncate_cache(segment.cache, length)

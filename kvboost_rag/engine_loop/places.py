@@ -1,0 +1,116 @@
+"""Places in the running batch: requests admitted first come, first served.
+
+A request reserves its place before its prefill (:meth:`BatchPlaces.reserve`) and waits while
+the batch holds ``max_batch_size`` requests (prefilling or decoding), or while its K/V buffers
+would take the requests' buffers past ``max_batch_cache_bytes`` (one request is always admitted
+when none runs, however large). A place is given back when its sequence leaves the batch, or
+when its request ends before decoding; a request's cancellation ends its wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvboost_rag.cancellation import Cancellation, wait_while
+from kvboost_rag.config import KVBoostSettings
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A request's place in the batch, held from before its prefill until it leaves.
+
+    Attributes:
+        nbytes: Bytes of the K/V buffers its sequence holds.
+        released: Whether it was given back.
+        on_release: Called once when the place is given back (nothing steps its sequence any
+            more): what the sequence's steps used may be handed on.
+    """
+
+    nbytes: int
+    released: bool = False
+    on_release: list[Callable[[], None]] = field(default_factory=list)
+
+
+class BatchPlaces:
+    """The batch's places, shared by every request of one engine; thread-safe.
+
+    Args:
+        settings: Engine settings: ``max_batch_size`` and ``max_batch_cache_bytes``, read at
+            every admission.
+    """
+
+    def __init__(self, settings: KVBoostSettings) -> None:
+        self._settings = settings
+        self._state = threading.Condition()
+        self._waiting: deque[Reservation] = deque()
+        self._admitted = 0
+        self._admitted_bytes = 0
+
+    @property
+    def admitted(self) -> int:
+        """Requests holding a place now (prefilling or decoding)."""
+        with self._state:
+            return self._admitted
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place now."""
+        with self._state:
+            return len(self._waiting)
+
+    def reserve(
+        self, nbytes: int, cancellation: Cancellation | None = None, on_wait: Callable[[], None] | None = None
+    ) -> Reservation:
+        """Wait, in arrival order, for a place for a sequence of ``nbytes`` of K/V buffers.
+
+        Args:
+            nbytes: Bytes of the K/V buffers its prefill allocates.
+            cancellation: The request's: once set, it leaves the line.
+            on_wait: Called once (without the lock) if there is no place now, before waiting
+                for one (a batch hands the engine loop the prompts it holds back, so their
+                places can free up).
+
+        Raises:
+            RequestCancelled: ``cancellation`` was set before a place came.
+        """
+        reservation = Reservation(nbytes)
+        with self._state:
+            self._waiting.append(reservation)
+            ready = self._waiting[0] is reservation and self._fits(nbytes)
+        if not ready and on_wait is not None:
+            on_wait()
+        with self._state:
+            try:
+                wait_while(
+                    self._state, lambda: self._waiting[0] is not reservation or not self._fits(nbytes), cancellation
+                )
+            except BaseException:  # interrupted while waiting: leave the line
+                self._waiting.remove(reservation)
+                self._state.notify_all()
+                raise
+            self._waiting.popleft()
+            self._admitted += 1
+            self._admitted_bytes += nbytes
+            self._state.notify_all()
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Give a place back (once; later calls do nothing); its ``on_release`` callbacks run
+        here, outside the lock."""
+        with self._state:
+            if reservation.released:
+                return
+            reservation.released = True
+            self._admitted -= 1
+            self._admitted_bytes -= reservation.nbytes
+            self._state.notify_all()
+        for callback in reservation.on_release:
+            callback()
+
+    def _fits(self, nbytes: int) -> bool:
+        if self._admitted >= self._settings.max_batch_size:
+            return False
+        return self._admitted == 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes

@@ -1,0 +1,147 @@
+"""Prompt work as the engine loop holds it: a generator of passes, where its pass stands, its
+future.
+
+Prompt work (a request's prefill and first token, a warm, a batch's shared beginning) is a
+generator (:data:`~kvboost_rag.hf.passes.PassSteps`) that yields what it needs from the model
+and is sent the results. Besides model passes it may yield :class:`JoinDecode`, its last
+request as a generation: its sequence joins the running batch and the loop answers with the
+sequence's :class:`~kvboost_rag.decode.handle.DecodeHandle`. The loop runs the generator's host
+work (between two requests) on its own thread; the caller waits on :attr:`PromptWork.future`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvboost_rag.cancellation import Cancellation
+from kvboost_rag.decode.step import DecodeSequence
+from kvboost_rag.diagnosis import stage_times
+from kvboost_rag.engine_loop.places import Reservation
+from kvboost_rag.errors import RequestCancelled
+from kvboost_rag.hf.packed import Segment, SegmentOutput
+from kvboost_rag.hf.passes import ModelCall, PassResult, PassSteps, TokenPass
+
+
+@dataclass(eq=False)
+class JoinDecode:
+    """A request's sequence, prefilled and with its first token chosen, joining the batch.
+
+    Attributes:
+        sequence: The sequence (not done, its pending token chosen).
+        reservation: Its place in the batch, given back when it leaves.
+        before: Work on its cache to run before its first step (the lookahead repair), while
+            its first token is already on its way to the caller; ``None``: none.
+    """
+
+    sequence: DecodeSequence
+    reservation: Reservation
+    before: PassSteps[Any] | None = None
+
+
+class PromptWork:
+    """One piece of prompt work in the engine loop.
+
+    Args:
+        steps: The work.
+        cancellation: Its request's: once set, the loop drops it at the next step boundary and
+            its future ends with :class:`~kvboost_rag.errors.RequestCancelled`.
+        urgent: A request's way to its first token (a user waits for it), not background work.
+
+    Attributes:
+        future: Settled with what the work returns, or the exception that ended it.
+        request: What it waits for (``None`` before it starts and once it is done).
+    """
+
+    def __init__(self, steps: PassSteps[Any], cancellation: Cancellation | None = None, urgent: bool = False) -> None:
+        self.steps = steps
+        self.cancellation = cancellation
+        self.urgent = urgent
+        self.recording = stage_times.current()  # the submitting call's stage times, if it records them
+        self.future: Future = Future()
+        self.request: TokenPass | ModelCall | JoinDecode | None = None
+        self.started = False
+        self._claim = threading.Lock()  # started, or withdrawn: whichever comes first
+        self._done = 0  # tokens of the current pass run so far
+        self._stop = 0  # where the slice being run ends
+
+    def withdraw(self) -> None:
+        """Take the work back if the loop has not started it: its future ends at once with
+        :class:`~kvboost_rag.errors.RequestCancelled` (it never touched the model or its
+        buffers). Once started, the loop drops it at its next step boundary instead. Safe from
+        any thread."""
+        with self._claim:
+            if self.started or self.future.done():
+                return
+            self.steps.close()
+            self.future.set_exception(RequestCancelled("the request was cancelled before its prompt work started"))
+
+    def start(self) -> TokenPass | ModelCall | JoinDecode | None:
+        """Start the work (the loop's thread): :meth:`advance` from its beginning; ``None`` when
+        it was withdrawn or is already done."""
+        with self._claim:
+            if self.future.done():
+                return None
+            self.started = True
+        return self.advance(None)
+
+    @property
+    def finished(self) -> bool:
+        """Whether its future is settled."""
+        return self.future.done()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether its request was cancelled."""
+        return self.cancellation is not None and self.cancellation.cancelled
+
+    def advance(self, reply: Any = None) -> TokenPass | ModelCall | JoinDecode | None:
+        """Send ``reply``, run its host work up to its next request and return that request;
+        ``None`` once it is done (its future settled)."""
+        try:
+            with stage_times.recording_into(self.recording):
+                request = self.steps.send(reply)
+        except StopIteration as stop:
+            self.request = None
+            self.future.set_result(stop.value)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the work's own failure, re-raised by its caller
+            self.request = None
+            self.future.set_exception(exc)
+            return None
+        if not isinstance(request, (TokenPass, ModelCall, JoinDecode)):
+            self.fail(TypeError(f"prompt work yielded {type(request).__name__}, not a pass the engine loop runs"))
+            return None
+        self.request, self._done = request, 0
+        return request
+
+    def next_slice(self, budget: int) -> Segment:
+        """The next slice of its :class:`TokenPass`: at most ``budget`` tokens (at least one)."""
+        request = self.request
+        assert isinstance(request, TokenPass), "a slice of a work that waits for no token pass"
+        self._stop = request.next_stop(self._done, budget)
+        if self._done == 0 and self._stop < len(request):
+            request.before_slices(self._stop)
+        return request.segment(self._done, self._stop)
+
+    def slice_ran(self, output: SegmentOutput) -> PassResult | None:
+        """Account for the slice :meth:`next_slice` gave; the pass's result once it is whole."""
+        request = self.request
+        assert isinstance(request, TokenPass)
+        self._done = self._stop
+        if self._done < len(request):
+            return None
+        return PassResult(None if output.logits is None else output.logits[-1], output.recorded)
+
+    def fail(self, error: BaseException) -> None:
+        """End the work with ``error``: its generator is closed where it waits (its cleanup
+        runs) and its future holds ``error``."""
+        self.request = None
+        try:
+            self.steps.close()
+        finally:
+            with self._claim:
+                if not self.future.done():
+                    self.future.set_exception(error)
