@@ -282,7 +282,7 @@ class KVBoostSettings(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
-    max_decode_wait: float = Field(0.8, ge=0.0, le=64.0)
+    max_decode_wait: float = Field(0.7, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
     small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
     packed_weights_bytes: int = Field(4 * 1024**3, ge=0)

@@ -19,6 +19,7 @@ down instead of filling memory).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,23 @@ THREAD_NAME = "kvboost-write-back"
 _on_worker = threading.local()
 
 
+#: Scheduling niceness of the worker thread (and the threads its torch ops start): its copies
+#: and serialization yield the cores to the engine loop's passes while both want them.
+BACKGROUND_NICENESS = 10
+
+
+def _run_in_background() -> None:
+    """Lower the calling thread's scheduling priority (Linux, where niceness is per thread; a
+    no-op elsewhere or when not allowed)."""
+    native_id = getattr(threading, "get_native_id", None)
+    if native_id is None or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, native_id(), BACKGROUND_NICENESS)
+    except OSError:
+        logger.debug("could not lower the write-back thread's priority", exc_info=True)
+
+
 class WriteWorker:
     """Runs queued jobs on one thread, in order.
 
@@ -47,7 +65,7 @@ class WriteWorker:
 
     def __init__(self, max_queued_bytes: int) -> None:
         self.max_queued_bytes = max_queued_bytes
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=_run_in_background)
         self._state = threading.Condition()
         self._queued_bytes = 0
         self._outstanding = 0  # jobs submitted and not finished

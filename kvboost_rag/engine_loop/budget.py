@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 PRIOR_TOKENS = 64
 #: Fewest prompt tokens a step carries while prompt work waits.
 MIN_SLICE = 16
-#: Recent steps without prompt work the streams' usual step is the median of.
+#: Recent steps without prompt work the streams' usual step is taken from.
 USUAL_WINDOW = 30
+#: Steps of the same rows count among them that make their median the usual step.
+SAME_ROWS = 3
 #: Most tokens a decode row runs (its pending token and drafts) while prompt work waits, on a CPU.
 ROW_TOKENS_BESIDE_PROMPTS = 4
 #: Most the slice changes after one step (by this factor, or its inverse).
@@ -56,12 +58,16 @@ MAX_CHANGE = 2.0
 
 def usual_step(steps: list[tuple[int, float]], rows: int) -> float | None:
     """What a step without prompt work takes for ``rows`` decode rows, from recent such steps
-    ``(rows, seconds)``: a least-squares line through them when their rows varied, else their
-    median, with each row beyond (or short of) theirs counted as another such step's share
-    (half a step when one row decoded: a pass reads the weights once whatever its rows);
-    ``None`` before any step."""
+    ``(rows, seconds)``: the median of those with as many rows (at least :data:`SAME_ROWS` of
+    them: what the streams' gaps were); else a least-squares line through them when their rows
+    varied, else their median, with each row beyond (or short of) theirs counted as another
+    such step's share (half a step when one row decoded: a pass reads the weights once
+    whatever its rows); ``None`` before any step."""
     if not steps:
         return None
+    same = [s for r, s in steps if r == rows]
+    if len(same) >= SAME_ROWS:
+        return statistics.median(same)
     counts = [r for r, _ in steps]
     times = [s for _, s in steps]
     mean_r, mean_s = sum(counts) / len(counts), sum(times) / len(times)

@@ -1,2 +1,2 @@
 """The request lifecycle: one prompt through every stage in order (plan, prefill, first token,
-the decode worker, result, write-back), and the parts of an engine it runs on."""
+decoding in the engine loop, result, write-back), and the parts of an engine it runs on."""

@@ -8,7 +8,7 @@ model's 120 MB at 2.6k tokens that cost 25-32 ms a call on the development machi
 requests and lends them to later ones, so a call writes memory already mapped.
 
 A buffer is lent through a :class:`BufferLease` (:class:`~kvboost_rag.generation.slots.Lease`):
-it goes back to the pool only when the decode worker and the request (its write-back) are both
+it goes back to the pool only when the engine loop and the request (its write-back) are both
 done with it. Capacities are rounded up to :data:`GRANULE` tokens, and a request takes the
 smallest idle buffer that holds it, if that is at most twice what it needs; otherwise a new
 one. Idle buffers beyond the pool's byte budget are dropped, oldest first. On a GPU the

@@ -75,8 +75,8 @@ class GenerationStream:
 
         Safe from any thread. While another thread is inside ``next()``, that call ends the
         iteration as soon as the request stops: at once while it waits for a place in the
-        batch or for its turn on the model, at the prefill's next chunk boundary, at the next
-        decode step.
+        batch or while its prompt work waits in the engine loop's queue, at the loop's next
+        step while it prefills or decodes.
         """
         self.cancellation.cancel()
         pieces = self._pieces

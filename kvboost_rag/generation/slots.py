@@ -3,7 +3,7 @@
 A request that decodes through captured steps (:mod:`kvboost_rag.hf.captured`) prefills into
 a slot of the pool and decodes there; on a CPU a request prefills into buffers of the
 :class:`~kvboost_rag.generation.host_buffers.HostBufferPool`. Either way two parties use the
-buffers after the prefill: the decode worker (until the scheduler lets the sequence go, after
+buffers after the prefill: the engine loop (until it lets the sequence go, after
 its last step) and the request itself (the write-back cuts the prompt's K/V from them after the
 answer). They go back only when both released them, so another request never prefills into
 K/V a step or a write-back still reads.

@@ -1,12 +1,12 @@
 """One request's generation: its engine parameters, its stream started off the event loop,
 and, for an answer sent whole, the stream run to its end while the client is watched.
 
-Every engine call runs in a worker thread of its own, so concurrent requests reach the
-engine together and decode in one batch (the engine's scheduler); the event loop only
-awaits. A client that disconnects before its answer is complete cancels its engine call
+Every engine call runs on a thread of the async bridges' pool, so concurrent requests reach
+the engine together and decode in one batch (the engine loop); the event loop only awaits. A
+client that disconnects before its answer is complete cancels its engine call
 (:func:`unless_disconnected`; a stream's response is cancelled by Starlette): the request
-leaves the queue, its prefill stops at the next chunk boundary, its sequence leaves the batch
-at the next decode step, and its place and buffers go back.
+leaves the queue, its prefill stops at the engine loop's next step, its sequence leaves the
+batch at the next step, and its place and buffers go back.
 """
 
 from __future__ import annotations

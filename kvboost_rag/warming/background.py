@@ -1,7 +1,8 @@
 """Warming documents on a worker thread without delaying answers.
 
-The engine runs one model call at a time, so a warm running while an answer is being
-generated would hold the answer up. :class:`BackgroundWarmer` therefore
+The engine loop shares each step between the answers being generated and prompt work such as a
+warm, so a warm running while an answer is generated slows the answer down. :class:`BackgroundWarmer`
+therefore
 
 * keeps one bounded, de-duplicated queue of document texts (the oldest are dropped beyond
   ``max_pending``; a text already queued is not queued twice);
@@ -9,8 +10,8 @@ generated would hold the answer up. :class:`BackgroundWarmer` therefore
   (:meth:`BackgroundWarmer.claim`), which passes them to ``generate(documents=...)``: the
   engine stores their K/V from the prefill the answer does anyway, at no extra model cost;
 * warms what is left only while no answer is in flight and none has been for
-  ``idle_seconds``, one document at a time, so an answer that starts meanwhile waits for at
-  most one document's warm;
+  ``idle_seconds``, one document at a time, so an answer that starts meanwhile shares the
+  engine loop's steps with at most one document's warm;
 * closes cleanly: :meth:`BackgroundWarmer.close` either finishes the queue or drops it, and
   waits for a warm in progress.
 
