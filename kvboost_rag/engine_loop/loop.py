@@ -16,8 +16,8 @@ work up to a token budget, one forward pass):
 3. fill the step's prompt budget (:class:`~kvboost_rag.engine_loop.budget.StepBudget`) with
    slices of waiting prompt work, oldest first, one slice per work (a prefill chunk, the
    repair's probe or blend pass, a document being warmed), starting new work as the budget
-   reaches it; or, when the oldest work waits for a pass that runs whole
-   (:class:`~kvboost_rag.hf.passes.ModelCall`), that pass;
+   reaches it; the oldest work that waits for a pass that runs whole
+   (:class:`~kvboost_rag.hf.passes.ModelCall`) gets it after the packed pass;
 4. run the rows and the slices as one packed forward pass
    (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.forward_segments`); sequences that decode
    through captured steps (CUDA) run there;
@@ -25,9 +25,9 @@ work up to a token budget, one forward pass):
    slice's result to its work, which runs its host work up to its next pass.
 
 A pass that fails is run again segment by segment, so an error ends only the work or
-sequence it belongs to. The thread starts with the first work and ends when nothing is left
-(it is not a daemon: at interpreter exit it finishes what it holds before the interpreter
-tears down).
+sequence it belongs to. The thread starts with the first work and ends once nothing is left
+for :data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
+before the interpreter tears down).
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 #: The loop thread's name.
 LOOP_THREAD = "kvboost-engine"
+#: How long the loop's thread waits for more work once nothing is left, before it ends (so a
+#: call right after another does not start a new thread; at interpreter exit this is all it
+#: holds the exit up).
+LINGER_SECONDS = 0.2
 
 
 class EngineLoop:
@@ -86,7 +90,7 @@ class EngineLoop:
         self._adapter, self._places, self._policy, self._captured = adapter, places, policy, captured
         self._clock = clock
         self.budget = StepBudget(settings, adapter.device.type)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._incoming: list[PromptWork] = []
         self._thread: threading.Thread | None = None
         # Touched by the loop's thread only:
@@ -126,6 +130,7 @@ class EngineLoop:
         """Hand works to the loop's thread (started if it is not running)."""
         with self._lock:
             self._incoming.extend(works)
+            self._lock.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=LOOP_THREAD)
                 self._thread.start()
@@ -201,8 +206,11 @@ class EngineLoop:
             handle.deliver(StepResult(error=error))
 
     def _step(self) -> bool:
-        """One step; ``False`` once nothing is left (the thread then ends)."""
+        """One step; ``False`` once nothing is left for :data:`LINGER_SECONDS` (the thread
+        then ends)."""
         with self._lock:
+            if not self._incoming and not self._works and not self._running:
+                self._lock.wait(LINGER_SECONDS)  # a call right after the last one keeps the thread
             self._works += self._incoming
             self._incoming.clear()
             if not self._works and not self._running:
@@ -213,7 +221,7 @@ class EngineLoop:
         rows = self._plan_rows()
         requests = sum(1 for work in self._works if work.urgent and not work.finished)
         call = self._model_call_due()
-        slices = [] if call is not None else self._slices(self._prompt_budget(rows))
+        slices = self._slices(self._prompt_budget(rows))
         self._run_pass(rows, slices)
         if call is not None:
             self._run_call(call)
@@ -250,21 +258,17 @@ class EngineLoop:
             self._places.release(handle.reservation)
 
     def _model_call_due(self) -> tuple[PromptWork, ModelCall] | None:
-        """The oldest waiting work's pass, when it runs whole (it runs alone this step)."""
+        """The oldest started work that waits for a pass that runs whole (after the step's
+        packed pass; one a step)."""
         for work in self._works:
-            if work.finished:
-                continue
-            if not work.started:
-                self._start(work)
-                if work.finished:
-                    continue
-            request = work.request
-            return (work, request) if isinstance(request, ModelCall) else None
+            if work.started and not work.finished and isinstance(work.request, ModelCall):
+                return work, work.request
         return None
 
     def _slices(self, budget: int) -> list[tuple[PromptWork, Segment]]:
         """Slices of the waiting token passes, oldest work first, one per work, within
-        ``budget`` tokens; new work is started (its host work run) as the budget reaches it."""
+        ``budget`` tokens; new work is started (its host work run) as the budget reaches it
+        (a work that then asks for a pass that runs whole waits for the next step's)."""
         slices: list[tuple[PromptWork, Segment]] = []
         left = budget
         for work in self._works:

@@ -214,7 +214,7 @@ class ModelAdapter:
                 position_ids=host_to_device(packed_positions(runs), self.device),
                 **{self._cache_keyword: PackedCache(runs)},
                 use_cache=True,
-                logits_to_keep=host_to_device(index, self.device),
+                logits_to_keep=index if isinstance(index, int) else host_to_device(index, self.device),
             )
         return split_outputs(runs, out.logits[0])
 

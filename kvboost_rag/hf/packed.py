@@ -125,9 +125,14 @@ def packed_layout(segments: Sequence[Segment], device: torch.device) -> list[_Ru
     return runs
 
 
-def logits_index(runs: Sequence[_Run]) -> torch.Tensor:
-    """``[k]`` host indexes, into the pass's tokens, of every token whose logits are wanted."""
+def logits_index(runs: Sequence[_Run]) -> int | torch.Tensor:
+    """What the model's ``logits_to_keep`` takes for every token whose logits are wanted: how
+    many of the pass's last tokens, when they are those (a slice), else ``[k]`` host indexes
+    into the pass's tokens."""
     wanted = [i for run in runs for i in range(run.stop - run.segment.logits, run.stop) if run.segment.logits]
+    total = runs[-1].stop
+    if wanted and wanted[0] == total - len(wanted) and wanted[-1] == total - 1:
+        return len(wanted)  # consecutive: the pass's last tokens
     return torch.tensor(wanted, dtype=torch.long)
 
 
