@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -63,30 +64,32 @@ class GenerationStream:
         self._pieces = pieces
         self.cancellation = cancellation or Cancellation()
         self.result: GenerationResult | None = None
+        self._iterating = threading.Lock()  # held by the thread inside next()
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        with self._iterating:
+            return next(self._pieces)
 
     def close(self) -> None:
         """Stop the request early (the result stays ``None``); its place and buffers go back.
 
         Safe from any thread. While another thread is inside ``next()``, that call ends the
-        iteration as soon as the request stops: at once while it waits for a place in the
-        batch or while its prompt work waits in the engine loop's queue, at the loop's next
-        step while it prefills or decodes.
+        iteration as soon as the request stops (the generator is never touched from two
+        threads at once): at once while it waits for a place in the batch or while its prompt
+        work waits in the engine loop's queue, at the loop's next step while it prefills or
+        decodes. Otherwise the stream's generator is closed here.
         """
         self.cancellation.cancel()
         pieces = self._pieces
-        if not inspect.isgenerator(pieces):
-            return
+        if not inspect.isgenerator(pieces) or not self._iterating.acquire(blocking=False):
+            return  # another thread is inside next(): it ends there, seeing the cancellation
         try:
             pieces.close()
-        except ValueError:  # running in another thread: it ends there, seeing the cancellation
-            if inspect.getgeneratorstate(pieces) != inspect.GEN_RUNNING:
-                raise
+        finally:
+            self._iterating.release()
 
 
 @dataclass
