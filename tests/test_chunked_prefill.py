@@ -11,6 +11,7 @@ import pytest
 import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from test_batch_warm import _documents, _stored, count_segments
+from devices import engine_device_settings
 from test_low_precision import assert_close_16bit, engine_in
 
 from kvboost_rag import KVBoost
@@ -30,11 +31,14 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.allclose(a.float(), b.float(), atol=ATOL, rtol=0), f"max diff {(a.float() - b.float()).abs().max():.2e}"
 
 
-def _pair(tokenizer, family: str, chunk: int, **settings) -> tuple[KVBoost, KVBoost]:
-    """Engines over one model: whole passes (the prompts here are shorter than the default
-    chunk), and chunks of ``chunk`` tokens."""
+def _pair(tokenizer, family: str, chunk: int, device: str = "cpu", **settings) -> tuple[KVBoost, KVBoost]:
+    """Engines over one model on ``device``: whole passes (the prompts here are shorter than
+    the default chunk), and slices of ``chunk`` tokens a step."""
     model = tiny_model(family)
-    make = lambda **extra: KVBoost.from_model(model, tokenizer, chunk_size=32, show_progress=False, **settings, **extra)  # noqa: E731
+    placed = engine_device_settings(device)
+    make = lambda **extra: KVBoost.from_model(  # noqa: E731
+        model, tokenizer, chunk_size=32, show_progress=False, **placed, **settings, **extra
+    )
     return make(), make(prefill_chunk_tokens=chunk)
 
 
@@ -58,8 +62,8 @@ def test_slices_cover_the_tokens_in_order_and_keep_a_long_enough_last_slice(toke
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("family", [*ROPE_FAMILIES, "gpt2"])
-def test_chunked_full_prefill_and_prefix_hit_equal_whole_passes(tokenizer, docs, family, chunk):
-    whole, chunked = _pair(tokenizer, family, chunk)
+def test_chunked_full_prefill_and_prefix_hit_equal_whole_passes(tokenizer, docs, family, chunk, device):
+    whole, chunked = _pair(tokenizer, family, chunk, device)
     prompt = rag_prompt(docs[:3], "What is described first?")
     prefix = prompt[: prompt.index(docs[1])]  # a prefix hit with two documents and a question after it
     a = whole.generate(prompt, max_new_tokens=4, reuse=False, return_logits=True)
@@ -78,12 +82,12 @@ def test_chunked_full_prefill_and_prefix_hit_equal_whole_passes(tokenizer, docs,
 
 @pytest.mark.parametrize("strategy", ["attention", "cacheblend"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
-def test_chunked_repair_passes_equal_whole_passes(tokenizer, docs, family, strategy):
+def test_chunked_repair_passes_equal_whole_passes(tokenizer, docs, family, strategy, device):
     # keep_document_start covers every cached token: the probe or selection pass still runs,
     # and the blend pass must then equal full prefill; a partial ratio must repeat the whole
     # engine's choice.
     for settings in ({"recompute_ratio": 0.3, "keep_document_start": 10_000}, {"recompute_ratio": 0.3}):
-        whole, chunked = _pair(tokenizer, family, 16, recompute_strategy=strategy, probe_queries=4, **settings)
+        whole, chunked = _pair(tokenizer, family, 16, device, recompute_strategy=strategy, probe_queries=4, **settings)
         prompt = rag_prompt([docs[2], docs[0], docs[3], docs[1]])
         results = []
         for engine in (whole, chunked):
