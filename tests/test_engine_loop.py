@@ -8,9 +8,10 @@ import asyncio
 import threading
 
 import pytest
-from rag_prompts import SYSTEM_PROMPT, rag_prompt
+from rag_prompts import rag_prompt
+from test_cancellation import _engine, _prompts
 
-from kvboost_rag import KVBoost, RequestCancelled
+from kvboost_rag import RequestCancelled
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.dev.threads import HUNG_SECONDS, loop_held, wait_for
@@ -76,17 +77,6 @@ def test_rows_run_short_drafts_while_prompt_work_waits_on_a_cpu():
 
 
 # ---------------------------------------------------------------------- the loop's thread
-def _engine(make_engine, docs, **settings) -> KVBoost:
-    engine = make_engine("llama", **settings)
-    engine.warm(SYSTEM_PROMPT)
-    engine.warm_documents(docs[:4])
-    return engine
-
-
-def _prompts(docs: list[str]) -> list[str]:
-    return [rag_prompt([docs[i % 4], docs[(i + 1) % 4]], f"Question {i}?") for i in range(6)]
-
-
 def test_the_loop_runs_on_one_thread_of_its_own_that_is_no_daemon_and_ends_when_idle(make_engine, docs):
     engine = _engine(make_engine, docs)
     threads: list[threading.Thread] = []
