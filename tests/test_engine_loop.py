@@ -198,16 +198,12 @@ def test_a_request_cancelled_at_any_stage_leaves_every_other_request_running(mak
 
 # ---------------------------------------------------------------------- the async bridges
 def test_the_async_bridges_run_on_a_bounded_pool_of_reused_threads():
-    def where() -> tuple[str, int]:
-        thread = threading.current_thread()
-        return thread.name, thread.ident
+    # More calls than the pool has threads, one after another: a thread per call would give as
+    # many distinct threads as calls (the list keeps each alive, so none is mistaken for another).
+    async def calls() -> list[threading.Thread]:
+        return [await call_in_thread(threading.current_thread) for _ in range(MAX_CALL_THREADS + 40)]
 
-    async def calls():
-        first = await call_in_thread(where)
-        second = await call_in_thread(where)
-        return first, second
-
-    first, second = asyncio.run(calls())
-    assert first[0].startswith("kvboost-call")
-    assert second[1] == first[1]  # the same thread again: nothing new per call
+    threads = asyncio.run(calls())
+    assert all(thread.name.startswith("kvboost-call") and not thread.daemon for thread in threads)
+    assert len({id(thread) for thread in threads}) <= MAX_CALL_THREADS
     assert call_threads()._max_workers == MAX_CALL_THREADS
