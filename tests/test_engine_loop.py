@@ -86,6 +86,13 @@ def test_the_loop_runs_on_one_thread_of_its_own_that_is_no_daemon_and_ends_when_
     assert {t.name for t in threads} == {"kvboost-engine"} and not any(t.daemon for t in threads)
     assert threading.current_thread() not in threads
     wait_for(lambda: not engine._loop.active)
+    # Started again by a call from a daemon thread (a server's, a warmer's): still no daemon.
+    threads.clear()
+    caller = threading.Thread(target=engine.generate, args=(_prompts(docs)[1],), kwargs={"max_new_tokens": 2}, daemon=True)
+    caller.start()
+    caller.join()
+    assert threads and {t.name for t in threads} == {"kvboost-engine"} and not any(t.daemon for t in threads)
+    wait_for(lambda: not engine._loop.active)
 
 
 def test_work_submitted_from_the_loops_own_thread_is_refused(make_engine):
@@ -204,6 +211,6 @@ def test_the_async_bridges_run_on_a_bounded_pool_of_reused_threads():
         return [await call_in_thread(threading.current_thread) for _ in range(MAX_CALL_THREADS + 40)]
 
     threads = asyncio.run(calls())
-    assert all(thread.name.startswith("kvboost-call") and not thread.daemon for thread in threads)
+    assert all(thread.name.startswith("kvboost-call") for thread in threads)
     assert len({id(thread) for thread in threads}) <= MAX_CALL_THREADS
     assert call_threads()._max_workers == MAX_CALL_THREADS

@@ -132,7 +132,7 @@ class EngineLoop:
             self._incoming.extend(works)
             self._lock.notify()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=LOOP_THREAD)
+                self._thread = threading.Thread(target=self._run, name=LOOP_THREAD, daemon=False)
                 self._thread.start()
 
     def submit_many(self, works: Sequence[tuple[PassSteps[Any], Cancellation | None]], *, request: bool = False) -> list[Future]:

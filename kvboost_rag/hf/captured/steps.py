@@ -283,7 +283,7 @@ class CapturedRows:
             self._built.set()
             return False
         if background:
-            threading.Thread(target=self._build_after, args=(view, after), name="kvboost-captured-build").start()
+            threading.Thread(target=self._build_after, args=(view, after), name="kvboost-captured-build", daemon=False).start()
             return True
         return self._build_all(view, False)
 
