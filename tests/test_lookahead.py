@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoostSettings
 from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.dev.threads import HUNG_SECONDS
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.prefill import prefiller as prefill_module
 from kvboost_rag.hf.passes import run_now
@@ -129,3 +131,27 @@ def test_a_failing_lookahead_reaches_the_caller(make_engine, docs, monkeypatch):
     monkeypatch.setattr(prefill_module, "look_ahead_steps", fail)
     with pytest.raises(RuntimeError, match="lookahead failed"):
         _rag_run(make_engine, docs, lookahead_ratio=0.05)
+
+
+def test_a_lookahead_whose_pass_fails_ends_its_request_and_the_next_one_runs(make_engine, docs):
+    # The lookahead's pass (one token, attention recorded) runs before the sequence's first step;
+    # when the model fails on it, the request ends with that error instead of waiting for a
+    # first step that never comes, and its place goes back.
+    engine = make_engine("llama", recompute_strategy="attention", recompute_ratio=0.1, lookahead_ratio=0.05)
+    engine.warm(SYSTEM_PROMPT)
+    engine.warm_documents(docs[:4])
+    forward = engine._adapter.forward_segments
+
+    def failing(segments):
+        if any(segment.record and len(segment) == 1 for segment in segments):
+            raise RuntimeError("the lookahead's pass failed")
+        return forward(segments)
+
+    engine._adapter.forward_segments = failing
+    prompt = rag_prompt([docs[3], docs[1], docs[0], docs[2]])
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(engine.generate, prompt, max_new_tokens=6)
+        with pytest.raises(RuntimeError, match="the lookahead's pass failed"):
+            call.result(timeout=HUNG_SECONDS)
+    engine._adapter.forward_segments = forward
+    assert engine.generate(prompt, max_new_tokens=6).token_ids

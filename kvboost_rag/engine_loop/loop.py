@@ -251,8 +251,7 @@ class EngineLoop:
         """End the work and sequences whose request was cancelled."""
         for work in self._works:
             if work.cancelled and not work.finished:
-                work.fail(RequestCancelled("the request was cancelled"))
-                self._abandon_sequence_of(work)
+                self._fail(work, RequestCancelled("the request was cancelled"))
         for handle in [h for h in self._running if h.cancelled]:
             self._running.remove(handle)
             self._places.release(handle.reservation)
@@ -297,7 +296,7 @@ class EngineLoop:
                 self._policy.costs.record(len(rows.sequences), rows.width, self._clock() - start)
         for (work, _), output in zip(slices, outputs[len(row_segments) :]):
             if isinstance(output, BaseException):
-                work.fail(output)
+                self._fail(work, output)
                 continue
             result = work.slice_ran(output)
             if result is not None:
@@ -350,8 +349,7 @@ class EngineLoop:
         try:
             reply = call.run()
         except Exception as exc:  # noqa: BLE001 - the work's own failure, re-raised by its caller
-            work.fail(exc)
-            self._abandon_sequence_of(work)
+            self._fail(work, exc)
             return
         self._advance(work, reply)
 
@@ -389,13 +387,15 @@ class EngineLoop:
         self._works.append(before)
         return handle
 
-    def _abandon_sequence_of(self, work: PromptWork) -> None:
-        """A work run before a sequence's first step ended early: the sequence leaves too."""
+    def _fail(self, work: PromptWork, error: BaseException) -> None:
+        """End a work with ``error``; a sequence waiting for it before its first step leaves
+        too (its place given back, the error delivered)."""
+        work.fail(error)
         handle = self._after.pop(work, None)
         if handle is not None:
             self._places.release(handle.reservation)
             if not handle.cancelled:
-                handle.deliver(StepResult(error=work.future.exception()))
+                handle.deliver(StepResult(error=error))
 
 
 def _restore_length(segment: Segment, length: int) -> None:
