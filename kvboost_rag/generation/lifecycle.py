@@ -197,7 +197,7 @@ class Pending:
             (started.first_token_at - self.start) * 1000, started.first_pieces,
             None if joined else self.reservation, started.handle, self.lease, self.cancellation,
         )
-        if started.handle is not None:
+        if joined:
             request.unwatch = self.cancellation.watch(started.handle.cancel)
         else:
             request.close(places)
