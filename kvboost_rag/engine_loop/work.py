@@ -121,10 +121,9 @@ class PromptWork:
         """The next slice of its :class:`TokenPass`: at most ``budget`` tokens (at least one)."""
         request = self.request
         assert isinstance(request, TokenPass), "a slice of a work that waits for no token pass"
-        self._stop = request.next_stop(self._done, budget)
-        if self._done == 0 and self._stop < len(request):
-            request.before_slices(self._stop)
-        return request.segment(self._done, self._stop)
+        segment = request.slice_after(self._done, budget)
+        self._stop = self._done + len(segment)
+        return segment
 
     def slice_ran(self, output: SegmentOutput) -> PassResult | None:
         """Account for the slice :meth:`next_slice` gave; the pass's result once it is whole."""
@@ -133,7 +132,7 @@ class PromptWork:
         self._done = self._stop
         if self._done < len(request):
             return None
-        return PassResult(None if output.logits is None else output.logits[-1], output.recorded)
+        return PassResult.of_last_slice(output)
 
     def fail(self, error: BaseException) -> None:
         """End the work with ``error``: its generator is closed where it waits (its cleanup

@@ -26,7 +26,7 @@ import torch
 
 from kvboost_rag.hf.adapter import ModelAdapter
 from kvboost_rag.hf.caches import BufferedCache
-from kvboost_rag.hf.packed import Segment
+from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.hf.transfer import host_to_device
 
 T = TypeVar("T")
@@ -43,6 +43,11 @@ class PassResult:
 
     logits: torch.Tensor | None = None
     recorded: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of_last_slice(cls, output: SegmentOutput) -> PassResult:
+        """The pass's result from its last slice's output."""
+        return cls(None if output.logits is None else output.logits[-1], output.recorded)
 
 
 @dataclass(eq=False)
@@ -80,6 +85,15 @@ class TokenPass:
         if stop < count and count - stop < self.record:
             stop = count - self.record if count - self.record > done else count
         return stop
+
+    def slice_after(self, done: int, budget: int) -> Segment:
+        """The slice after ``done`` tokens for a budget of ``budget`` tokens
+        (:meth:`next_stop`), as a segment of a packed pass; before the first slice of a cut
+        pass, the rows later slices write are prepared (:meth:`before_slices`)."""
+        stop = self.next_stop(done, budget)
+        if done == 0 and stop < len(self):
+            self.before_slices(stop)
+        return self.segment(done, stop)
 
     def segment(self, start: int, stop: int) -> Segment:
         """The slice ``[start, stop)`` as a segment of a packed pass (the logits and recorded
@@ -159,13 +173,11 @@ def run_token_pass(adapter: ModelAdapter, request: TokenPass, slice_tokens: int 
     """Run one :class:`TokenPass` alone: whole, or in slices of ``slice_tokens`` tokens."""
     done, output = 0, None
     while done < len(request):
-        stop = request.next_stop(done, slice_tokens or len(request))
-        if done == 0 and stop < len(request):
-            request.before_slices(stop)
-        output = adapter.forward_segments([request.segment(done, stop)])[0]
-        done = stop
+        segment = request.slice_after(done, slice_tokens or len(request))
+        output = adapter.forward_segments([segment])[0]
+        done += len(segment)
     assert output is not None, "a pass of no token"
-    return PassResult(None if output.logits is None else output.logits[-1], output.recorded)
+    return PassResult.of_last_slice(output)
 
 
 def zero_rows(cache: BufferedCache, positions: torch.Tensor) -> None:
