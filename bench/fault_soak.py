@@ -14,15 +14,20 @@ A pool of documents of Python's reference (``pydoc_data.topics``) is warmed firs
 ``POST /v1/documents``; ``--requests`` RAG chat requests (system prompt, ``--docs`` documents
 of the pool in random order, a question; greedy, ``--tokens`` new tokens) are answered one at a
 time first (the reference). Then rounds run until ``--minutes`` have passed: ``--clients``
-clients at once, most sending one of the reference requests (about half streamed), a share
-(``--hang-up-share``) sending new prompts streamed and hanging up after their first
-``--hang-up-events`` events, and ``--warm-per-round`` new documents warmed through the server
-beside them. After each round it prints: elapsed seconds, the process's resident memory
-(``VmRSS``), entries staged, documents known, requests answered, answers equal to their
-one-at-a-time answer, clients that hung up, requests lost. At the end, after
-``engine.flush()``:
+clients at once, most repeating one of the reference requests (about half streamed), a share
+(``--novel-share``) sending new prompts that name new documents in ``documents`` (stored after
+the answer: the writes that meet the faults), a share (``--hang-up-share``) sending new prompts
+of pool documents streamed and hanging up after their first ``--hang-up-events`` events, and
+``--warm-per-round`` new documents warmed through the server beside them. After each round it
+prints: elapsed seconds, the process's resident memory (``VmRSS``), the memory tier's bytes
+(``cache_stats().memory_bytes``: it grows as new documents are stored), entries staged,
+documents known, requests answered, answers equal to their one-at-a-time answer, clients that
+hung up, requests lost. ``--novel-share 0 --warm-per-round 0`` makes a steady workload (nothing
+new to store after the first rounds), where resident memory should stay flat. At the end,
+after ``engine.flush()``:
 
-- resident memory at the end against after round 1 (target: within 5%);
+- resident memory at the end against after round 1 (target: within 5%), also less the
+  memory tier's bytes;
 - entries left staged (target 0);
 - every document ``POST /v1/documents`` acknowledged (not in its ``failures``) found by the
   engine (``is_document_warm``), by a new prompt (its K/V loaded: ``content_hit_tokens``), and
@@ -31,7 +36,8 @@ one-at-a-time answer, clients that hung up, requests lost. At the end, after
 
 The memory figures come from ``engine.cache_stats()``: its ``memory`` items where the
 installed engine reports them, else the store's count of staged entries
-(:func:`memory_figures`, the one place that reads an internal).
+(:func:`memory_figures`); it and :class:`SlowDiskPuts` (the tier stack,
+``engine._cache._store.tiers``) are the only places that read the engine's internals.
 
 Run (torch on ``--threads`` threads, 2 by default)::
 
@@ -369,23 +375,26 @@ class Soak:
                 self.reference.append(reply.text)
         return time.perf_counter() - start
 
-    def novel_body(self, number: int, k: int, stream: bool) -> dict[str, Any]:
-        """A prompt no client sent before: ``--docs`` documents, half of them new texts named in
-        the request's ``documents`` field (stored after the answer, as a RAG request's newly
-        retrieved documents are), in random order."""
+    def novel_body(self, number: int, k: int, stream: bool, new_docs: int) -> dict[str, Any]:
+        """A prompt no client sent before: ``--docs`` documents in random order, ``new_docs`` of
+        them new texts named in the request's ``documents`` field (stored after the answer, as a
+        RAG request's newly retrieved documents are), the others from the pool."""
         args = self.args
-        new = [self.new_text() for _ in range(args.docs // 2)]
+        new = [self.new_text() for _ in range(new_docs)]
         docs = self.rng.sample(self.pool, args.docs - len(new)) + new
         self.rng.shuffle(docs)
         body = chat_body(self.model, rag_messages(docs, f"Round {number}, client {k}: explain these."), args.tokens,
                          stream)
-        body["documents"] = new
+        if new:
+            body["documents"] = new
         return body
 
     def clients_of_round(self, number: int) -> list[tuple[int | None, dict[str, Any], int | None]]:
         """Round ``number``'s clients: (reference index or ``None``, body, events before hanging
         up or ``None``). Hang-ups and ``--novel-share`` send new prompts; the others repeat a
-        reference request, about half of them streamed."""
+        reference request, about half of them streamed. Only the novel clients' prompts hold
+        new documents: with ``--novel-share 0 --warm-per-round 0`` nothing new is stored after
+        the first rounds (a steady workload)."""
         args = self.args
         leaving = round(args.clients * args.hang_up_share)
         novel = round(args.clients * args.novel_share)
@@ -393,8 +402,9 @@ class Soak:
         for k in range(args.clients - leaving - novel):
             i = self.rng.randrange(len(self.requests))
             clients.append((i, chat_body(self.model, self.requests[i], args.tokens, self.rng.random() < 0.5), None))
-        clients += [(None, self.novel_body(number, k, self.rng.random() < 0.5), None) for k in range(novel)]
-        clients += [(None, self.novel_body(number, novel + k, True), args.hang_up_events) for k in range(leaving)]
+        new_docs = args.docs // 2
+        clients += [(None, self.novel_body(number, k, self.rng.random() < 0.5, new_docs), None) for k in range(novel)]
+        clients += [(None, self.novel_body(number, novel + k, True, 0), args.hang_up_events) for k in range(leaving)]
         return clients
 
     async def run_round(self, number: int, soak_start: float) -> RoundRow:
@@ -544,7 +554,8 @@ def report(soak: Soak, end: dict[str, Any], checks: dict[str, Any], warnings: Wa
         f"{args.clients} clients at once per round: {compared} repeat one of {args.requests} RAG chat requests of "
         f"{args.docs} documents ({args.doc_chars} characters at most, from a pool of {args.pool} warmed through "
         f"`POST /v1/documents`), about half streamed; {novel} send new prompts whose {args.docs // 2} new documents "
-        f"are named in `documents` (stored after the answer); {leaving} send new prompts streamed and hang up after "
+        f"are named in `documents` (stored after the answer); {leaving} send new prompts of pool documents streamed and "
+        f"hang up after "
         f"{args.hang_up_events} events. Greedy, {args.tokens} new tokens; {args.warm_per_round} new documents warmed "
         f"beside each round. Faults: every disk put slowed {args.disk_put_ms} ms; Redis paused for writes "
         f"{args.pause_ms} ms every {args.pause_every:g} s. Times: {checks['times']}.", "",
