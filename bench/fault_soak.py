@@ -350,10 +350,11 @@ class Soak:
         return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(1200.0), limits=limits)
 
     def new_text(self) -> str:
-        """A document no client sent before: the next spare text of the corpus, with a line
-        that makes it unique."""
+        """A document no client sent before: the next spare text of the corpus behind a first
+        line that makes it unique (at its start, so no chunk of it was stored before, even when
+        the spare texts come round again)."""
         self.new_texts += 1
-        return f"{self.spare[self.new_texts % len(self.spare)]}\n(soak document {self.new_texts})"
+        return f"(soak document {self.new_texts})\n{self.spare[self.new_texts % len(self.spare)]}"
 
     def next_warm_batch(self, number: int) -> dict[str, str]:
         """New documents to warm beside round ``number`` (ids name the round)."""
