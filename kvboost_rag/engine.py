@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvboost_rag.cache.device_memory import DeviceMemoryPlan, free_device_memory, plan_device_memory
-from kvboost_rag.cache.manager import CacheManager
+from kvboost_rag.cache.manager import CacheManager, queued_bytes_bound
 from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
@@ -43,6 +43,7 @@ from kvboost_rag.results import (
     CacheStats,
     CorrectnessReport,
     GenerationResult,
+    KVMemory,
     WarmResult,
 )
 from kvboost_rag.warming import Warming
@@ -106,7 +107,12 @@ class KVBoost:
         # On a CPU, prefill buffers are reused across requests (fresh ones page-fault on every
         # call); idle ones are kept within a quarter of the decode budget.
         on_cpu = adapter.device.type == "cpu"
-        host_buffers = HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4) if on_cpu else None
+        host_buffers = (
+            HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4, settings.max_batch_cache_bytes)
+            if on_cpu
+            else None
+        )
+        self._host_buffers = host_buffers
         self._requests = Requests(parts, self._places, self._constraints, eos_ids, slots, host_buffers)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
@@ -158,6 +164,7 @@ class KVBoost:
         plan = plan_device_memory(
             free, adapter.kv_bytes_per_token, adapter.context_window,
             pool=settings.captured_pool_bytes if wanted else None, device_tier=settings.device_cache_bytes,
+            staged_bytes=queued_bytes_bound(settings),
         )
         logger.info(
             "device memory: %.1f GiB free; captured steps' pool %.1f GiB, device tier %.1f GiB",
@@ -418,8 +425,19 @@ class KVBoost:
         return self._cache.index.attach_stored_documents()
 
     def cache_stats(self) -> CacheStats:
-        """Counters of the cache and its tiers."""
-        return self._cache.stats()
+        """Counters of the cache and its tiers, and every byte held for K/V
+        (:attr:`CacheStats.memory`), once the cache writes queued so far are done."""
+        pool = self._host_buffers
+        held = KVMemory(
+            batch_buffers_bytes=self._places.held_bytes,
+            idle_buffers_bytes=0 if pool is None else pool.idle_bytes,
+            decode_weights_bytes=_weight_copy_bytes(self._adapter.small_rows),
+            limits={
+                "max_batch_cache_bytes": self.settings.max_batch_cache_bytes,
+                "packed_weights_bytes": self.settings.packed_weights_bytes,
+            },
+        )
+        return self._cache.stats(held)
 
     def clear_cache(self) -> None:
         """Drop every cached entry and registered document (after the cache writes queued
@@ -442,3 +460,11 @@ class KVBoost:
             Whether every queued write finished.
         """
         return self._cache.flush(timeout)
+
+
+def _weight_copy_bytes(small_rows: object) -> int:
+    """Bytes of the weight copies the decode steps' kernel holds besides the model's own."""
+    weights = getattr(small_rows, "weights", {})
+    return sum(
+        weight.numel() * weight.element_size() for module, weight in weights.items() if weight is not getattr(module, "weight", None)
+    )

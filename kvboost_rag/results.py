@@ -140,6 +140,45 @@ class CorrectnessReport(BaseModel):
     kl_tolerance: float
 
 
+class KVMemory(BaseModel):
+    """Every byte the engine holds for K/V (and for the weight copies its decode steps read),
+    by holder, beside the settings that bound them.
+
+    Attributes:
+        batch_buffers_bytes: K/V buffers of requests: running ones, and lent ones a write-back
+            still copies from (within ``max_batch_cache_bytes``, or one request when it alone
+            runs).
+        idle_buffers_bytes: Buffers of finished requests kept for the next ones (a model on a
+            CPU; within a quarter of ``max_batch_cache_bytes`` and what the lent ones leave).
+        copy_queue_bytes: What write-backs waiting for their host copies hold besides lent
+            buffers (a warm's own buffers, device copies on CUDA).
+        write_queue_bytes: Host copies on their way to the tiers.
+        staged_entries: Entries staged now: lookups find them before the tiers hold them.
+        staged_bytes: Their bytes (views of lent buffers count their rows).
+        arena_bytes: Host memory of the write-back's arena (the memory tier's entries are
+            carved from it); ``arena_used_bytes`` of it is taken.
+        arena_used_bytes: Bytes of the arena's ranges held now.
+        memory_tier_bytes: The memory tier's entries and the indexes (``max_cache_bytes``).
+        device_tier_bytes: The device tier's entries (``device_cache_bytes``).
+        decode_weights_bytes: Copies of the model's weights the decode steps read
+            (``small_row_kernels``; 0 when they read the model's own).
+        limits: The settings that bound these, by name, in bytes.
+    """
+
+    batch_buffers_bytes: int = 0
+    idle_buffers_bytes: int = 0
+    copy_queue_bytes: int = 0
+    write_queue_bytes: int = 0
+    staged_entries: int = 0
+    staged_bytes: int = 0
+    arena_bytes: int = 0
+    arena_used_bytes: int = 0
+    memory_tier_bytes: int = 0
+    device_tier_bytes: int = 0
+    decode_weights_bytes: int = 0
+    limits: dict[str, int] = Field(default_factory=dict)
+
+
 class CacheStats(BaseModel):
     """Counters of the cache.
 
@@ -160,6 +199,7 @@ class CacheStats(BaseModel):
         counters: Engine counters (prefix/content hit tokens, boundary merges, ...).
         shared_bytes_written: Bytes written to the tiers other processes read: what Redis
             counts, plus the usage of a write-through disk folder (exact for one writer).
+        memory: Every byte held for K/V, by holder (:class:`KVMemory`).
     """
 
     entries: int
@@ -173,3 +213,4 @@ class CacheStats(BaseModel):
     misses: int
     counters: dict[str, int]
     shared_bytes_written: int = 0
+    memory: KVMemory = Field(default_factory=KVMemory)

@@ -1,6 +1,7 @@
 """The write-back's parts on their own: the host arena (ranges handed out, taken back when
-their tensor is collected, merged, reused) and the worker (order, flush, failures, a bound
-on queued bytes, work queued from a job, close)."""
+their tensor and every view are collected, merged, reused, free segments given back) and the
+worker (order, flush, failures, a first-come bound on queued bytes, work queued from a job,
+close, a thread that ends when idle)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,51 @@ def test_tensors_of_the_arena_are_contiguous_and_apart():
     assert arena.used_bytes >= (32 + 15) * 4
 
 
-def test_a_range_comes_back_when_its_tensor_is_collected_and_is_reused():
+def test_a_range_comes_back_only_when_its_tensor_and_every_view_are_collected_and_is_reused():
     arena = _arena()
     first = arena.take((256,))
     address = first.data_ptr()
-    view = first[:10]  # a view does not hold the range
+    view = first[:10]  # a view holds the range
     del first
     gc.collect()
-    assert arena.used_bytes == 0
+    assert arena.used_bytes == 256 * 4
     again = arena.take((256,))
-    assert again.data_ptr() == address and arena.segments == 1
+    assert again.data_ptr() != address  # the range is still taken
     del view, again
+    gc.collect()
+    assert arena.used_bytes == 0
+    reused = arena.take((256,))
+    assert reused.data_ptr() == address and arena.segments == 1
+
+
+def test_a_view_reads_what_was_written_while_a_later_tensor_takes_other_memory():
+    arena = _arena(512)
+    first = arena.take((256,))
+    first.fill_(7.0)
+    kept = first.view(16, 16)[3:5]
+    del first
+    gc.collect()
+    later = arena.take((256,))
+    later.fill_(-1.0)
+    assert torch.all(kept == 7.0)
+
+
+def test_tensors_of_every_dtype_are_carved_with_their_own_element_size():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int8):
+        arena = HostArena(dtype, segment_bytes=4096)
+        tensor = arena.take((3, 5))
+        assert tensor.dtype == dtype and tensor.shape == (3, 5) and tensor.is_contiguous()
+        assert tensor.data_ptr() % 64 == 0
+
+
+def test_wholly_free_segments_go_back_to_the_system_but_one_spare():
+    arena = _arena(256)
+    parts = [arena.take((256,)) for _ in range(3)]  # a segment each
+    assert arena.segments == 3 and arena.segment_bytes == 3 * 1024
+    del parts[:]
+    gc.collect()
+    assert arena.segments == 1 and arena.used_bytes == 0  # one spare kept for the next writes
+    assert arena.trim() == 1024 and arena.segments == 0 and arena.segment_bytes == 0
 
 
 def test_freed_neighbours_merge_so_a_larger_request_fits_without_a_new_segment():
@@ -160,10 +195,65 @@ def test_work_queued_from_a_job_runs_in_place_and_flush_from_the_worker_returns(
     assert worker.flush(timeout=60) and order == ["inner", "outer"]
 
 
-def test_a_closed_worker_refuses_new_jobs_after_running_the_queued_ones():
+def test_a_closed_worker_runs_later_jobs_on_their_callers_thread():
     worker = WriteWorker(max_queued_bytes=1 << 20)
     ran = []
-    worker.submit(lambda: ran.append(1))
-    assert worker.close(timeout=60) and ran == [1]
-    with pytest.raises(RuntimeError, match="closed"):
-        worker.submit(lambda: None)
+    worker.submit(lambda: ran.append(threading.current_thread().name))
+    assert worker.close(timeout=60) and ran[0].startswith(THREAD_NAME)
+    worker.submit(lambda: ran.append(threading.current_thread().name))
+    assert ran[1] == threading.current_thread().name and worker.completed == 2
+
+
+def test_a_large_job_is_not_passed_for_ever_by_smaller_ones():
+    """First come first served: once the large job waits, later small ones wait behind it."""
+    worker = WriteWorker(max_queued_bytes=100)
+    gate = threading.Event()
+    order: list[str] = []
+    worker.submit(lambda: gate.wait(60), nbytes=60)
+    large_waiting = threading.Event()
+
+    def large() -> None:
+        large_waiting.set()
+        worker.submit(lambda: order.append("large"), nbytes=90)
+
+    thread = threading.Thread(target=large)
+    thread.start()
+    assert large_waiting.wait(60)
+    while not worker._arrivals:  # the large submit is in line
+        threading.Event().wait(0.01)
+    small = threading.Thread(target=lambda: worker.submit(lambda: order.append("small"), nbytes=10))
+    small.start()
+    gate.set()
+    thread.join(60)
+    small.join(60)
+    assert worker.flush(timeout=60) and order == ["large", "small"]
+
+
+def test_a_flush_waits_for_every_job_queued_before_it_by_any_thread():
+    """Queuing is one step under the lock: no job counted before it is queued."""
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    done: list[int] = []
+    gate = threading.Event()
+    worker.submit(lambda: gate.wait(60))
+
+    def submitter(i: int) -> None:
+        worker.submit(lambda: done.append(i))
+
+    threads = [threading.Thread(target=submitter, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    gate.set()
+    assert worker.flush(timeout=60) and sorted(done) == list(range(8))
+
+
+def test_the_thread_ends_when_idle_and_starts_again_for_the_next_job():
+    worker = WriteWorker(max_queued_bytes=1 << 20)
+    names: list[threading.Thread] = []
+    worker.submit(lambda: names.append(threading.current_thread()))
+    assert worker.flush(timeout=60)
+    names[0].join(60)  # it lingers, then ends
+    assert not names[0].is_alive() and not names[0].daemon
+    worker.submit(lambda: names.append(threading.current_thread()))
+    assert worker.flush(timeout=60) and names[1] is not names[0] and names[1].name == THREAD_NAME

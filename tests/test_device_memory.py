@@ -60,3 +60,13 @@ def test_too_little_free_memory_leaves_no_slot_and_no_tier():
     plan = plan_device_memory(MIN_HEADROOM_BYTES // 2, PER_TOKEN_8B, WINDOW_8B, pool="auto", device_tier="auto")
     assert plan.pool_bytes == 0 and plan.device_tier_bytes == 0
     assert SlotPool.planned(LLAMA_8B, torch.bfloat16, "meta", plan.pool_bytes, WINDOW_8B, SCRATCH) is None
+
+
+def test_room_for_the_write_backs_staged_device_copies_is_kept_beside_the_headroom():
+    """The chunks a finished prompt stores are copied on the device before its slot goes back:
+    up to the copier's queue bound of them is left out of the pool and the device tier."""
+    free, staged = 62 * 10**9, 2 * GiB
+    plain = plan_device_memory(free, PER_TOKEN_8B, WINDOW_8B, pool="auto", device_tier="auto")
+    kept = plan_device_memory(free, PER_TOKEN_8B, WINDOW_8B, pool="auto", device_tier="auto", staged_bytes=staged)
+    assert kept.pool_bytes + kept.device_tier_bytes <= free - MIN_HEADROOM_BYTES - staged
+    assert kept.pool_bytes + kept.device_tier_bytes < plain.pool_bytes + plain.device_tier_bytes

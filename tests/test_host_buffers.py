@@ -1,7 +1,8 @@
 """Prefill buffers lent and reused on the CPU: a pair goes back only once decoding and the
-write-back are both done with it, comes back for a later prompt of a similar length, carries
+write-back are both done with it, comes back for a later prompt of the same rounded length, carries
 nothing from one request into the next (tokens and logits as with fresh buffers, alone,
-batched and while another stream still decodes), and idle memory stays within its budget."""
+batched and while another stream still decodes), and idle memory stays within its budget,
+lent and idle memory within the pool's."""
 
 from __future__ import annotations
 
@@ -39,14 +40,33 @@ def test_a_pair_goes_back_when_both_holders_released_it_and_is_lent_again():
     assert _storage(other) != _storage(again)
 
 
-def test_a_small_prompt_does_not_take_a_pair_more_than_twice_its_size():
+def test_a_prompt_takes_only_a_pair_of_its_rounded_capacity():
+    """So it holds exactly the bytes the batch's places admitted it for."""
     pool = HostBufferPool(_allocate, max_idle_bytes=2**30)
     large = pool.lease(5000)
     for holder in ("decode", "request"):
         large.release(holder)
     small = pool.lease(900)
     assert small.capacity == GRANULE and _storage(small) != _storage(large) and pool.idle_buffers == 1
-    assert pool.lease(3000).capacity == 5 * GRANULE  # within twice: the idle pair
+    assert pool.lease(3000).capacity == 3 * GRANULE  # not the idle pair of 5
+    assert pool.lease(4500).capacity == 5 * GRANULE and pool.idle_buffers == 0  # the idle pair
+    assert HostBufferPool.capacity_for(1) == GRANULE and HostBufferPool.capacity_for(GRANULE + 1) == 2 * GRANULE
+
+
+def test_lent_and_idle_pairs_together_stay_within_the_pools_bytes():
+    pair_bytes = 2 * 2 * 2 * GRANULE * 4 * 4  # K and V of 1 granule, float32
+    pool = HostBufferPool(_allocate, max_idle_bytes=4 * pair_bytes, max_bytes=3 * pair_bytes)
+    first = [pool.lease(GRANULE) for _ in range(2)]
+    for lease in first:
+        for holder in ("decode", "request"):
+            lease.release(holder)
+    assert pool.idle_bytes == 2 * pair_bytes and pool.lent_bytes == 0
+    held = [pool.lease(2 * GRANULE), pool.lease(3 * GRANULE)]  # 5 pairs' bytes lent: no idle one kept
+    assert pool.lent_bytes == 5 * pair_bytes and pool.idle_bytes == 0
+    for lease in held:
+        for holder in ("decode", "request"):
+            lease.release(holder)
+    assert pool.lent_bytes == 0 and pool.idle_bytes <= 3 * pair_bytes
 
 
 def test_idle_pairs_beyond_the_budget_go_oldest_first():

@@ -1,21 +1,23 @@
-"""Host memory for stored K/V, allocated in large segments once and reused as entries leave.
+"""Host memory for stored K/V, allocated in large segments and reused as entries leave.
 
 The write-back copies every chunk it stores into host memory (the memory tier's copy of it,
 which the disk and Redis tiers serialize from). Allocating that memory per chunk costs page
 faults on a CPU (fresh memory is mapped one page at a time on its first write) and, on CUDA,
 page-locking per tensor (``pin_memory()``: a driver call per chunk, then a third copy).
 :class:`HostArena` instead carves tensors out of a few large segments (page-locked on CUDA, so
-copies from the device are asynchronous DMA) and takes a tensor's range back when the last
-Python reference to it is gone (the memory tier evicted the entry, the disk tier wrote it):
-in steady state, storing a chunk allocates nothing.
+copies from the device are asynchronous DMA): in steady state, storing a chunk allocates
+nothing.
+
+**Held by reference.** A tensor the arena hands out has a storage of its own over its range
+(made with :func:`torch.from_numpy` over a slice of the segment), so the tensor *and every view
+of it* hold the range: it returns to the arena only when the last of them is collected,
+whoever holds it (the memory tier, a staged entry, a reader of a lookup, a disk write).
 
 Ranges are first-fit over each segment's sorted free list; freed ranges merge with their free
-neighbours. A request no free range holds adds a segment (:attr:`HostArena.segments` counts
-them); segments are never given back while the arena lives.
-
-Caution: a tensor taken from the arena must be kept (not only views of it) while anything
-reads it: its range is freed when that tensor object is collected, and views made from it do
-not hold it (they hold the segment).
+neighbours. A request no free range holds adds a segment. A segment whose every range came
+back is given back to the system when another wholly free one is kept already (one spare
+stays for the next writes), and :meth:`HostArena.trim` gives back every wholly free segment
+(after ``clear_cache``).
 """
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ ALIGNMENT = 64
 
 
 class _Segment:
-    """One allocation and its free ranges (``(start, length)`` in elements, sorted, merged)."""
+    """One allocation and its free ranges (``(start, length)`` in bytes, sorted, merged)."""
 
-    def __init__(self, elements: int, dtype: torch.dtype, pinned: bool) -> None:
+    def __init__(self, nbytes: int, pinned: bool) -> None:
         with torch.inference_mode(False):  # an ordinary tensor: views are usable anywhere
-            self.storage = torch.empty(elements, dtype=dtype, pin_memory=pinned)  # [elements]
-        self.free: list[tuple[int, int]] = [(0, elements)]
+            self.storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)  # [nbytes]
+        self.array = self.storage.numpy()  # the same memory, sliced into ranges
+        self.nbytes = nbytes
+        self.free: list[tuple[int, int]] = [(0, nbytes)]
+
+    @property
+    def wholly_free(self) -> bool:
+        """Whether every range came back."""
+        return self.free == [(0, self.nbytes)]
 
     def take(self, length: int) -> int | None:
-        """Start of a free range of ``length`` elements, now taken; ``None`` if none fits."""
+        """Start of a free range of ``length`` bytes, now taken; ``None`` if none fits."""
         for i, (start, size) in enumerate(self.free):
             if size >= length:
                 if size == length:
@@ -80,8 +89,7 @@ class HostArena:
     def __init__(self, dtype: torch.dtype, pinned: bool = False, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dtype, self.pinned = dtype, pinned
         self._element = torch.empty((), dtype=dtype).element_size()
-        self._align = max(1, ALIGNMENT // self._element)
-        self._segment_elements = max(self._align, segment_bytes // self._element)
+        self._segment_bytes = max(ALIGNMENT, segment_bytes)
         self._segments: list[_Segment] = []
         self._lock = threading.RLock()  # a range freed while the arena is busy may call back in
         self._taken = 0
@@ -90,37 +98,53 @@ class HostArena:
 
     @property
     def segments(self) -> int:
-        """Segments allocated so far (each one allocation of host memory)."""
+        """Segments allocated now (each one allocation of host memory)."""
         with self._lock:
             return len(self._segments)
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of the segments allocated now (what the arena holds of host memory)."""
+        with self._lock:
+            return sum(segment.nbytes for segment in self._segments)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the ranges handed out and not yet back."""
         with self._lock:
-            return self._taken * self._element
+            return self._taken
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` (uninitialized) whose memory returns to the arena
-        when the tensor is collected."""
-        length = -(-max(1, prod(shape)) // self._align) * self._align
+        """A contiguous tensor of ``shape`` (uninitialized) whose range returns to the arena
+        once it and every view of it are collected."""
+        nbytes = max(1, prod(shape)) * self._element
+        length = -(-nbytes // ALIGNMENT) * ALIGNMENT
         with self._lock:
             segment, start = self._find(length)
             self._taken += length
             self.tensors_taken += 1
-        tensor = segment.storage[start : start + prod(shape)].view(shape)
-        finalizer = weakref.finalize(tensor, self._give_back, segment, start, length)
+        piece = segment.array[start : start + prod(shape) * self._element]
+        finalizer = weakref.finalize(piece, self._give_back, segment, start, length)
         finalizer.atexit = False
+        with torch.inference_mode(False):
+            tensor = torch.from_numpy(piece).view(self.dtype).view(shape)  # its storage holds ``piece``
         return tensor
+
+    def trim(self) -> int:
+        """Give every wholly free segment back to the system; returns the bytes given back."""
+        with self._lock:
+            free = [segment for segment in self._segments if segment.wholly_free]
+            self._segments = [segment for segment in self._segments if not segment.wholly_free]
+        return sum(segment.nbytes for segment in free)
 
     def _find(self, length: int) -> tuple[_Segment, int]:
         for segment in self._segments:
             start = segment.take(length)
             if start is not None:
                 return segment, start
-        segment = _Segment(max(self._segment_elements, length), self.dtype, self.pinned)
+        segment = _Segment(max(self._segment_bytes, length), self.pinned)
         self._segments.append(segment)
-        logger.debug("host arena: segment %d of %d bytes", len(self._segments), segment.storage.numel() * self._element)
+        logger.debug("host arena: segment %d of %d bytes", len(self._segments), segment.nbytes)
         start = segment.take(length)
         assert start == 0
         return segment, start
@@ -129,3 +153,5 @@ class HostArena:
         with self._lock:
             segment.give_back(start, length)
             self._taken -= length
+            if segment.wholly_free and any(other.wholly_free for other in self._segments if other is not segment):
+                self._segments = [other for other in self._segments if other is not segment]

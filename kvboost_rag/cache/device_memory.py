@@ -8,7 +8,9 @@ loaded, so that with default settings the longest prompt the context window admi
 slot wherever the GPU can hold it:
 
 1. a headroom stays free for activations and temporaries (:data:`HEADROOM_SHARE` of the free
-   memory, at least :data:`MIN_HEADROOM_BYTES`);
+   memory, at least :data:`MIN_HEADROOM_BYTES`), and room for the write-back's staged device
+   copies (the chunks a finished prompt stores, copied on the device before its slot goes back:
+   at most the copier's queue bound);
 2. the pool takes what slots from the context window down to 1,024 tokens need (one of each
    power of two, about twice the window's K/V), at most :data:`POOL_SHARE` of what is left;
 3. the device tier takes :data:`DEVICE_TIER_SHARE` of the rest.
@@ -59,6 +61,7 @@ def plan_device_memory(
     *,
     pool: int | Literal["auto"] | None,
     device_tier: int | Literal["auto"],
+    staged_bytes: int = 0,
 ) -> DeviceMemoryPlan:
     """Share ``free_bytes`` of device memory between the pool and the device tier.
 
@@ -68,11 +71,12 @@ def plan_device_memory(
         context_window: Most positions a prompt and its answer take.
         pool: ``captured_pool_bytes``; ``None`` when there are no captured steps.
         device_tier: ``device_cache_bytes``.
+        staged_bytes: Most bytes of staged device copies (kept free beside the headroom).
 
     Returns:
         The plan (see the module docstring).
     """
-    usable = max(0, free_bytes - max(MIN_HEADROOM_BYTES, int(free_bytes * HEADROOM_SHARE)))
+    usable = max(0, free_bytes - max(MIN_HEADROOM_BYTES, int(free_bytes * HEADROOM_SHARE)) - staged_bytes)
     if pool is None:
         pool_bytes = 0
     elif pool == "auto":

@@ -146,7 +146,7 @@ class CacheIndex:
         when together they hold its record and every chunk; empty when an entry is in no tier
         (the document is gone: a prompt would compute it)."""
         keys = [self.record_key(record), *record.chunk_keys]
-        held = {tier.name: {key for key in keys if key in tier} for tier in self._store.tiers}
+        held = {tier.name: {key for key in keys if self._store.holds(tier, key)} for tier in self._store.tiers}
         if set().union(*held.values()) != set(keys):
             return []
         return [name for name, found in held.items() if found]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,15 +44,23 @@ from kvboost_rag.request.documents import (
     DocumentRecord,
 )
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
-from kvboost_rag.results import CacheStats
+from kvboost_rag.results import CacheStats, KVMemory
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
 
 #: Owner name of the indexes' reservation in the memory tier.
 INDEX_RESERVATION = "indexes"
+#: Name of the copier's thread.
+COPIER_THREAD = "kvboost-write-copies"
 #: Smallest bound on the bytes of queued write-backs (``max_batch_cache_bytes`` when larger).
 MIN_QUEUED_BYTES = 256 * 1024**2
+
+
+def queued_bytes_bound(settings: KVBoostSettings) -> int:
+    """Bytes each of the write-back's queues may hold: ``max_batch_cache_bytes``, at least
+    :data:`MIN_QUEUED_BYTES`."""
+    return max(settings.max_batch_cache_bytes, MIN_QUEUED_BYTES)
 
 
 class Prefilled(Protocol):
@@ -110,8 +119,12 @@ class CacheManager:
         self.counters: Counter[str] = Counter()
         self._bytes_per_token: float | None = None
         self._charge_queued = False
-        #: Runs the stores of every write-back, one after another, off the requests' threads.
-        self.worker = WriteWorker(max(settings.max_batch_cache_bytes, MIN_QUEUED_BYTES))
+        queued = queued_bytes_bound(settings)
+        #: Copies what every write-back stores into host memory, one after another, off the
+        #: requests' threads (its queue bounds the buffers of its own and device copies held).
+        self.copier = WriteWorker(queued, name=COPIER_THREAD)
+        #: Puts those copies into the tiers (its queue bounds the host copies on their way).
+        self.worker = WriteWorker(queued)
         #: The documents and prefix chunks the tiers hold.
         self.index = CacheIndex(
             store, fingerprint, settings.chunk_size, self.charge_indexes, lambda: self._count({"documents_evicted": 1})
@@ -119,7 +132,7 @@ class CacheManager:
         #: Gathers and host copies of what the write-back stores (its arena: ``copies.arena``).
         self.copies = HostCopies(torch.device(device), dtype)
         self._write_back = WriteBack(
-            store, self.index, self.copies, self.worker, fingerprint, settings.kv_cache_bits, settings.kv_group_size,
+            store, self.index, self.copies, self.copier, self.worker, fingerprint, settings.kv_cache_bits, settings.kv_group_size,
             self._count, self.charge_indexes,
         )
         self.index.shelf.write = self._write_back.write_later
@@ -277,7 +290,15 @@ class CacheManager:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write queued so far reached the tiers; whether it did within
         ``timeout`` seconds (``None``: no limit)."""
-        return self.worker.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.copier.flush(timeout):
+            return False
+        return self.worker.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    @property
+    def writes_idle(self) -> bool:
+        """Whether no write-back is being copied or stored."""
+        return self.copier.idle and self.worker.idle
 
     # ------------------------------------------------------------------ counters
     def record(self, plan: PromptPlan, outcome: Prefilled) -> None:
@@ -293,11 +314,17 @@ class CacheManager:
             }
         )
 
-    def stats(self) -> CacheStats:
-        """Counters of the cache and its tiers, once the writes queued so far are done."""
+    def stats(self, held: KVMemory | None = None) -> CacheStats:
+        """Counters of the cache and its tiers, once the writes queued so far are done.
+
+        Args:
+            held: What the engine's other holders hold (buffers, weight copies, limits): the
+                cache's own holders are filled in.
+        """
         self.flush()
         memory = self._store.memory_tier
         return CacheStats(
+            memory=self.memory_account(held or KVMemory()),
             entries=len(list(memory.keys())),
             memory_bytes=memory.used_bytes,
             index_bytes=self.index_bytes,
@@ -309,6 +336,25 @@ class CacheManager:
             misses=self._store.misses,
             counters=dict(self.counters),
             shared_bytes_written=self.shared_bytes_written(),
+        )
+
+    def memory_account(self, held: KVMemory) -> KVMemory:
+        """``held`` with the bytes the cache's own holders hold now: the write-back's queues,
+        staged entries, the arena, the memory and device tiers (and their limits)."""
+        device = sum(tier.used_bytes for tier in self._store.tiers if isinstance(tier, DeviceTier))
+        limits = {"max_cache_bytes": self._store.memory_tier.max_bytes, "max_queued_bytes": self.worker.max_queued_bytes}
+        return held.model_copy(
+            update={
+                "copy_queue_bytes": self.copier.queued_bytes,
+                "write_queue_bytes": self.worker.queued_bytes,
+                "staged_entries": self._store.staged_count,
+                "staged_bytes": self._store.staged_bytes,
+                "arena_bytes": self.copies.arena.segment_bytes,
+                "arena_used_bytes": self.copies.arena.used_bytes,
+                "memory_tier_bytes": self._store.memory_tier.used_bytes,
+                "device_tier_bytes": device,
+                "limits": {**held.limits, **limits},
+            }
         )
 
     def shared_bytes_written(self) -> int:
@@ -337,3 +383,5 @@ class CacheManager:
         self._store.clear()
         self.index.clear()
         self.charge_indexes()
+        self.flush()
+        self.copies.arena.trim()  # the host memory the entries held goes back to the system

@@ -1,20 +1,30 @@
 """The write-back: what a prompt taught the cache, stored without holding up its call.
 
-Two halves, on two threads:
+A chunk's K/V has one owner from the moment the write-back takes it until a tier holds it or
+it is dropped: the :class:`WriteJob` it belongs to. It goes through three hands, each on its
+own thread:
 
-- :meth:`WriteBack.submit`, on the request's thread once its answer is done: decides which
-  chunks are new (the prompt's exact leading part as prefix chunks, and the chunks of its
-  documents that no tier holds), indexes them, and *stages* them in the tier stack
-  (:meth:`~kvboost_rag.cache.storage.TieredStore.stage`) over the prompt's own buffers, so a
-  request that starts after this call returned finds every one of them. On CUDA the chunks are
-  first copied on the device (:meth:`~kvboost_rag.cache.host_copies.HostCopies.gather`), those
-  copies go into the device tier as they are, and the prompt's buffers (its captured steps'
-  slot) are handed back at once. Nothing is copied to the host, put into a host tier,
-  serialized or hashed here.
-- the job it queues on the :class:`~kvboost_rag.cache.write_worker.WriteWorker`: copies the
-  chunks into host memory the cache owns (:class:`~kvboost_rag.cache.arena.HostArena`), hands the
-  prompt's buffers back (on a CPU), puts the copies into the memory, disk and Redis tiers, and
-  settles what it staged.
+1. :meth:`WriteBack.submit`, on the request's thread once its answer is done: decides which
+   chunks are new (the prompt's exact leading part as prefix chunks, and the chunks of its
+   documents that no tier holds), indexes them, and *stages* them in the tier stack
+   (:meth:`~kvboost_rag.cache.storage.TieredStore.stage`) over the prompt's own buffers, so a
+   request that starts after this call returned finds every one of them. On CUDA the chunks are
+   first copied on the device (:meth:`~kvboost_rag.cache.host_copies.HostCopies.gather`), those
+   copies go into the device tier as they are, and the prompt's buffers are handed back at
+   once. Nothing is copied to the host, put into a host tier, serialized or hashed here.
+2. the *copier* (a :class:`~kvboost_rag.cache.write_worker.WriteWorker`): copies the chunks
+   into host memory the cache owns (:class:`~kvboost_rag.cache.arena.HostArena`), stages those
+   copies in place of the views, and hands the prompt's buffers back. Its jobs wait only for
+   each other (copies), never for a slow tier, so buffers go back within a copy's time.
+3. the *writer* (another worker): puts the copies into the memory, disk and Redis tiers,
+   settles them, and fixes the index for what no tier kept.
+
+Every failure settles: whatever raises at any step (a tier's ``put`` with any exception, a
+copy, a submit interrupted), the chunks it left staged are unstaged before the buffers they
+view go back, the prefix chunks indexed for them are dropped when no tier holds them, and the
+buffers go back exactly once. Memory each hand holds is counted: lent buffers where they were
+lent (the batch's places, until they go back), buffers of their own and device copies in the
+copier's queue, host copies in the writer's queue.
 
 Every key comes from the prompt's :class:`~kvboost_rag.request.plan.PromptPlan`; nothing here
 hashes.
@@ -30,14 +40,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvboost_rag.cache.codec import KVBlock, encode_block, entry_in_place
+from kvboost_rag.cache.held_views import watched_aliases
 from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import StoredEntry, TieredStore
+from kvboost_rag.cache.storage.base import TierWriteError
 from kvboost_rag.cache.write_worker import WriteWorker
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
 
 if TYPE_CHECKING:
     from kvboost_rag.cache.manager import Prefilled
+
+
+#: What a chunk holds once it let go of the prompt's buffers.
+_NOTHING = torch.empty(0)
 
 
 @dataclass
@@ -66,23 +82,32 @@ class ChunkWrite:
         """Bytes of its K and V."""
         return 2 * self.keys.numel() * self.keys.element_size()
 
+    def let_go(self) -> None:
+        """Drop its views of the prompt's buffers (what it stores is staged by now)."""
+        self.keys = self.values = _NOTHING
+
 
 @dataclass
 class WriteJob:
-    """What one write-back stores.
+    """What one write-back stores, and everything it holds until it settled.
 
     Attributes:
         chunks: The new chunks.
         indexed_prefixes: Prefix chunks indexed when staged: dropped from the index again when
             no tier kept them.
         pins: Keys to pin in every tier once stored.
-        release: Hands the prompt's buffers back (called once, when nothing reads them any more).
+        release: Hands the prompt's buffers back when the copier is done (called once; device
+            copies free them at once, and watched aliases when their last view is gone).
+        owned: The chunks' copies in memory of the cache's own, once the copier made them.
+        source: The prompt's K and V the chunks are cut from, while they are planned.
     """
 
     chunks: list[ChunkWrite] = field(default_factory=list)
     indexed_prefixes: list[str] = field(default_factory=list)
     pins: list[str] = field(default_factory=list)
     release: Callable[[], None] | None = None
+    owned: list[StoredEntry] = field(default_factory=list)
+    source: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def release_buffers(self) -> None:
         """Hand the prompt's buffers back (again: nothing)."""
@@ -90,20 +115,32 @@ class WriteJob:
         if release is not None:
             release()
 
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the copies it holds."""
+        return sum(entry.nbytes for entry in self.owned)
+
+
+def _storage_bytes(tensor: torch.Tensor | None) -> int:
+    """Bytes of the whole allocation ``tensor`` views (what holding it keeps alive)."""
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
 
 class WriteBack:
-    """Stages a prompt's new chunks at once and stores them on the worker.
+    """Stages a prompt's new chunks at once, copies them on the copier and stores them on the
+    writer.
 
     Args:
         store: The tier stack.
         index: The cache's index.
         copies: Gathers and host copies of K/V for the model's device.
-        worker: Where the stores run.
+        copier: Where the copies into host memory run.
+        writer: Where the stores into the tiers run.
         fingerprint: Namespace of every entry.
         bits: KV quantization bits of stored entries (``None``: the model's dtype).
         group_size: Their quantization group size.
         count: Adds to the cache's counters.
-        charge: Charges the index's bytes against the memory budget (on the worker).
+        charge: Charges the index's bytes against the memory budget (on the writer).
     """
 
     def __init__(
@@ -111,14 +148,16 @@ class WriteBack:
         store: TieredStore,
         index: CacheIndex,
         copies: HostCopies,
-        worker: WriteWorker,
+        copier: WriteWorker,
+        writer: WriteWorker,
         fingerprint: str,
         bits: int | None,
         group_size: int,
         count: Callable[[dict[str, int]], None],
         charge: Callable[[], None],
     ) -> None:
-        self._store, self._index, self._copies, self._worker = store, index, copies, worker
+        self._store, self._index, self._copies = store, index, copies
+        self._copier, self._writer = copier, writer
         self._fingerprint, self._bits, self._group_size = fingerprint, bits, group_size
         self._count, self._charge = count, charge
 
@@ -139,34 +178,63 @@ class WriteBack:
             outcome: Its prefill outcome (its buffers hold the K/V).
             store_documents: Store document chunks too.
             pin: Pin the prefix chunks that serve the leading part (an explicit warm).
-            on_read: Called once when the prompt's buffers are no longer read (they may be
-                lent again): at once on CUDA or when nothing is new, else after the worker
-                copied them. Called even when this raises.
+            on_read: Hands the prompt's buffers back once they are no longer read (they are
+                lent, and counted where they were lent until then): at once on CUDA, else
+                once every view of them is gone (the copier done, the staged views replaced,
+                any lookup that got one done with it; at once when nothing is new). Called
+                once even when this raises. ``None``: the buffers are the outcome's own,
+                counted in the copier's queue while it holds them.
 
         Returns:
             Document tokens newly staged.
         """
-        job = WriteJob(release=on_read)
+        job = self._job(outcome, on_read)
         try:
             self._plan_prefix(plan, outcome, pin, job)
             tokens = sum(self._plan_document(d, outcome, job) for d in outcome.documents) if store_documents else 0
+            job.source = None  # from here on, only the chunks' views hold the buffers
             self._stage(job)
+            if self._copies.frees_buffers_at_once or not job.chunks:
+                job.release_buffers()
+            if job.chunks or job.pins:
+                self._copier.submit(partial(self._take_copies, job), self._held_bytes(job, outcome, lent=on_read is not None))
+            else:  # nothing new: only the index may have grown
+                self._charge()
         except BaseException:
-            job.release_buffers()
+            self._drop(job)
             raise
-        if self._copies.frees_buffers_at_once or not job.chunks:
-            job.release_buffers()
-        if job.chunks or job.pins:
-            self._worker.submit(partial(self._persist, job), sum(chunk.nbytes for chunk in job.chunks))
-        else:  # nothing new: only the index may have grown
-            self._charge()
         return tokens
 
+    def _job(self, outcome: Prefilled, on_read: Callable[[], None] | None) -> WriteJob:
+        """A job over ``outcome``'s buffers. Lent host buffers are viewed through watched
+        aliases: they go back (``on_read``) once every view of them is gone (the staged
+        entries, the chunks, a lookup's block), never while a view may still be read."""
+        if outcome.keys is None or outcome.values is None:
+            return WriteJob(release=on_read)
+        if on_read is None or self._copies.frees_buffers_at_once:
+            return WriteJob(release=on_read, source=(outcome.keys, outcome.values))
+        keys, values = watched_aliases([outcome.keys, outcome.values], on_read)
+        return WriteJob(source=(keys, values))
+
+    def _held_bytes(self, job: WriteJob, outcome: Prefilled, *, lent: bool) -> int:
+        """Bytes ``job`` holds until the copier ran it and that no one else counts: device
+        copies (CUDA), or the outcome's own buffers, whole; lent buffers are counted where
+        they were lent."""
+        if self._copies.frees_buffers_at_once:
+            return sum(chunk.nbytes for chunk in job.chunks)
+        if lent or not job.chunks:
+            return 0
+        return _storage_bytes(outcome.keys) + _storage_bytes(outcome.values)
+
     def write_later(self, key: str, entry: StoredEntry, on_missing: Callable[[], None] | None = None) -> None:
-        """Stage ``entry`` (it must own its memory) and put it into the tiers on the worker;
+        """Stage ``entry`` (it must own its memory) and put it into the tiers on the writer;
         ``on_missing`` runs there when no tier kept it."""
         self._store.stage(key, entry)
-        self._worker.submit(partial(self._put_staged, key, entry, on_missing), entry.nbytes)
+        try:
+            self._writer.submit(partial(self._put_staged, key, entry, on_missing), entry.nbytes)
+        except BaseException:
+            self._store.settle(key, entry)
+            raise
 
     def _plan_prefix(self, plan: PromptPlan, outcome: Prefilled, pin: bool, job: WriteJob) -> None:
         """The chunks of the prompt's leading part that the prefix hit did not serve and no
@@ -179,7 +247,7 @@ class WriteBack:
                 continue  # served by the chunks that hit
             rows = slice(chunk.start, chunk.stop)
             if not self._store.contains(chunk.key):
-                job.chunks.append(self._chunk(chunk.key, outcome, rows, ids[rows], chunk.start))
+                job.chunks.append(self._chunk(chunk.key, job, rows, ids[rows], chunk.start))
                 job.indexed_prefixes.append(chunk.key)
             self._index.prefixes.add(chunk.parent, chunk.key, ids[rows])
             if pin:
@@ -199,7 +267,7 @@ class WriteBack:
             if first is None:
                 continue  # not wholly in this prompt, or split by a boundary merge
             lo, length = index * record.chunk_size, record.chunk_length(index)
-            job.chunks.append(self._chunk(key, outcome, slice(first, first + length), record.token_ids[lo : lo + length], first))
+            job.chunks.append(self._chunk(key, job, slice(first, first + length), record.token_ids[lo : lo + length], first))
             planned.add(key)
             tokens += length
         if tokens:
@@ -207,11 +275,10 @@ class WriteBack:
         return tokens
 
     @staticmethod
-    def _chunk(key: str, outcome: Prefilled, rows: slice, token_ids, start: int) -> ChunkWrite:
-        assert outcome.keys is not None and outcome.values is not None
-        return ChunkWrite(
-            key, outcome.keys[:, :, rows], outcome.values[:, :, rows], torch.tensor(list(token_ids), dtype=torch.long), start
-        )
+    def _chunk(key: str, job: WriteJob, rows: slice, token_ids, start: int) -> ChunkWrite:
+        assert job.source is not None
+        keys, values = job.source
+        return ChunkWrite(key, keys[:, :, rows], values[:, :, rows], torch.tensor(list(token_ids), dtype=torch.long), start)
 
     def _stage(self, job: WriteJob) -> None:
         """Gather the chunks (device copies on CUDA) and stage them; unquantized device copies
@@ -231,47 +298,32 @@ class WriteBack:
         """Whether the gathered chunks are device copies the device tier holds as they are."""
         return self._copies.frees_buffers_at_once and self._bits is None and self._store.has_device_tier
 
-    # ------------------------------------------------------------------ the worker
-    def _persist(self, job: WriteJob) -> None:
+    # ------------------------------------------------------------------ the copier
+    def _take_copies(self, job: WriteJob) -> None:
         """Copy the job's chunks into memory of the cache's own and stage those copies instead
-        of the views, hand the buffers back, put the copies into the tiers, then settle the
-        index."""
+        of the views, hand the buffers back, then queue the copies for the tiers."""
         try:
-            owned = self._owned(job.chunks)
-            staged = [self._staged_now(chunk, entry) for chunk, entry in zip(job.chunks, owned)]
+            job.owned = self._owned(job.chunks)
+            for chunk, copy in zip(job.chunks, job.owned):
+                self._stage_copy(chunk, copy)
+                chunk.let_go()  # the buffers (a warm's own) are freed once the job is copied
+            self._writer.submit(partial(self._store_copies, job), job.owned_bytes)
         except BaseException:
-            for chunk in job.chunks:
-                if chunk.staged is not None:
-                    self._store.settle(chunk.key, chunk.staged)  # the views must not outlive the buffers
+            self._drop(job)  # nothing staged may outlive the buffers it views
             raise
         finally:
             job.release_buffers()
-        stored = 0
-        for chunk, entry, visible in zip(job.chunks, owned, staged):
-            if visible is None:
-                continue  # deleted (or staged anew) since
-            self._store.put(chunk.key, entry, device=not self._on_device)
-            self._store.settle(chunk.key, visible)
-            stored += 1
-        for key in job.indexed_prefixes:
-            if not self._store.contains(key):  # not kept: larger than every budget
-                self._index.prefixes.drop(key)
-        for key in job.pins:
-            self._store.pin(key)
-        if stored:
-            self._count({"stored_entries": stored})
-        self._charge()
 
-    def _staged_now(self, chunk: ChunkWrite, copy: StoredEntry) -> StoredEntry | None:
-        """What lookups of ``chunk`` find staged until the tiers hold it; ``None`` when it was
-        deleted or staged anew since. A staged view of lent buffers is replaced by ``copy``
-        (nothing reads the buffers from here on); a staged device copy owns its memory and
-        stays, so lookups keep finding it on the device."""
-        if chunk.staged is None:
-            return None
-        if self._copies.frees_buffers_at_once:
-            return chunk.staged if self._store.staged(chunk.key) is chunk.staged else None
-        return copy if self._store.restage(chunk.key, chunk.staged, copy) else None
+    def _stage_copy(self, chunk: ChunkWrite, copy: StoredEntry) -> None:
+        """What lookups of ``chunk`` find until the tiers hold it: ``copy`` in place of a
+        staged view of lent buffers; a staged device copy owns its memory and stays, so
+        lookups keep finding it on the device. ``chunk.staged`` becomes ``None`` when it was
+        deleted or staged anew since."""
+        if chunk.staged is None or self._copies.frees_buffers_at_once:
+            if chunk.staged is not None and self._store.staged(chunk.key) is not chunk.staged:
+                chunk.staged = None
+            return
+        chunk.staged = copy if self._store.restage(chunk.key, chunk.staged, copy) else None
 
     def _owned(self, chunks: list[ChunkWrite]) -> list[StoredEntry]:
         """Stored entries of ``chunks`` in host memory of their own: arena copies, or
@@ -290,11 +342,51 @@ class WriteBack:
             for i, c in enumerate(chunks)
         ]
 
-    def _put_staged(self, key: str, entry: StoredEntry, on_missing: Callable[[], None] | None) -> None:
-        if self._store.staged(key) is not entry:
-            return  # deleted (or staged anew) since
-        self._store.put(key, entry)
-        self._store.settle(key, entry)
-        if on_missing is not None and not self._store.contains(key):
-            on_missing()
+    # ------------------------------------------------------------------ the writer
+    def _store_copies(self, job: WriteJob) -> None:
+        """Put every staged copy into the tiers and settle it (a tier that raises for one
+        chunk does not keep the others from being tried; the first error is raised after),
+        then fix the index, pin, count and charge."""
+        stored, failures = 0, []
+        try:
+            for chunk, entry in zip(job.chunks, job.owned):
+                if chunk.staged is None:
+                    continue  # deleted (or staged anew) since
+                try:
+                    stored += self._store.put_staged(chunk.key, chunk.staged, entry, device=not self._on_device)
+                except Exception as error:  # noqa: BLE001 - settled; raised once the others are tried
+                    failures.append(f"{type(error).__name__}: {error}")  # a message: no traceback keeps the copies
+                chunk.staged = None
+        finally:
+            self._drop(job)  # anything an interruption left staged; the index for what no tier holds
+        self._pin_stored(job)
+        if stored:
+            self._count({"stored_entries": stored})
         self._charge()
+        if failures:
+            raise TierWriteError(f"{len(failures)} of {len(job.chunks)} chunks: {failures[0]}")
+
+    def _pin_stored(self, job: WriteJob) -> None:
+        """Pin ``job``'s pins where a tier holds them."""
+        for key in job.pins:
+            self._store.pin(key)
+
+    def _drop(self, job: WriteJob) -> None:
+        """Unstage what ``job`` staged, drop the prefix chunks indexed for it that no tier
+        holds, and hand its buffers back (a failure before the tiers took it)."""
+        for chunk in job.chunks:
+            if chunk.staged is not None:
+                self._store.settle(chunk.key, chunk.staged)
+                chunk.staged = None
+        for key in job.indexed_prefixes:
+            if not self._store.contains(key):
+                self._index.prefixes.drop(key)
+        job.release_buffers()
+
+    def _put_staged(self, key: str, entry: StoredEntry, on_missing: Callable[[], None] | None) -> None:
+        try:
+            self._store.put_staged(key, entry, entry)
+        finally:
+            if on_missing is not None and not self._store.contains(key):
+                on_missing()
+            self._charge()

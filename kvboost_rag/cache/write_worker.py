@@ -6,14 +6,19 @@ call that computed them has returned. What a later request needs to see at once 
 the tier stack before a job is queued (:meth:`~kvboost_rag.cache.storage.TieredStore.stage`);
 the jobs only make it durable.
 
-The thread is a one-worker :class:`concurrent.futures.ThreadPoolExecutor`: jobs run one at a
-time, first queued first run, and at interpreter exit Python lets the queue run out and joins
-the thread before it tears anything down (a thread still freeing tensors while the interpreter
-finalizes aborts the process). :meth:`WriteWorker.flush` waits until every job queued before it
-has run and let go of its memory (warming, ``clear_cache``, tests, shutdown). A job that fails
-is logged and counted; the next one runs. Queued bytes are bounded: a submit waits while the
-jobs queued before it hold more than ``max_queued_bytes`` (a slow tier then slows its writers
-down instead of filling memory).
+- **Order.** Jobs run one at a time on one thread, in the order their submits were admitted;
+  admission and queuing happen under one lock, so :meth:`WriteWorker.flush` waits for exactly
+  the jobs queued before it (by any thread) and not for those queued meanwhile.
+- **A bound, first come first served.** A submit waits while the jobs queued before it hold
+  more than ``max_queued_bytes``, in arrival order: a large job is admitted once the queue has
+  room for it, and later small ones wait behind it instead of passing it for ever. One job is
+  always admitted when none is queued; a job that holds no bytes never waits.
+- **Failures.** A job that raises is logged (rate-limited) and counted; the next one runs.
+- **Exit.** The thread is no daemon: it ends once the queue has been empty for
+  :data:`LINGER_SECONDS`, and starts again on the next submit, so at interpreter exit the queue
+  runs out before anything is torn down. A submit that finds no thread can be started (the
+  interpreter is finalizing) or the worker closed runs its job on the caller's thread: a call
+  that finishes while the script exits still gets its answer and its write is done.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from kvboost_rag.log_limits import RateLimitedLogger
 
@@ -34,13 +40,14 @@ _warnings = RateLimitedLogger(logger)
 Job = Callable[[], None]
 #: Name of the worker thread.
 THREAD_NAME = "kvboost-write-back"
-
-_on_worker = threading.local()
-
+#: Seconds the thread waits for a next job once the queue is empty before it ends.
+LINGER_SECONDS = 0.5
 
 #: Scheduling niceness of the worker thread (and the threads its torch ops start): its copies
 #: and serialization yield the cores to the engine loop's passes while both want them.
 BACKGROUND_NICENESS = 10
+
+_on_worker = threading.local()
 
 
 def _run_in_background() -> None:
@@ -55,57 +62,99 @@ def _run_in_background() -> None:
         logger.debug("could not lower the write-back thread's priority", exc_info=True)
 
 
+@dataclass
+class _Queued:
+    """A job in the queue: what runs and the bytes it holds until it ran."""
+
+    job: Job | None
+    nbytes: int
+    failed: bool = False
+
+
 class WriteWorker:
     """Runs queued jobs on one thread, in order.
 
     Args:
         max_queued_bytes: Bytes the queued jobs may hold before a submit waits (one job is
             always taken when none is queued).
+        name: Name of its thread.
     """
 
-    def __init__(self, max_queued_bytes: int) -> None:
-        self.max_queued_bytes = max_queued_bytes
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=_run_in_background)
+    def __init__(self, max_queued_bytes: int, name: str = THREAD_NAME) -> None:
+        self.max_queued_bytes, self.name = max_queued_bytes, name
         self._state = threading.Condition()
+        self._queue: deque[_Queued] = deque()
+        self._arrivals: deque[object] = deque()  # submits waiting for room, first come first
+        self._thread: threading.Thread | None = None
         self._queued_bytes = 0
-        self._outstanding = 0  # jobs submitted and not finished
-        self._submitted = 0  # jobs submitted so far (a flush waits for those before it)
+        self._outstanding = 0  # jobs queued and not finished
+        self._submitted = 0  # jobs queued so far (a flush waits for those before it)
+        self._done_queued = 0  # queued jobs run so far (in queue order)
         self._closed = False
         #: Jobs that raised.
         self.errors = 0
-        #: Jobs run so far.
+        #: Jobs run so far (on the thread or, once closed, on their callers').
         self.completed = 0
 
     def on_worker(self) -> bool:
         """Whether the calling thread is running a job of this worker."""
         return getattr(_on_worker, "worker", None) is self
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes the jobs queued and not yet finished hold."""
+        with self._state:
+            return self._queued_bytes
+
     def submit(self, job: Job, nbytes: int = 0) -> None:
         """Queue ``job`` (run on the worker thread after every job queued before it).
+
+        Waits, in arrival order, while the queue holds more than ``max_queued_bytes``. Runs
+        ``job`` at once on the calling thread when called from a job (the queue is behind it),
+        when the worker is closed, or when no thread can be started (interpreter exit).
 
         Args:
             job: What to run.
             nbytes: Bytes it holds until it ran (counted against ``max_queued_bytes``).
-
-        Raises:
-            RuntimeError: The worker was closed (or the interpreter is exiting).
         """
-        if self.on_worker():  # a job queuing more work runs it in place: the queue is behind it
+        if self.on_worker():
             job()
             return
+        ticket = object()
         with self._state:
-            if self._closed:
-                raise RuntimeError("the cache's write-back worker is closed")
-            while self._outstanding and self._queued_bytes + nbytes > self.max_queued_bytes:
-                self._state.wait()
-            self._queued_bytes += nbytes
-            self._outstanding += 1
-            self._submitted += 1
+            self._arrivals.append(ticket)
+            try:
+                while nbytes and not self._closed and not self._admits(ticket, nbytes):
+                    self._state.wait()
+            finally:
+                self._arrivals.remove(ticket)
+                self._state.notify_all()
+            if not self._closed and self._ensure_thread():
+                self._queue.append(_Queued(job, nbytes))
+                self._queued_bytes += nbytes
+                self._outstanding += 1
+                self._submitted += 1
+                self._state.notify_all()
+                return
+        self._run_here(job)
+
+    def _admits(self, ticket: object, nbytes: int) -> bool:
+        """Whether ``ticket`` is first in line and its job fits (or nothing is queued)."""
+        if self._arrivals[0] is not ticket:
+            return False
+        return not self._outstanding or self._queued_bytes + nbytes <= self.max_queued_bytes
+
+    def _ensure_thread(self) -> bool:
+        """Start the thread if it is not running (under the lock); whether one runs."""
+        if self._thread is not None:
+            return True
+        thread = threading.Thread(target=self._serve, name=self.name, daemon=False)
         try:
-            self._executor.submit(self._run, [job], nbytes)  # the list is emptied before the job counts as done
-        except BaseException:
-            self._finished(nbytes, failed=False)
-            raise
+            thread.start()
+        except RuntimeError:  # the interpreter is finalizing: no new thread
+            return False
+        self._thread = thread
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job queued before this call has run (jobs queued meanwhile are not
@@ -116,7 +165,7 @@ class WriteWorker:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._state:
             target = self._submitted
-            while self.completed < target:  # one thread runs the jobs in order
+            while self._done_queued < target:  # one thread runs the queued jobs in order
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -130,34 +179,67 @@ class WriteWorker:
             return not self._outstanding
 
     def close(self, timeout: float | None = None) -> bool:
-        """Run what is queued, then stop the thread; later submits raise. Whether the queue
-        emptied within ``timeout`` seconds."""
+        """Run what is queued; later submits run their jobs on their callers' threads. Whether
+        the queue emptied within ``timeout`` seconds."""
         done = self.flush(timeout)
         with self._state:
             self._closed = True
-        self._executor.shutdown(wait=done)
+            self._state.notify_all()
         return done
 
-    def _run(self, box: list[Job], nbytes: int) -> None:
-        """Run the job in ``box`` on the worker thread; its memory is let go of before it
-        counts as done."""
+    # ------------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        """The worker thread: run queued jobs until the queue stayed empty a while."""
+        _run_in_background()
         _on_worker.worker = self
-        failed = False
         try:
-            box.pop()()
-        except Exception as error:  # noqa: BLE001 - one failed write must not stop the others
-            failed = True
-            _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, error)
-            logger.debug("the failed cache write", exc_info=error)
-            del error  # its traceback holds the job's frames
+            while True:
+                with self._state:
+                    if not self._queue and not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
+                        self._thread = None
+                        return
+                    queued = self._queue[0]
+                self._run(queued)
+                with self._state:
+                    self._queue.popleft()
+                    self._finished(queued)
         finally:
             _on_worker.worker = None
-            self._finished(nbytes, failed)
 
-    def _finished(self, nbytes: int, failed: bool) -> None:
-        with self._state:
-            self._queued_bytes -= nbytes
-            self._outstanding -= 1
-            self.completed += 1
-            self.errors += failed
-            self._state.notify_all()
+    def _run(self, queued: _Queued) -> None:
+        """Run ``queued``'s job; its references are let go of before it counts as done."""
+        job, queued.job = queued.job, None
+        try:
+            assert job is not None
+            job()
+        except Exception as error:  # noqa: BLE001 - one failed write must not stop the others
+            queued.failed = True
+            _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, str(error))
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("the failed cache write", exc_info=error)
+            del error  # its traceback holds the job's frames (and their memory)
+        finally:
+            del job
+
+    def _run_here(self, job: Job) -> None:
+        """Run ``job`` on the calling thread (the worker is closed or cannot start a thread)."""
+        _on_worker.worker = self
+        try:
+            job()
+        except Exception as error:  # noqa: BLE001 - as on the thread: logged and counted
+            with self._state:
+                self.errors += 1
+            _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, str(error))
+        finally:
+            _on_worker.worker = None
+            with self._state:
+                self.completed += 1
+
+    def _finished(self, queued: _Queued) -> None:
+        """A queued job ran (under the lock)."""
+        self._queued_bytes -= queued.nbytes
+        self._outstanding -= 1
+        self._done_queued += 1
+        self.completed += 1
+        self.errors += queued.failed
+        self._state.notify_all()

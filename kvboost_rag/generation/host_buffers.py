@@ -9,9 +9,12 @@ requests and lends them to later ones, so a call writes memory already mapped.
 
 A buffer is lent through a :class:`BufferLease` (:class:`~kvboost_rag.generation.slots.Lease`):
 it goes back to the pool only when the engine loop and the request (its write-back) are both
-done with it. Capacities are rounded up to :data:`GRANULE` tokens, and a request takes the
-smallest idle buffer that holds it, if that is at most twice what it needs; otherwise a new
-one. Idle buffers beyond the pool's byte budget are dropped, oldest first. On a GPU the
+done with it. Capacities are rounded up to :data:`GRANULE` tokens, and a request takes an idle
+buffer of its rounded capacity, else a new one: it holds exactly the bytes the batch's places
+admitted it for. The pool counts what it lent and what it keeps idle: idle buffers are kept within
+``max_idle_bytes`` and within what ``max_bytes`` leaves beside the lent ones (oldest dropped
+first), and idle ones are dropped before new buffers are allocated beyond ``max_bytes``, so
+lent and idle buffers together stay within ``max_bytes`` whenever the lent ones do. On a GPU the
 caching allocator already reuses memory, and captured steps lend slots of their own pool: the
 engine builds this pool only for models on the CPU.
 """
@@ -56,13 +59,24 @@ class HostBufferPool:
         allocate: Makes new ``[layers, kv_heads, capacity, head_dim]`` K and V buffers for a
             capacity (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.buffers`).
         max_idle_bytes: Most bytes of idle buffers kept; beyond it the oldest are dropped.
+        max_bytes: Most bytes of lent and idle buffers together before idle ones are dropped
+            (``max_batch_cache_bytes``: the lent ones are bounded by the batch's places).
     """
 
-    def __init__(self, allocate: Callable[[int], Buffers], max_idle_bytes: int) -> None:
+    def __init__(self, allocate: Callable[[int], Buffers], max_idle_bytes: int, max_bytes: int | None = None) -> None:
         self._allocate = allocate
         self.max_idle_bytes = max_idle_bytes
+        self.max_bytes = max_idle_bytes if max_bytes is None else max_bytes
         self._idle: list[Buffers] = []  # oldest first
-        self._lock = threading.Lock()
+        self._lent_bytes = 0
+        self._bytes_per_token = 0  # of the buffers, once one pair was allocated
+        self._lock = threading.RLock()  # buffers may come back from a finalizer, at any point
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the buffers lent now (not back yet)."""
+        with self._lock:
+            return self._lent_bytes
 
     @property
     def idle_bytes(self) -> int:
@@ -76,25 +90,44 @@ class HostBufferPool:
         with self._lock:
             return len(self._idle)
 
+    @staticmethod
+    def capacity_for(tokens: int) -> int:
+        """Capacity of the buffers lent for ``tokens``: rounded up to :data:`GRANULE`."""
+        return -(-max(1, tokens) // GRANULE) * GRANULE
+
     def lease(self, capacity: int) -> BufferLease:
-        """Buffers of at least ``capacity`` tokens: an idle pair that holds them at most twice
-        over (the smallest such), else new ones of ``capacity`` rounded up to :data:`GRANULE`."""
+        """Buffers of :meth:`capacity_for` ``capacity`` tokens: an idle pair of that capacity
+        (so a request holds the bytes it was admitted for), else new ones (idle ones are
+        dropped first when lent, idle and new would pass ``max_bytes``)."""
+        rounded = self.capacity_for(capacity)
         with self._lock:
-            fitting = [b for b in self._idle if capacity <= _capacity(b) <= 2 * max(capacity, GRANULE)]
-            chosen = min(fitting, key=_capacity) if fitting else None
+            chosen = next((b for b in self._idle if _capacity(b) == rounded), None)
             if chosen is not None:
                 self._idle = [b for b in self._idle if b is not chosen]
-        if chosen is None:
-            return BufferLease(self, self._allocate(-(-capacity // GRANULE) * GRANULE))
-        return BufferLease(self, chosen, reused=True)
+                self._lent_bytes += _nbytes(chosen)
+            else:  # idle ones that would pass the budget beside the new ones go first
+                self._trim(self.max_bytes - self._lent_bytes - rounded * self._bytes_per_token)
+        if chosen is not None:
+            return BufferLease(self, chosen, reused=True)
+        buffers = self._allocate(rounded)
+        with self._lock:
+            self._lent_bytes += _nbytes(buffers)
+            self._bytes_per_token = _nbytes(buffers) // max(1, _capacity(buffers))
+            self._trim(self.max_bytes - self._lent_bytes)
+        return BufferLease(self, buffers)
 
     def give_back(self, buffers: Buffers) -> None:
-        """Keep ``buffers`` for later requests (the oldest idle ones go beyond the budget)."""
+        """Keep ``buffers`` for later requests (the oldest idle ones go beyond the budgets)."""
         with self._lock:
+            self._lent_bytes -= _nbytes(buffers)
             self._idle.append(buffers)
-            total = sum(_nbytes(b) for b in self._idle)
-            while self._idle and total > self.max_idle_bytes:
-                total -= _nbytes(self._idle.pop(0))
+            self._trim(min(self.max_idle_bytes, self.max_bytes - self._lent_bytes))
+
+    def _trim(self, room: int) -> None:
+        """Drop the oldest idle buffers until they take at most ``room`` bytes (under the lock)."""
+        total = sum(_nbytes(b) for b in self._idle)
+        while self._idle and total > max(0, room):
+            total -= _nbytes(self._idle.pop(0))
 
 
 class BufferLease(Lease):
@@ -104,8 +137,8 @@ class BufferLease(Lease):
         pool: The pool they go back to.
         buffers: The K and V buffers lent.
         reused: They were lent before: filled as new memory is (where torch fills it) when the
-            request first asks for them, inside its prefill (a write-back's staged views of the
-            previous request's K/V may be read until then, by a prefill that holds the model).
+            request first asks for them (they came back once no view of the previous
+            request's K/V was left).
     """
 
     def __init__(self, pool: HostBufferPool, buffers: Buffers, reused: bool = False) -> None:
@@ -116,6 +149,11 @@ class BufferLease(Lease):
     def capacity(self) -> int:
         """Tokens the buffers hold."""
         return _capacity(self._buffers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V buffers lent."""
+        return _nbytes(self._buffers)
 
     def buffers(self, capacity: int) -> Buffers:
         """The lent K and V (``capacity`` must fit them)."""

@@ -425,9 +425,14 @@ class Requests:
         if guide is None and options.constraint is not None:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
-        reservation = self.places.reserve(self._kv_bytes(n + budget), cancellation, on_wait)
+        reservation = self.places.reserve(self._reserved_bytes(n + budget), cancellation, on_wait)
         lease = self._lease(n + budget + SPARE_ROWS)
         if lease is not None:
+            if lease.slot is None:
+                # Host buffers count in the batch's bytes until they go back (once no view of
+                # them is left), not only while the request holds its place.
+                self.places.lend(reservation, lease.nbytes)
+                lease.on_given_back.append(partial(self.places.release_bytes, reservation))
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
             found = self.prefiller.lookup(plan) if options.reuse else None
@@ -520,10 +525,23 @@ class Requests:
                 # The buffers go back when the write-back read them (it calls this whatever
                 # happens); the request lets go of them now.
                 on_read, request.lease = request.release_slot_later(), None
-                self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=on_read)
+                try:
+                    self.cache.write_back(plan, outcome, store_documents=self._stores_documents, on_read=on_read)
+                except Exception as error:  # noqa: BLE001 - the answer stands; its write is dropped whole
+                    _warnings.warning(
+                        "write-back-refused", "storing a prompt's K/V failed (%s: %s); its answer stands",
+                        type(error).__name__, str(error),
+                    )
                 self._warn_if_documents_missed(plan, outcome)
         finally:
             request.release_slot()
+
+    def _reserved_bytes(self, tokens: int) -> int:
+        """Bytes a request of ``tokens`` positions holds: the host buffers it will be lent
+        (capacities rounded as the pool rounds them), else its K/V."""
+        if self.host_buffers is not None:
+            return self._kv_bytes(self.host_buffers.capacity_for(tokens + SPARE_ROWS))
+        return self._kv_bytes(tokens)
 
     def _kv_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers of ``tokens`` positions."""

@@ -6,13 +6,15 @@ a slot of the pool and decodes there; on a CPU a request prefills into buffers o
 buffers after the prefill: the engine loop (until it lets the sequence go, after
 its last step) and the request itself (the write-back cuts the prompt's K/V from them after the
 answer). They go back only when both released them, so another request never prefills into
-K/V a step or a write-back still reads.
+K/V a step or a write-back still reads. Whoever counts the lent bytes (the batch's places)
+hears when they go back (:attr:`Lease.on_given_back`).
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +38,13 @@ class Lease(ABC):
     def __init__(self) -> None:
         self._held = set(HOLDERS)
         self._lock = threading.Lock()
+        #: Called once the buffers went back (after the last holder released them).
+        self.on_given_back: list[Callable[[], None]] = []
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the K and V buffers lent."""
 
     @abstractmethod
     def buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +67,9 @@ class Lease(ABC):
             last = not self._held
         if last:
             self._give_back()
+            callbacks, self.on_given_back = self.on_given_back, []  # no cycle left with their owners
+            for callback in callbacks:
+                callback()
 
     @property
     def released(self) -> bool:
@@ -83,6 +95,11 @@ class SlotLease(Lease):
         """A lease of the smallest free slot holding ``tokens``; ``None`` when none is free."""
         slot = pool.acquire(tokens)
         return None if slot is None else cls(pool, slot)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slot's K and V."""
+        return sum(t.numel() * t.element_size() for t in self.pool.buffers(self.slot))
 
     def buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's K and V (``capacity`` must fit it)."""

@@ -13,7 +13,9 @@ therefore
   ``idle_seconds``, one document at a time, so an answer that starts meanwhile shares the
   engine loop's steps with at most one document's warm;
 * closes cleanly: :meth:`BackgroundWarmer.close` either finishes the queue or drops it, and
-  waits for a warm in progress.
+  waits for a warm in progress. Its thread is no daemon: at interpreter exit the queue is
+  dropped and a warm in progress finishes (its writes with it) before the interpreter tears
+  anything down, instead of a thread frozen in the middle of a write.
 
 It needs only the engine's public API (``warm_documents``), so both framework integrations
 use it: the LangChain retrieval callback and the LlamaIndex retrieval event handler.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
@@ -42,8 +45,24 @@ class DocumentWarmer(Protocol):
 logger = logging.getLogger(__name__)
 
 
+def _close_at_exit(warmer: BackgroundWarmer) -> None:
+    """At interpreter exit, before threads are joined, close ``warmer`` (dropping its queue)
+    so its thread ends after the warm in progress; the warmer is not kept alive for it."""
+    reference = weakref.ref(warmer)
+
+    def close() -> None:
+        alive = reference()
+        if alive is not None:
+            alive.close(timeout=0)
+
+    try:
+        threading._register_atexit(close)  # type: ignore[attr-defined]  # runs before threads are joined
+    except RuntimeError:  # the interpreter is exiting already
+        warmer.close(timeout=0)
+
+
 class BackgroundWarmer:
-    """A queue of documents warmed on a daemon thread while the engine is idle.
+    """A queue of documents warmed on a thread of its own while the engine is idle.
 
     Args:
         engine: The engine to warm documents on.
@@ -212,8 +231,9 @@ class BackgroundWarmer:
     def _ensure_worker(self) -> None:
         """Start the worker thread unless it runs. Caller holds the lock."""
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kvboost-background-warm", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="kvboost-background-warm", daemon=False)
             self._thread.start()
+            _close_at_exit(self)
 
     def _next_text(self) -> str | None:
         """Wait until warming may start; pop the next document (``None`` once closed)."""

@@ -22,6 +22,12 @@ KIND_FIELD = "kind"
 HOST_TENSORS = frozenset({"token_ids"})
 
 
+class TierWriteError(RuntimeError):
+    """A tier failed to take an entry (the other tiers were still offered it); the message
+    names the tier's error. Raised without the tier's exception attached, so that no
+    traceback keeps the entry's memory alive."""
+
+
 @dataclass(frozen=True)
 class StoredEntry:
     """One cache entry as tiers hold it.

@@ -18,12 +18,31 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from typing import TypeVar
 
-from kvboost_rag.cache.storage.base import StorageTier, StoredEntry
+from kvboost_rag.cache.storage.base import StorageTier, StoredEntry, TierWriteError
 from kvboost_rag.cache.storage.device import DeviceTier
 from kvboost_rag.cache.storage.memory import MemoryTier
+from kvboost_rag.log_limits import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
+
+_T = TypeVar("_T")
+
+
+def _unless_it_fails(tier: StorageTier, what: str, call: Callable[..., _T], *args: object) -> _T | None:
+    """``call(*args)``, or ``None`` when it raises: a tier that fails to read, to take a
+    promoted or spilled entry, or to delete, is passed over (a miss), logged (rate-limited),
+    never a failed request."""
+    try:
+        return call(*args)
+    except Exception as error:  # noqa: BLE001 - any tier's failure on the read path is a miss
+        _warnings.warning(
+            f"tier-{tier.name}-{what}-failed", "the %s tier failed a %s (%s: %s); passed over", tier.name, what,
+            type(error).__name__, str(error),
+        )
+        return None
 
 
 class TieredStore:
@@ -38,6 +57,7 @@ class TieredStore:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
         self._lock = threading.Lock()
+        self._writes = threading.RLock()  # putting staged entries vs. deleting and clearing
         self.hits: Counter[str] = Counter()
         self.misses = 0
         self.evictions: Counter[str] = Counter()
@@ -64,8 +84,8 @@ class TieredStore:
         """Write what a memory tier evicted to the overflow tiers below it."""
         for key, entry in evicted:
             for tier in below:
-                if key not in tier:
-                    self._count_evictions(tier, tier.put(key, entry))
+                if not self.holds(tier, key):
+                    self._count_evictions(tier, _unless_it_fails(tier, "put", tier.put, key, entry) or [])
 
     def on_gone(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(key)`` for each key no tier holds any more after an eviction or a
@@ -89,24 +109,31 @@ class TieredStore:
         if staged is not None:
             return staged, True
         for depth, tier in enumerate(self.tiers):
-            entry = tier.get(key)
+            entry = _unless_it_fails(tier, "get", tier.get, key)
             if entry is None:
                 continue
             with self._lock:
                 self.hits[tier.name] += 1
-            served = entry
-            for upper in self.tiers[:depth]:
-                if isinstance(upper, DeviceTier):
-                    # The entry's whole group (a document's chunks) moves up with it, in one
-                    # copy; the device copy just made is served.
-                    self._count_evictions(upper, upper.put_many(self._with_group(tier, key, entry)))
-                    served = upper.resident(key) or served
-                else:
-                    self._count_evictions(upper, upper.put(key, entry))
+            served = self._promote(depth, tier, key, entry)
             return served, isinstance(tier, MemoryTier)
         with self._lock:
             self.misses += 1
         return None
+
+    def _promote(self, depth: int, tier: StorageTier, key: str, entry: StoredEntry) -> StoredEntry:
+        """Put ``entry``, found in ``tier``, into the tiers above it; what to serve (the device
+        copy when a device tier took it). A tier that fails to take it is passed over."""
+        served = entry
+        for upper in self.tiers[:depth]:
+            if isinstance(upper, DeviceTier):
+                # The entry's whole group (a document's chunks) moves up with it, in one
+                # copy; the device copy just made is served.
+                evicted = _unless_it_fails(upper, "put", upper.put_many, self._with_group(tier, key, entry))
+                self._count_evictions(upper, evicted or [])
+                served = upper.resident(key) or served
+            else:
+                self._count_evictions(upper, _unless_it_fails(upper, "put", upper.put, key, entry) or [])
+        return served
 
     def _with_group(self, tier: StorageTier, key: str, entry: StoredEntry) -> list[tuple[str, StoredEntry]]:
         """``(key, entry)`` and, when ``tier`` keeps groups in memory, the other members of
@@ -119,10 +146,20 @@ class TieredStore:
     def put(self, key: str, entry: StoredEntry, *, device: bool = True) -> None:
         """Write ``entry`` to every tier but the overflow tiers (they get it when evicted
         above); with ``device=False``, not to a device tier either (it holds the entry's
-        device copy already: :meth:`put_device`)."""
+        device copy already: :meth:`put_device`).
+
+        Raises:
+            TierWriteError: A tier raised (the others still took the entry).
+        """
+        failures: list[str] = []
         for tier in self.tiers:
             if not tier.spill_only and (device or not isinstance(tier, DeviceTier)):
-                self._count_evictions(tier, tier.put(key, entry))
+                try:
+                    self._count_evictions(tier, tier.put(key, entry))
+                except Exception as error:  # noqa: BLE001 - the other tiers still take it
+                    failures.append(f"the {tier.name} tier: {type(error).__name__}: {error}")
+        if failures:
+            raise TierWriteError("; ".join(failures))
 
     def put_device(self, items: list[tuple[str, StoredEntry]]) -> None:
         """Hold entries whose K/V is on the device already in the device tiers (no copy);
@@ -157,6 +194,22 @@ class TieredStore:
             self._staged[key] = after
             return True
 
+    def put_staged(self, key: str, staged: StoredEntry, entry: StoredEntry, *, device: bool = True) -> bool:
+        """Put ``entry`` (``staged``'s content in memory of its own, or ``staged`` itself)
+        into the tiers as :meth:`put` does and settle ``staged``, unless a delete, a clear or a
+        newer stage took ``staged`` away first; whether it was put. Deletes and clears wait for
+        it (and it for them). When a tier raises, ``staged`` is settled all the same (what the
+        tiers above took stays) and the error propagates.
+        """
+        with self._writes:
+            if self.staged(key) is not staged:
+                return False
+            try:
+                self.put(key, entry, device=device)
+            finally:
+                self.settle(key, staged)
+        return True
+
     def settle(self, key: str, entry: StoredEntry) -> None:
         """The tiers took ``entry``: it is no longer staged (unless another replaced it)."""
         with self._lock:
@@ -169,6 +222,12 @@ class TieredStore:
         with self._lock:
             return len(self._staged)
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the entries staged now (views of lent buffers count their rows only)."""
+        with self._lock:
+            return sum(entry.nbytes for entry in self._staged.values())
+
     def pin(self, key: str) -> bool:
         """Pin ``key`` in every tier that holds it (writes nothing); whether any did."""
         pinned = False
@@ -176,16 +235,22 @@ class TieredStore:
             pinned = tier.pin(key) or pinned
         return pinned
 
+    def holds(self, tier: StorageTier, key: str) -> bool:
+        """Whether ``tier`` holds ``key`` (a tier that fails to say does not)."""
+        return bool(_unless_it_fails(tier, "contains", tier.__contains__, key))
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is staged or any tier holds it."""
-        return self.staged(key) is not None or any(key in tier for tier in self.tiers)
+        return self.staged(key) is not None or any(self.holds(tier, key) for tier in self.tiers)
 
     def delete(self, key: str) -> None:
-        """Remove ``key`` from every tier (and from the staged entries)."""
-        with self._lock:
-            self._staged.pop(key, None)
-        for tier in self.tiers:
-            tier.delete(key)
+        """Remove ``key`` from every tier (and from the staged entries); a write of it on its
+        way finishes first."""
+        with self._writes:
+            with self._lock:
+                self._staged.pop(key, None)
+            for tier in self.tiers:
+                _unless_it_fails(tier, "delete", tier.delete, key)  # what it keeps was computed for the key
         self._notify([key])
 
     def reserve(self, owner: str, nbytes: int) -> None:
@@ -204,11 +269,13 @@ class TieredStore:
                     yield key
 
     def clear(self) -> None:
-        """Remove every entry from every tier, and every staged entry."""
-        with self._lock:
-            self._staged.clear()
-        for tier in self.tiers:
-            tier.clear()
+        """Remove every entry from every tier, and every staged entry; a write on its way
+        finishes first (and puts nothing back after)."""
+        with self._writes:
+            with self._lock:
+                self._staged.clear()
+            for tier in self.tiers:
+                tier.clear()
 
     def close(self) -> None:
         """Close every tier."""

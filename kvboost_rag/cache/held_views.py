@@ -1,0 +1,56 @@
+"""Views of lent memory that hold it: the memory goes back only once every view of it is gone.
+
+A finished prompt's K/V stays in its lent buffers (on a CPU) until the write-back has copied
+what it stores. Meanwhile views of those buffers are staged in the tier stack, and any request
+that looks a chunk up gets one (a lookup runs on the caller's thread; the engine loop reads the
+view later, in a prefill step). Giving the buffers back when the copier is done would let the
+next request write into memory such a view still reads. :func:`watched_aliases` makes the
+views from aliases of the buffers whose storages are their own (:func:`torch.from_numpy` over
+the same memory), so the last view collected, wherever it is (the store, a lookup, a job),
+is what gives the buffers back.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class _Countdown:
+    """Runs ``on_done`` once, when :meth:`one_gone` was called ``count`` times."""
+
+    def __init__(self, count: int, on_done: Callable[[], None]) -> None:
+        self._left, self._on_done = count, on_done
+        self._lock = threading.Lock()
+
+    def one_gone(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self._on_done()
+
+
+def watched_aliases(tensors: Sequence[torch.Tensor], on_gone: Callable[[], None]) -> list[torch.Tensor]:
+    """Aliases of host ``tensors`` (the same memory, shape, strides and dtype) whose storages
+    are their own: ``on_gone()`` runs once, when every alias and every view made from them has
+    been collected (in the thread that let go of the last one).
+
+    Args:
+        tensors: CPU tensors whose last dimension is contiguous.
+        on_gone: What gives their memory back.
+    """
+    countdown = _Countdown(len(tensors), on_gone)
+    aliases = []
+    for tensor in tensors:
+        raw = tensor.detach().view(torch.uint8).numpy()  # the same memory, as bytes
+        weakref.finalize(raw, countdown.one_gone).atexit = False
+        with torch.inference_mode(False):
+            aliases.append(torch.from_numpy(raw).view(tensor.dtype))  # its storage holds ``raw``
+        del raw
+    if not tensors:
+        on_gone()
+    return aliases
