@@ -108,3 +108,28 @@ def test_bad_arguments() -> None:
         BackgroundWarmer(object(), idle_seconds=-1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_pending"):
         BackgroundWarmer(object(), max_pending=0)  # type: ignore[arg-type]
+
+
+EXIT_SCRIPT = """
+import sys
+from kvboost_rag.dev.testing import tiny_engine
+from kvboost_rag.warming.background import BackgroundWarmer
+engine = tiny_engine("llama", chunk_size=32, show_progress=False)
+warmer = BackgroundWarmer(engine, idle_seconds=0.0)
+warmer.submit(["a document queued while the script ends " * 8] + ["another queued one " * 8 + str(i) for i in range(50)])
+print("daemon" if warmer._thread.daemon else "no daemon", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_warmer_is_no_daemon_and_a_script_that_ends_with_documents_queued_exits_cleanly(tmp_path) -> None:
+    """At exit the queue is dropped and the warm in progress finishes: the script ends
+    (within the timeout), with no traceback, instead of a thread frozen mid-write."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "warm_exit.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "no daemon" and "Traceback" not in done.stderr, done.stderr[-2000:]

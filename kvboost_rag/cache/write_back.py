@@ -22,9 +22,9 @@ own thread:
 Every failure settles: whatever raises at any step (a tier's ``put`` with any exception, a
 copy, a submit interrupted), the chunks it left staged are unstaged before the buffers they
 view go back, the prefix chunks indexed for them are dropped when no tier holds them, and the
-buffers go back exactly once. Memory each hand holds is counted: lent buffers where they were
-lent (the batch's places, until they go back), buffers of their own and device copies in the
-copier's queue, host copies in the writer's queue.
+buffers go back exactly once. Memory each hand holds is counted: the prompt's buffers, whole
+(lent or its own), or its device copies, in the copier's queue; host copies in the writer's
+queue.
 
 Every key comes from the prompt's :class:`~kvboost_rag.request.plan.PromptPlan`; nothing here
 hashes.
@@ -178,12 +178,12 @@ class WriteBack:
             outcome: Its prefill outcome (its buffers hold the K/V).
             store_documents: Store document chunks too.
             pin: Pin the prefix chunks that serve the leading part (an explicit warm).
-            on_read: Hands the prompt's buffers back once they are no longer read (they are
-                lent, and counted where they were lent until then): at once on CUDA, else
-                once every view of them is gone (the copier done, the staged views replaced,
-                any lookup that got one done with it; at once when nothing is new). Called
-                once even when this raises. ``None``: the buffers are the outcome's own,
-                counted in the copier's queue while it holds them.
+            on_read: Hands the prompt's lent buffers back once they are no longer read: at
+                once on CUDA, else once every view of them is gone (the copier done, the
+                staged views replaced, any lookup that got one done with it; at once when
+                nothing is new). Called once even when this raises. ``None``: the buffers are
+                the outcome's own. Either way they count, whole, in the copier's queue until
+                it ran the job.
 
         Returns:
             Document tokens newly staged.
@@ -197,7 +197,7 @@ class WriteBack:
             if self._copies.frees_buffers_at_once or not job.chunks:
                 job.release_buffers()
             if job.chunks or job.pins:
-                self._copier.submit(partial(self._take_copies, job), self._held_bytes(job, outcome, lent=on_read is not None))
+                self._copier.submit(partial(self._take_copies, job), self._held_bytes(job, outcome))
             else:  # nothing new: only the index may have grown
                 self._charge()
         except BaseException:
@@ -216,13 +216,12 @@ class WriteBack:
         keys, values = watched_aliases([outcome.keys, outcome.values], on_read)
         return WriteJob(source=(keys, values))
 
-    def _held_bytes(self, job: WriteJob, outcome: Prefilled, *, lent: bool) -> int:
-        """Bytes ``job`` holds until the copier ran it and that no one else counts: device
-        copies (CUDA), or the outcome's own buffers, whole; lent buffers are counted where
-        they were lent."""
+    def _held_bytes(self, job: WriteJob, outcome: Prefilled) -> int:
+        """Bytes ``job`` holds until the copier ran it: its device copies (CUDA), or the
+        prompt's buffers, whole (lent or its own: a queued job keeps them all)."""
         if self._copies.frees_buffers_at_once:
             return sum(chunk.nbytes for chunk in job.chunks)
-        if lent or not job.chunks:
+        if not job.chunks:
             return 0
         return _storage_bytes(outcome.keys) + _storage_bytes(outcome.values)
 

@@ -2,16 +2,16 @@
 
 A request reserves its place before its prefill (:meth:`BatchPlaces.reserve`) and waits while
 the batch holds ``max_batch_size`` requests (prefilling or decoding), or while its K/V buffers
-would take the buffers held past ``max_batch_cache_bytes`` (one request is always admitted when
-no buffers are held, however large). A place is given back when its sequence leaves the batch, or
+would take the requests' buffers past ``max_batch_cache_bytes`` (one request is always admitted
+when none runs, however large). A place is given back when its sequence leaves the batch, or
 when its request ends before decoding; a request's cancellation ends its wait.
 
-Bytes are counted apart from places: a request whose buffers are lent (a captured steps' slot,
-host buffers) hands its reservation's bytes to the lease (:meth:`BatchPlaces.lend`), and they
-stay counted until the lease goes back (:meth:`BatchPlaces.release_bytes`), after the
-write-back has copied what it stores out of them. So the buffers a finished request's
-write-back still holds count against ``max_batch_cache_bytes`` like those of running requests:
-while they are held (a slow tier), new requests wait for room instead of memory growing.
+The bytes a request holds are those of the buffers it is lent (:meth:`BatchPlaces.lend`
+replaces the estimate it was admitted with). A reservation made ``until_stored`` keeps its bytes
+counted after its place went back, until :meth:`BatchPlaces.release_bytes` (its request handed
+its buffers to the write-back, whose copier's queue counts them from there): a finished
+request's buffers are never counted nowhere, and while they are held new requests wait for
+room instead of memory growing.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class Reservation:
     Attributes:
         nbytes: Bytes of the K/V buffers its sequence holds.
         released: Whether the place was given back.
-        lent: Whether its bytes stay counted after the place went back, until the lease of its
-            buffers goes back (:meth:`BatchPlaces.release_bytes`).
+        until_stored: Its bytes stay counted after the place went back, until
+            :meth:`BatchPlaces.release_bytes`.
         bytes_released: Whether its bytes were given back.
         on_release: Called once when the place is given back (nothing steps its sequence any
             more): what the sequence's steps used may be handed on.
@@ -41,7 +41,7 @@ class Reservation:
 
     nbytes: int
     released: bool = False
-    lent: bool = False
+    until_stored: bool = False
     bytes_released: bool = False
     on_release: list[Callable[[], None]] = field(default_factory=list)
 
@@ -69,7 +69,8 @@ class BatchPlaces:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of K/V buffers counted now: running requests' and lent buffers not back yet."""
+        """Bytes of K/V buffers counted now: requests holding a place, and finished ones that
+        have not handed their buffers to the write-back yet."""
         with self._state:
             return self._admitted_bytes
 
@@ -116,23 +117,22 @@ class BatchPlaces:
         return reservation
 
     def lend(self, reservation: Reservation, nbytes: int) -> None:
-        """The reservation's buffers are lent, of ``nbytes`` (which replace its estimate): they
-        stay counted until :meth:`release_bytes`, not only until its place goes back."""
+        """The reservation's buffers are lent, of ``nbytes``: they replace its estimate."""
         with self._state:
             if not reservation.bytes_released:
                 self._admitted_bytes += nbytes - reservation.nbytes
-            reservation.nbytes, reservation.lent = nbytes, True
+            reservation.nbytes = nbytes
             self._state.notify_all()
 
     def release(self, reservation: Reservation) -> None:
-        """Give a place back (once; later calls do nothing), with its bytes unless they are
-        lent; its ``on_release`` callbacks run here, outside the lock."""
+        """Give a place back (once; later calls do nothing), with its bytes unless it was made
+        ``until_stored``; its ``on_release`` callbacks run here, outside the lock."""
         with self._state:
             if reservation.released:
                 return
             reservation.released = True
             self._admitted -= 1
-            if not reservation.lent:
+            if not reservation.until_stored:
                 self._free_bytes(reservation)
             self._state.notify_all()
         callbacks, reservation.on_release = reservation.on_release, []  # no cycle left with a lease
@@ -140,7 +140,7 @@ class BatchPlaces:
             callback()
 
     def release_bytes(self, reservation: Reservation) -> None:
-        """The reservation's lent buffers went back: its bytes no longer count (once)."""
+        """Stop counting the reservation's bytes (once; its place goes back on its own)."""
         with self._state:
             self._free_bytes(reservation)
             self._state.notify_all()
@@ -153,5 +153,4 @@ class BatchPlaces:
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:
             return False
-        # Alone, a request is admitted however large: when no buffers are held any more.
-        return self._admitted_bytes == 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes
+        return self._admitted == 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes

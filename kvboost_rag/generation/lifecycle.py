@@ -111,6 +111,8 @@ class Request:
             host buffer pool (``None``: buffers of its own).
         cancellation: The call's cancellation: once set, its sequence leaves the batch.
         unwatch: Stops its cancellation from watching the handle (once it closed).
+        counted: Stops the batch counting its buffers' bytes (called once its buffers are
+            handed on or given back).
     """
 
     plan: PromptPlan
@@ -125,6 +127,7 @@ class Request:
     lease: Lease | None = None
     cancellation: Cancellation | None = None
     unwatch: Callable[[], None] | None = None
+    counted: Callable[[], None] | None = None
 
     def close(self, places: BatchPlaces) -> None:
         """Give its place back: out of the batch at the next step if it is still decoding."""
@@ -140,15 +143,22 @@ class Request:
 
     def release_slot(self) -> None:
         """The request is done reading its buffers (again, or once handed to the write-back:
-        nothing)."""
+        nothing); the batch no longer counts their bytes."""
+        self._stop_counting()
         if self.lease is not None:
             self.lease.release("request")
 
     def release_slot_later(self) -> Callable[[], None] | None:
         """What releases the request's hold on its buffers, for whoever reads them last (the
-        write-back); ``None`` without a lease."""
+        write-back, whose queue counts them from now on); ``None`` without a lease."""
+        self._stop_counting()
         lease = self.lease
         return None if lease is None else partial(lease.release, "request")
+
+    def _stop_counting(self) -> None:
+        stop, self.counted = self.counted, None
+        if stop is not None:
+            stop()
 
 
 @dataclass
@@ -188,6 +198,7 @@ class Pending:
             started: Started = _settled(self.future, self.cancellation)
         except BaseException:
             places.release(self.reservation)
+            places.release_bytes(self.reservation)
             if self.lease is not None:
                 self.lease.release("request")
             raise
@@ -196,6 +207,7 @@ class Pending:
             self.plan, self.options, self.start, started.outcome, started.sequence,
             (started.first_token_at - self.start) * 1000, started.first_pieces,
             None if joined else self.reservation, started.handle, self.lease, self.cancellation,
+            counted=partial(places.release_bytes, self.reservation),
         )
         if joined:
             request.unwatch = self.cancellation.watch(started.handle.cancel)
@@ -322,7 +334,9 @@ class Requests:
         try:
             for i, tokens in tokenized:
                 try:
-                    prepared = self._prepare(tokens, options, start, cancellation=cancellation, on_wait=hand_over)
+                    prepared = self._prepare(
+                        tokens, options, start, cancellation=cancellation, on_wait=hand_over, until_stored=False
+                    )
                 except KVBoostError as error:
                     outputs[i] = error
                     continue
@@ -403,6 +417,7 @@ class Requests:
         guide: GrammarGuide | None = None,
         cancellation: Cancellation,
         on_wait: Callable[[], None] | None = None,
+        until_stored: bool = True,
     ) -> Pending:
         """Plan a prompt, wait for its place in the batch, take its buffers, look it up, and
         make its prompt work (prefill, first token, joining the batch).
@@ -416,6 +431,9 @@ class Requests:
             cancellation: The call's: waiting for a place ends once it is set, the loop drops
                 its prompt work at the next step, its sequence leaves the batch.
             on_wait: Called once if it must wait for a place.
+            until_stored: Its buffers stay counted in the batch's bytes until its write-back
+                takes them, not only while it runs (one call; a batch's prompts are followed
+                by one thread once they all ran, so they count while they run).
 
         Raises:
             RequestCancelled: ``cancellation`` was set before a place came.
@@ -426,13 +444,11 @@ class Requests:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
         reservation = self.places.reserve(self._reserved_bytes(n + budget), cancellation, on_wait)
+        reservation.until_stored = until_stored
         lease = self._lease(n + budget + SPARE_ROWS)
         if lease is not None:
-            if lease.slot is None:
-                # Host buffers count in the batch's bytes until they go back (once no view of
-                # them is left), not only while the request holds its place.
+            if lease.slot is None:  # host buffers: the bytes lent replace the estimate
                 self.places.lend(reservation, lease.nbytes)
-                lease.on_given_back.append(partial(self.places.release_bytes, reservation))
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
             found = self.prefiller.lookup(plan) if options.reuse else None
@@ -440,6 +456,7 @@ class Requests:
             steps = work.steps(self.prefiller, found, self.adapter, lease)
         except BaseException:
             self.places.release(reservation)
+            self.places.release_bytes(reservation)
             if lease is not None:
                 lease.release("request")
             raise

@@ -6,15 +6,13 @@ a slot of the pool and decodes there; on a CPU a request prefills into buffers o
 buffers after the prefill: the engine loop (until it lets the sequence go, after
 its last step) and the request itself (the write-back cuts the prompt's K/V from them after the
 answer). They go back only when both released them, so another request never prefills into
-K/V a step or a write-back still reads. Whoever counts the lent bytes (the batch's places)
-hears when they go back (:attr:`Lease.on_given_back`).
+K/V a step or a write-back still reads.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
@@ -38,8 +36,6 @@ class Lease(ABC):
     def __init__(self) -> None:
         self._held = set(HOLDERS)
         self._lock = threading.Lock()
-        #: Called once the buffers went back (after the last holder released them).
-        self.on_given_back: list[Callable[[], None]] = []
 
     @property
     @abstractmethod
@@ -67,9 +63,6 @@ class Lease(ABC):
             last = not self._held
         if last:
             self._give_back()
-            callbacks, self.on_given_back = self.on_given_back, []  # no cycle left with their owners
-            for callback in callbacks:
-                callback()
 
     @property
     def released(self) -> bool:
