@@ -145,13 +145,13 @@ class KVMemory(BaseModel):
     by holder, beside the settings that bound them.
 
     Attributes:
-        batch_buffers_bytes: K/V buffers of requests: running ones, and lent ones a write-back
-            still copies from (within ``max_batch_cache_bytes``, or one request when it alone
-            runs).
+        batch_buffers_bytes: K/V buffers of requests: running ones, and finished ones that have
+            not handed them to the write-back yet (within ``max_batch_cache_bytes``, or one
+            request when it alone runs).
         idle_buffers_bytes: Buffers of finished requests kept for the next ones (a model on a
             CPU; within a quarter of ``max_batch_cache_bytes`` and what the lent ones leave).
-        copy_queue_bytes: What write-backs waiting for their host copies hold besides lent
-            buffers (a warm's own buffers, device copies on CUDA).
+        copy_queue_bytes: The buffers (whole) of write-backs waiting for their host copies;
+            device copies on CUDA.
         write_queue_bytes: Host copies on their way to the tiers.
         staged_entries: Entries staged now: lookups find them before the tiers hold them.
         staged_bytes: Their bytes (views of lent buffers count their rows).
