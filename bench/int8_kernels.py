@@ -3,13 +3,14 @@
 A decode step's linear layers read every weight once whatever its few rows, so on a CPU its cost
 is the bytes read. This times one pass over linear layers of a model's shapes (its config's
 projections, MLPs and output layer; random weights, as the kernels do not care what the values
-are), at 1, 4, 8 and 16 rows, on each kernel:
+are), at 1, 4, 8, 16 and 64 rows, on each kernel:
 
 - ``F.linear``: float32, the model's own weights (MKL ``sgemm``);
 - ``packed``: oneDNN's inner product over the float32 weights reordered once into its blocked
   layout (:mod:`kvboost_rag.hf.small_rows`);
 - ``int8``: ``torch.ops.aten._weight_int8pack_mm`` over int8 weights with one float32 scale per
-  output channel (:mod:`kvboost_rag.hf.int8_rows`), a quarter of the bytes.
+  output channel, as decode runs it (:func:`kvboost_rag.hf.int8_rows.int8_product`: activations
+  rounded to bfloat16, the kernel's vectorized path), a quarter of the bytes.
 
 Rounds are interleaved and the median of ``--reps`` is kept. Run:
 ``python -u bench/int8_kernels.py --threads 1 2`` (``--model PATH`` for another model folder,
@@ -30,10 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvboost_rag.hf.int8_rows import quantize_rows  # noqa: E402
+from kvboost_rag.hf.int8_rows import int8_product, quantize_rows  # noqa: E402
 from kvboost_rag.hf.small_rows import PACKED_FOR_ROWS  # noqa: E402
 
-ROWS = (1, 4, 8, 16)
+ROWS = (1, 4, 8, 16, 64)
 
 
 def layer_shapes(config: dict) -> list[tuple[int, int]]:
@@ -54,11 +55,11 @@ def time_model(name: str, config: dict, threads: int, reps: int) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) * 0.02 for shape in layer_shapes(config)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKED_FOR_ROWS) for w in weights]
-    int8 = [quantize_rows(w) for w in weights]
+    int8 = [int8_product(*quantize_rows(w), None) for w in weights]
     kernels = {
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
-        "int8": lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i][0], int8[i][1]),
+        "int8": lambda x, i: int8[i](x),
     }
     inputs = {rows: [torch.randn(rows, w.shape[1], generator=generator) for w in weights] for rows in ROWS}
     seconds: dict[tuple[str, int], list[float]] = {}
