@@ -6,7 +6,7 @@ from ``/proc/self/status``) against the model's float32 parameter bytes, and the
 weight copy (``SmallRowLinears.copy_bytes``). Linux only.
 
 Run: ``python -u bench/load_memory.py`` (``--model PATH``, several allowed; default the
-embedded model and the Qwen 0.5B folder when present).
+embedded model and the Qwen 0.5B folder when present; ``--settings off packed int8 defaults``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-SETTINGS = (
-    {"decode_weights": "model", "small_row_kernels": "off"},
-    {"decode_weights": "model", "small_row_kernels": "packed"},
-    {"decode_weights": "int8"},
-    {},  # the defaults
-)
+SETTINGS = {
+    "off": {"decode_weights": "model", "small_row_kernels": "off"},
+    "packed": {"decode_weights": "model", "small_row_kernels": "packed"},
+    "int8": {"decode_weights": "int8"},
+    "defaults": {},
+}
 
 
 def _status() -> dict[str, int]:
@@ -52,6 +52,7 @@ def measure(model: str | None, settings: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
+    parser.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: JSON of (model, settings)
     args = parser.parse_args(argv)
     if args.one is not None:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | settings | kernel | float32 params MB | copy MB | resident MB (anon + file) | resident / params |")
     print("|---|---|---|---:|---:|---|---:|")
     for model in models:
-        for settings in SETTINGS:
+        for settings in (SETTINGS[name] for name in args.settings):
             out = subprocess.run(
                 [sys.executable, __file__, "--one", json.dumps([model, settings])], capture_output=True, text=True, check=True
             ).stdout.strip().splitlines()[-1]
