@@ -36,10 +36,11 @@ same idle machine, so decode speed changed from one start to the next):
 
 A candidate must first compute what ``F.linear`` computes on the model's own layers (float32
 rounding for oneDNN; the int8 rounding bound for int8), or ``F.linear`` stays. Measured on two
-machines (docs/benchmarks.md): on a 2-core AMD EPYC (AVX2) the packed copy took 12-13 ms for
-1-8 rows of the embedded model's output layer where ``F.linear`` took 23-33 ms; on a 2-core
-Intel Xeon (AVX-512), over all of the embedded model's layers on 2 threads, ``F.linear`` took
-27 / 52 / 75 ms at 1 / 4 / 8 rows, the packed copy 34 / 39 / 51, int8 16 / 22 / 37.
+machines (docs/benchmarks.md): on a 2-core AMD EPYC the packed copy took 12-13 ms for 1-8
+rows of the embedded model's output layer where ``F.linear`` took 23-33 ms; on a 2-core Intel
+Xeon (AVX-512), over all of the embedded model's layers on 2 threads (``bench/int8_kernels.py``),
+``F.linear`` took 29.9 / 47.2 / 66.1 / 77.4 ms at 1 / 4 / 8 / 16 rows, the packed copy 35.7 /
+45.8 / 51.0 / 68.3, int8 22.6 / 30.5 / 50.7 / 92.9.
 
 The chosen kernel runs only inside the engine's decode and verify steps, in the thread that
 runs them (:meth:`SmallRowLinears.active`), for inputs of at most :data:`MAX_ROWS` rows:
