@@ -36,7 +36,9 @@ engine without drafts against ``generate``, decode ms per token.
 
 Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
 ``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
-``--cost-reps 7``, ``--out FILE`` for the markdown report). An instruct model of another family:
+``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--out FILE`` for the markdown report).
+The header gives the small-row kernel the engine chose, its weight copy's bytes, and resident
+memory right after loading (before warming) against the parameters' bytes. An instruct model of another family:
 ``--model "$(python bench/qwen_model.py)"``.
 """
 
@@ -147,10 +149,11 @@ def build_prompts(tokenizer, count: int, docs: int, doc_chars: int, plain: bool,
     rng = random.Random(seed)
     topics = {name: text[:doc_chars] for name, text in python_reference_topics().items() if len(text) >= doc_chars}
     names = sorted(topics)
-    prompts = []
+    prompts, warmed = [], set()
     for i in range(count):
         kind, question = QUESTIONS[i % len(QUESTIONS)]
         chosen = rng.sample(names, docs)
+        warmed.update(chosen)
         topic = chosen[rng.randrange(docs)]
         context = "\n\n".join(f"Document: {name}\n{topics[name]}" for name in chosen)
         ask = question.format(topic=topic)
@@ -160,7 +163,7 @@ def build_prompts(tokenizer, count: int, docs: int, doc_chars: int, plain: bool,
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{context}\n\nQuestion: {ask}"}]
             prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append((kind, prompt))
-    used = sorted({f"Document: {name}\n{topics[name]}" for name in names})
+    used = sorted(f"Document: {name}\n{topics[name]}" for name in warmed)  # the documents the prompts use
     first = prompts[0][1]
     beginning = first[: first.index("Document: ")]
     return prompts, used, beginning
@@ -310,6 +313,17 @@ def tiny_host_table(new_tokens: int) -> list[str]:
     ]
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory (``VmRSS``; 0 where ``/proc`` has none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -322,12 +336,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-host", action="store_true", help="also the host-cost check on a tiny 32-layer model")
     parser.add_argument("--cost-reps", type=int, default=7, help="rounds of the verify-cost table (0: none)")
+    parser.add_argument(
+        "--decode-weights", choices=("auto", "model", "int8"), default="auto",
+        help="what the engine's decode and verify steps read (the engine's decode_weights setting)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    engine = KVBoost.from_pretrained(args.model, show_progress=False)
+    engine = KVBoost.from_pretrained(args.model, show_progress=False, decode_weights=args.decode_weights)
+    resident = _resident_bytes()
     model, tokenizer = engine.model, engine.tokenizer
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
     prompts, documents, beginning = build_prompts(tokenizer, args.prompts + 1, args.docs, args.doc_chars, args.plain, args.seed)
     engine.warm(beginning)
     engine.warm_documents(documents)
@@ -337,8 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
-        f"torch {torch.__version__}, small-row kernel {engine.small_row_kernel}, load average "
-        f"{os.getloadavg()[0]:.1f} at the start"
+        f"torch {torch.__version__}, decode_weights={args.decode_weights}: small-row kernel {engine.small_row_kernel} "
+        f"(copy {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
+        f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start"
     )
     lines = [header, ""]
     if args.cost_reps:

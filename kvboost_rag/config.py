@@ -188,17 +188,30 @@ class KVBoostSettings(BaseModel):
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
-        small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) in
-            decode and verify steps, chosen when the engine loads
-            (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16 rows
-            costs 2-5x one row, while oneDNN over weights reordered once into its blocked
-            layout costs about one row's whatever the rows. ``"auto"`` (default) times the
-            candidates that apply against ``F.linear`` on the model's own layers and keeps one
-            only where it is clearly faster (on CUDA, 16-bit or quantized weights, or without
-            oneDNN: ``F.linear``); ``"packed"`` (oneDNN over a copy of the weights, within
-            ``packed_weights_bytes``), ``"onednn"`` (oneDNN over the model's own weights), or
-            ``"off"``. Prefill passes, and calls of the model outside the engine, always run
-            the model's own ``F.linear``. Not used with captured steps.
+        decode_weights: What the linear layers of decode and verify steps read (on a CPU a
+            step is bound by the bytes it reads: every weight once, whatever its few rows):
+            ``"model"`` (the model's own float32 weights, through ``small_row_kernels``),
+            ``"int8"`` (an int8 copy with one scale per output channel, made at load, through
+            torch's ``_weight_int8pack_mm``: a quarter of the bytes, greedy answers no longer
+            exactly the model's own; the copy costs a quarter of the float32 weights, not the
+            whole again as the packed copy does), or ``"auto"`` (default: ``"int8"`` only for
+            the models whose int8 answers were measured to equal their own, see
+            docs/benchmarks.md, else ``"model"``). Where the int8 kernel does not apply (CUDA,
+            16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
+            Prefill passes, and calls of the model outside the engine, always read the model's
+            own weights. Not used with captured steps.
+        small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) over the
+            model's own float32 weights in decode and verify steps, chosen when the engine
+            loads (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16
+            rows costs 2-5x one row, while oneDNN over weights reordered once into its blocked
+            layout costs about one row's whatever the rows. ``"auto"`` (default) decides by a
+            rule, the same on every start: ``"packed"`` where oneDNN applies, the layers'
+            weights are 64 MiB or more and the copy fits ``packed_weights_bytes``, else
+            ``"off"`` (on CUDA, 16-bit or quantized weights, or without oneDNN: ``F.linear``);
+            ``"packed"`` (oneDNN over a copy of the weights, within ``packed_weights_bytes``),
+            ``"onednn"`` (oneDNN over the model's own weights), or ``"off"``. Prefill passes,
+            and calls of the model outside the engine, always run the model's own
+            ``F.linear``. Not used with captured steps, nor when decode reads int8.
         packed_weights_bytes: Most bytes the packed weight copies of ``small_row_kernels``
             may take (they cost the float32 weights' bytes again: a 0.5B model, 2 GB);
             beyond it, ``"packed"`` is not chosen.
@@ -284,6 +297,7 @@ class KVBoostSettings(BaseModel):
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
     max_decode_wait: float = Field(0.7, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
+    decode_weights: Literal["auto", "model", "int8"] = "auto"
     small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
     packed_weights_bytes: int = Field(4 * 1024**3, ge=0)
     captured_steps: Literal["auto", "on", "off"] = "auto"

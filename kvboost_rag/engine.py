@@ -92,7 +92,7 @@ class KVBoost:
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
         self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
-            adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes)
+            adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes, settings.decode_weights)
         prefiller = Prefiller(
             adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe
         )
@@ -218,7 +218,8 @@ class KVBoost:
     @property
     def small_row_kernel(self) -> str:
         """The linear layers' kernel in decode and verify steps, chosen at load
-        (``small_row_kernels``): ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
+        (``decode_weights``, ``small_row_kernels``): ``"int8"`` (an int8 copy of the weights),
+        ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
         return self._adapter.small_rows.kernel
 
     # ------------------------------------------------------------------ text

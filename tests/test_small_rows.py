@@ -1,5 +1,6 @@
 """The decode and verify steps' kernels for a few rows: the linear layers' (oneDNN over packed
-or own weights, chosen at load) and the attention of a row's last tokens.
+or own weights, chosen at load; the int8 copy: tests/test_int8_decode.py) and the attention of
+a row's last tokens.
 
 Whatever kernel runs, a step must compute what the model's own layers compute, to float32
 rounding, and nothing outside the engine's steps may see a difference: prefill passes and the
@@ -48,7 +49,7 @@ def test_packed_copies_stay_within_their_budget_and_the_own_weights_serve_instea
     weight_bytes = sum(layer.weight.numel() * 4 for layer in eligible_linears(model))
     assert choose_kernel(model, "packed", packed_bytes=weight_bytes - 1).kernel == "off"
     own = choose_kernel(model, "onednn", packed_bytes=0)
-    assert own.kernel == "onednn"
+    assert own.kernel == "onednn" and own.copy_bytes == 0
     assert all(weight is layer.weight.detach() or weight.data_ptr() == layer.weight.data_ptr() for layer, weight in own.weights.items())
 
 
@@ -67,32 +68,19 @@ def test_layers_the_kernels_cannot_take_keep_their_own_product():
 
 
 @needs_onednn
-def test_auto_times_the_packed_copy_or_the_own_weights_when_the_copy_would_not_fit(monkeypatch):
+def test_auto_packs_only_layers_large_enough_and_within_the_budget(monkeypatch):
+    """``"auto"`` is a rule, nothing timed: the packed copy where the layers' weights reach
+    :data:`~kvboost_rag.hf.small_rows.PACKED_MIN_BYTES` and the copy fits its budget."""
     model = tiny_model("llama")
-    timed = []
-
-    def fastest(modules, name, weights):
-        timed.append([name])
-        return "off"
-
-    monkeypatch.setattr(small_rows, "_fastest", fastest)
-    assert choose_kernel(model, "auto", packed_bytes=2**30).kernel == "off"
-    assert choose_kernel(model, "auto", packed_bytes=0).kernel == "off"
-    assert timed == [["packed"], ["onednn"]]
+    weight_bytes = sum(layer.weight.numel() * 4 for layer in eligible_linears(model))
+    assert weight_bytes < small_rows.PACKED_MIN_BYTES
+    assert choose_kernel(model, "auto", packed_bytes=2**30).kernel == "off"  # tiny layers: F.linear
+    monkeypatch.setattr(small_rows, "PACKED_MIN_BYTES", weight_bytes)
+    packed = choose_kernel(model, "auto", packed_bytes=weight_bytes)
+    assert packed.kernel == "packed" and packed.copy_bytes >= weight_bytes
+    packed.restore()
+    assert choose_kernel(model, "auto", packed_bytes=weight_bytes - 1).kernel == "off"
     assert all("forward" not in layer.__dict__ for layer in eligible_linears(model))
-
-
-def test_the_timing_rule_needs_a_clear_gain_and_no_loss():
-    cases = {  # ms at (1, 8) rows: F.linear's, the candidate's -> chosen
-        ((10.0, 30.0), (9.0, 12.0)): "packed",
-        ((10.0, 30.0), (9.9, 29.0)): "off",  # faster, but not by MIN_GAIN
-        ((10.0, 30.0), (12.0, 8.0)): "off",  # far faster at 8 rows, slower at 1
-        ((10.0, 30.0), (10.4, 20.0)): "packed",  # within noise at 1 row, far faster at 8
-    }
-    assert small_rows.TIMED_ROWS == (1, 8)
-    for (off, candidate), expected in cases.items():
-        seconds = {("off", 1): off[0], ("off", 8): off[1], ("packed", 1): candidate[0], ("packed", 8): candidate[1]}
-        assert small_rows.decide(seconds, ["packed"]) == expected
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])

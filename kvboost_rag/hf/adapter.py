@@ -92,11 +92,12 @@ class ModelAdapter:
         if not self.features.batched_decoding:
             logger.warning("%s; concurrent requests decode one sequence per forward pass", self.features.batched_decoding_reason)
 
-    def choose_small_row_kernel(self, setting: str, packed_bytes: int) -> None:
+    def choose_small_row_kernel(self, setting: str, packed_bytes: int, decode_weights: str = "model") -> None:
         """Choose, and install, the kernel of the linear layers in decode and verify steps
-        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load)."""
+        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load). The bytes of the weight
+        copy it holds: ``self.small_rows.copy_bytes``."""
         self.small_rows.restore()
-        self.small_rows = choose_kernel(self.model, setting, packed_bytes)  # type: ignore[arg-type]
+        self.small_rows = choose_kernel(self.model, setting, packed_bytes, decode_weights)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- properties
     @property

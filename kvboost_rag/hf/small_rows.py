@@ -10,27 +10,37 @@ weights reordered once into its blocked layout (``torch.ops.mkldnn._reorder_line
 the layout torch's compiler packs weights into) streams them at close to the memory's speed
 whatever the rows: 10-15 ms for 1-16 rows of that layer, within float32 rounding of ``F.linear``.
 
-Which kernel runs is chosen once per model when the engine loads (:func:`choose_kernel`):
+Which kernel runs is chosen once per model when the engine loads (:func:`choose_kernel`), from
+what decode should read (``decode_weights``) and then, for the model's own float32 weights, from
+``small_row_kernels``:
 
+- ``"int8"``: ``torch.ops.aten._weight_int8pack_mm`` over an int8 copy of the weights with one
+  scale per output channel (:mod:`kvboost_rag.hf.int8_rows`): a quarter of the float32 bytes
+  read per step, and the copy costs a quarter of the weights' bytes, not the whole again;
 - ``"packed"``: oneDNN over a copy of the weights in its blocked layout (the copy costs the
   weights' bytes again, so only while it fits the budget);
 - ``"onednn"``: oneDNN over the model's own weights (no copy, less fast);
 - ``"off"``: ``F.linear``, as the model itself runs.
 
-``"auto"`` measures. Where oneDNN applies (a CPU, float32 ``nn.Linear`` layers with plain
-weights, oneDNN in this torch build), the candidate (``"packed"``, or ``"onednn"`` when the
-copy would not fit) must first compute what ``F.linear`` computes on the model's own layers,
-then is timed against ``F.linear`` over the model's layers at 1 and 8 rows, on one thread, in
-interleaved rounds, keeping the fastest pass of each; it is chosen only when it is nowhere
-slower and the two together are :data:`MIN_GAIN` faster, so a choice that only noise favours
-is not made. One thread measures the kernels' own work: with two, a pass waits for whichever
-thread other work on the machine held up (on a shared 2-core VM the same choice, timed on two
-threads four times, went three times to ``F.linear``, its 1-row pass timed at 25-130 ms; on one
-thread it went four times to the packed copy, the passes within 15%), and the kernels keep
-their standing on more threads (on two, quiet: 23 and 33 ms for ``F.linear`` at 1 and 8 rows,
-12 and 13 ms for the packed copy; on one: 31 and 61, 17-20 and 23-27). On CUDA, with
-16-bit or quantized weights, or without oneDNN, ``F.linear`` stays (the ``"auto"`` result is
-``"off"``).
+The choice is a rule over facts of the model, its dtype, the device and the torch build, never a
+timing taken at load (timed at load, the choice flipped between starts of the same model on the
+same idle machine, so decode speed changed from one start to the next):
+
+- ``decode_weights="auto"`` reads int8 only for the models whose int8 answers were measured
+  equal to their own (:data:`INT8_BY_DEFAULT`, figures in docs/benchmarks.md); ``"int8"``
+  wherever the kernel applies (a CPU with AVX2 or AVX-512, float32 ``nn.Linear`` layers);
+- ``small_row_kernels="auto"`` (when decode reads the model's own weights) is ``"packed"`` where
+  oneDNN applies, the layers' weights are at least :data:`PACKED_MIN_BYTES` (below it oneDNN's
+  call costs more than such layers' product) and the copy fits ``packed_weights_bytes``; else
+  ``"off"``.
+
+A candidate must first compute what ``F.linear`` computes on the model's own layers (float32
+rounding for oneDNN; the int8 rounding bound for int8), or ``F.linear`` stays. Measured on two
+machines (docs/benchmarks.md): on a 2-core AMD EPYC the packed copy took 12-13 ms for 1-8
+rows of the embedded model's output layer where ``F.linear`` took 23-33 ms; on a 2-core Intel
+Xeon (AVX-512), over all of the embedded model's layers on 2 threads (``bench/int8_kernels.py``),
+``F.linear`` took 29.9 / 47.2 / 66.1 / 77.4 ms at 1 / 4 / 8 / 16 rows, the packed copy 35.7 /
+45.8 / 51.0 / 68.3, int8 22.6 / 30.5 / 50.7 / 92.9.
 
 The chosen kernel runs only inside the engine's decode and verify steps, in the thread that
 runs them (:meth:`SmallRowLinears.active`), for inputs of at most :data:`MAX_ROWS` rows:
@@ -42,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -52,26 +61,28 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvboost_rag.hf.int8_rows import copy_bytes as int8_copy_bytes
+from kvboost_rag.hf.int8_rows import int8_available, int8_product, quantize_rows
 from kvboost_rag.hf.sparse_attention import thread_setting
 
 logger = logging.getLogger(__name__)
 
-SmallRowKernel = Literal["packed", "onednn", "off"]
+SmallRowKernel = Literal["int8", "packed", "onednn", "off"]
+DecodeWeights = Literal["auto", "model", "int8"]
 #: Largest input (rows: tokens of all sequences of a step) the chosen kernel takes.
 MAX_ROWS = 256
 #: Batch size the packed layout is chosen for (oneDNN picks its blocking from it).
 PACKED_FOR_ROWS = 16
-#: Rows the candidates are timed at: a plain step and a verify step of 7 drafts.
-TIMED_ROWS = (1, 8)
-#: Interleaved timing rounds per candidate and row count (the fastest is kept).
-ROUNDS = 3
-#: How much faster (1 and 8 rows together) a kernel must be than ``F.linear`` to be chosen.
-MIN_GAIN = 1.15
-#: How much slower than ``F.linear`` a chosen kernel may be at any one timed row count (noise).
-MAX_LOSS = 1.05
-#: Weight bytes of the layers timed besides the largest (the first ones up to it): a pass over
-#: more is as telling and costs more at load.
-TIMED_BYTES = 256 * 2**20
+#: Least float32 weight bytes of the layers for which ``"auto"`` packs them (tiny models' layers
+#: cost less through ``F.linear`` than oneDNN's call).
+PACKED_MIN_BYTES = 64 * 2**20
+#: Output channels of a layer on which the int8 kernel's result is checked at load.
+AGREEMENT_ROWS = 512
+#: The models ``decode_weights="auto"`` decodes on int8 weights: ``(model_type, hidden_size,
+#: num_hidden_layers, vocab_size)`` of the models whose int8 greedy answers equalled their own up
+#: to the first near tie on at least 95% of the quality bench's prompts with a median per-step
+#: next-token KL of at most 0.001 (``bench/int8_quality.py``; docs/benchmarks.md).
+INT8_BY_DEFAULT: frozenset[tuple[str, int, int, int]] = frozenset({("qwen2", 896, 24, 151936)})
 #: Marks a ``forward`` this module installed (a second engine on the same model re-routes it).
 ROUTED = "_kvboost_small_rows"
 _state = threading.local()
@@ -118,24 +129,38 @@ class SmallRowLinears:
 
     Attributes:
         kernel: What runs inside :meth:`active`.
-        weights: Per layer, the weight the kernel reads (the packed copy, or the layer's own).
+        weights: Per layer, the weight the kernel reads (the int8 or packed copy, or the
+            layer's own).
+        scales: Per layer, the int8 copy's float32 scale per output channel (``"int8"`` only).
+        copy_bytes: Bytes of the weight copies this holds besides the model's own weights (the
+            int8 copies and their scales, or the packed copies; 0 when it reads the model's own).
     """
 
     kernel: SmallRowKernel = "off"
     weights: dict[torch.nn.Linear, torch.Tensor] = field(default_factory=dict)
+    scales: dict[torch.nn.Linear, torch.Tensor] = field(default_factory=dict)
+    copy_bytes: int = 0
+
+    def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The kernel's product for one of the layers (``x -> x @ W.T + b``)."""
+        if self.kernel == "int8":
+            return int8_product(self.weights[module], self.scales[module], module.bias)
+        return _product(self.weights[module], module.bias)
 
     def install(self) -> None:
         """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
-        for module, weight in self.weights.items():
-            routed = types.MethodType(_routed_forward(weight, module.bias), module)
+        for module in self.weights:
+            routed = types.MethodType(_routed_forward(self.product(module)), module)
             setattr(routed.__func__, ROUTED, True)
             module.forward = routed
 
     def restore(self) -> None:
-        """Give the layers back their own ``forward`` and drop the packed copies."""
+        """Give the layers back their own ``forward`` and drop the copies."""
         for module in self.weights:
             module.__dict__.pop("forward", None)
         self.weights.clear()
+        self.scales.clear()
+        self.copy_bytes = 0
         self.kernel = "off"
 
     @contextmanager
@@ -146,9 +171,7 @@ class SmallRowLinears:
             yield
 
 
-def _routed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
-    run = _product(weight, bias)
-
+def _routed_forward(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if (
             getattr(_state, "on", False)
@@ -162,40 +185,128 @@ def _routed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable
     return forward
 
 
+def model_key(model: torch.nn.Module) -> tuple[str, int, int, int]:
+    """What :data:`INT8_BY_DEFAULT` knows a model by: its config's type and sizes."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (
+        str(getattr(text, "model_type", "")),
+        int(getattr(text, "hidden_size", 0) or 0),
+        int(getattr(text, "num_hidden_layers", 0) or 0),
+        int(getattr(text, "vocab_size", 0) or 0),
+    )
+
+
+def decode_reads(model: torch.nn.Module, decode_weights: DecodeWeights) -> Literal["model", "int8"]:
+    """What decode and verify steps read under ``decode_weights``, where the kernels apply:
+    ``"int8"`` needs the int8 kernel (:func:`~kvboost_rag.hf.int8_rows.int8_available`);
+    ``"auto"`` is ``"int8"`` only for the models of :data:`INT8_BY_DEFAULT`."""
+    if decode_weights == "model" or not int8_available():
+        return "model"
+    if decode_weights == "auto" and model_key(model) not in INT8_BY_DEFAULT:
+        return "model"
+    return "int8"
+
+
 def choose_kernel(
-    model: torch.nn.Module, setting: Literal["auto", "packed", "onednn", "off"], packed_bytes: int
+    model: torch.nn.Module,
+    setting: Literal["auto", "packed", "onednn", "off"],
+    packed_bytes: int,
+    decode_weights: DecodeWeights = "model",
 ) -> SmallRowLinears:
     """The kernel for a model's decode and verify steps, installed (see the module's doc).
 
+    The same model, settings and torch build give the same kernel on every call: nothing is
+    timed.
+
     Args:
         model: The model (its layers' ``forward`` is routed when a kernel is chosen).
-        setting: ``"auto"`` (measure), or the kernel to use where it applies.
-        packed_bytes: Most bytes the packed copies may take (``"packed"`` is not a candidate
-            beyond it).
+        setting: The kernel over the model's own float32 weights: ``"auto"`` (the rule in the
+            module's doc), or the kernel to use where it applies.
+        packed_bytes: Most bytes the packed copies may take (``"packed"`` is not used beyond it).
+        decode_weights: What decode reads: ``"model"`` (its own float32 weights, through
+            ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`).
 
     Returns:
         The layers and their kernel (``"off"``: nothing was changed).
     """
-    modules = eligible_linears(model) if setting != "off" and onednn_available() else []
+    reads = decode_reads(model, decode_weights) if decode_weights != "model" else "model"
+    wanted = reads == "int8" or (setting != "off" and onednn_available())
+    modules = eligible_linears(model) if wanted else []
     for module in modules:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
     if not modules:
         return SmallRowLinears()
+    if reads == "int8":
+        chosen = _int8_linears(modules)
+        if chosen.kernel == "int8" or not onednn_available() or setting == "off":
+            return _installed(chosen, len(modules))
     weight_bytes = sum(m.weight.numel() * 4 for m in modules)
-    name: SmallRowKernel = "packed" if setting == "auto" else setting  # type: ignore[assignment]
-    if name == "packed" and weight_bytes > packed_bytes:
+    name: SmallRowKernel = setting  # type: ignore[assignment]
+    if setting == "auto":
+        name = "packed" if PACKED_MIN_BYTES <= weight_bytes <= packed_bytes else "off"
+    elif name == "packed" and weight_bytes > packed_bytes:
         logger.info("small-row kernel: packed weights would take %d MiB (budget %d MiB)", weight_bytes >> 20, packed_bytes >> 20)
-        name = "onednn" if setting == "auto" else "off"
+        name = "off"
     if name == "off":
         return SmallRowLinears()
     weights = _weights(name, modules)
-    chosen = "off" if not _agrees(modules, weights) else _fastest(modules, name, weights) if setting == "auto" else name
-    if chosen == "off":
+    if not _agrees(modules, weights):
         return SmallRowLinears()
-    linears = SmallRowLinears(chosen, weights)
-    linears.install()
-    logger.info("small-row kernel for decode and verify steps: %s (%d layers)", chosen, len(modules))
+    copy = sum(w.numel() * w.element_size() for w in weights.values()) if name == "packed" else 0
+    return _installed(SmallRowLinears(name, weights, copy_bytes=copy), len(modules))
+
+
+def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
+    if linears.kernel != "off":
+        linears.install()
+        logger.info(
+            "small-row kernel for decode and verify steps: %s (%d layers, copies %d MiB)", linears.kernel, layers, linears.copy_bytes >> 20
+        )
     return linears
+
+
+@torch.no_grad()
+def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
+    """Int8 copies of the layers' weights, if the kernel computes what they should."""
+    weights, scales = {}, {}
+    for module in modules:
+        weights[module], scales[module] = quantize_rows(module.weight)
+    linears = SmallRowLinears("int8", weights, scales, sum(int8_copy_bytes(weights[m], scales[m]) for m in modules))
+    if not _int8_agrees(modules, linears):
+        return SmallRowLinears()
+    return linears
+
+
+@torch.inference_mode()
+def _int8_agrees(modules: Sequence[torch.nn.Linear], linears: SmallRowLinears) -> bool:
+    """Whether the int8 kernel computes ``F.linear`` over the dequantized copy, within the
+    bound the activations' rounding allows, on the largest layer and the first one."""
+    generator = torch.Generator().manual_seed(0)
+    largest = max(modules, key=lambda m: m.weight.numel())
+    try:
+        for module in {modules[0], largest}:
+            for rows in (1, PACKED_FOR_ROWS):
+                x = torch.randn(rows, module.in_features, generator=generator)
+                part = slice(0, AGREEMENT_ROWS)  # output channels checked (no whole-layer temporaries)
+                dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
+                expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
+                got = linears.product(module)(x)[..., part]
+                if got.shape != expected.shape or not within_int8_rounding(got, expected, x, dequantized):
+                    logger.warning("small-row kernel: the int8 kernel's result is off on this machine; not used")
+                    return False
+    except RuntimeError as exc:
+        logger.warning("small-row kernel: the int8 kernel failed on this model (%s); not used", exc)
+        return False
+    return True
+
+
+def within_int8_rounding(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``got`` is ``x @ weight.T`` (``expected``) to within what rounding the
+    activations and the output to bfloat16 (8 significant bits each) allows: per output,
+    ``2 * 2**-8 * sum(|x| |w|)`` plus ``2**-8 |expected|``."""
+    bound = 2 * 2.0**-8 * (x.abs() @ weight.abs().T) + 2.0**-8 * expected.abs() + 1e-6
+    return bool(((got - expected).abs() <= bound).all())
 
 
 @torch.no_grad()
@@ -225,75 +336,3 @@ def _agrees(modules: Sequence[torch.nn.Linear], weights: dict[torch.nn.Linear, t
         logger.warning("small-row kernel: oneDNN failed on this model (%s); not used", exc)
         return False
     return True
-
-
-@torch.inference_mode()
-def _fastest(
-    modules: Sequence[torch.nn.Linear], name: SmallRowKernel, weights: dict[torch.nn.Linear, torch.Tensor]
-) -> SmallRowKernel:
-    """``name`` (over ``weights``) if it beats ``F.linear`` clearly (see :data:`MIN_GAIN`,
-    :data:`MAX_LOSS`), else ``"off"``."""
-    timed = _timed_modules(modules)
-    passes: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-        "off": [_default(m) for m in timed],
-        name: [_product(weights[m], m.bias) for m in timed],
-    }
-    inputs = {rows: [torch.randn(rows, m.in_features) for m in timed] for rows in TIMED_ROWS}
-    seconds: dict[tuple[str, int], list[float]] = {(name, rows): [] for name in passes for rows in TIMED_ROWS}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(ROUNDS + 1):  # the first round warms up and is not kept
-            for name, calls in passes.items():
-                for rows in TIMED_ROWS:
-                    start = time.perf_counter()
-                    for call, x in zip(calls, inputs[rows]):
-                        call(x)
-                    seconds[(name, rows)].append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    fastest = {key: min(values[1:]) for key, values in seconds.items()}
-    logger.info(
-        "small-row kernels, ms at %s rows: %s",
-        TIMED_ROWS,
-        {name: [round(1000 * fastest[(name, rows)], 2) for rows in TIMED_ROWS] for name in passes},
-    )
-    return decide(fastest, [name])
-
-
-def decide(seconds: dict[tuple[str, int], float], candidates: Sequence[SmallRowKernel]) -> SmallRowKernel:
-    """The rule :func:`choose_kernel` applies to the timings: the candidate with the least
-    time over :data:`TIMED_ROWS` together, if that is :data:`MIN_GAIN` less than
-    ``F.linear``'s (``"off"``) and it is at most :data:`MAX_LOSS` slower at any of them.
-
-    Args:
-        seconds: Seconds of a pass by ``(kernel, rows)`` (the fastest of the rounds).
-        candidates: The kernels timed besides ``"off"``.
-    """
-    best: SmallRowKernel = "off"
-    best_total = sum(seconds[("off", rows)] for rows in TIMED_ROWS) / MIN_GAIN
-    for name in candidates:
-        total = sum(seconds[(name, rows)] for rows in TIMED_ROWS)
-        nowhere_slower = all(seconds[(name, rows)] <= MAX_LOSS * seconds[("off", rows)] for rows in TIMED_ROWS)
-        if nowhere_slower and total < best_total:
-            best, best_total = name, total
-    return best
-
-
-def _default(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.linear(x, module.weight, module.bias)
-
-
-def _timed_modules(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:
-    """The largest layer, and the first others up to :data:`TIMED_BYTES` of weights."""
-    largest = max(modules, key=lambda m: m.weight.numel())
-    timed, total = [largest], 0
-    for module in modules:
-        size = module.weight.numel() * 4
-        if module is largest:
-            continue
-        if total + size > TIMED_BYTES:
-            break
-        timed.append(module)
-        total += size
-    return timed

@@ -1,0 +1,167 @@
+"""Decode and verify steps on int8 weights (``decode_weights``), and a kernel choice that is the
+same on every start.
+
+The int8 product must stay within the bound its rounding allows (the weights rounded to a step
+of one per-channel scale, the activations and sums to bfloat16), nothing outside the engine's
+steps may see the copy, and with decode reading the model's own weights every path stays exactly
+what it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost_rag.dev.testing import tiny_model
+from kvboost_rag.hf import small_rows
+from kvboost_rag.hf.int8_rows import QMAX, int8_available, int8_product, quantize_rows
+from kvboost_rag.hf.small_rows import choose_kernel, decode_reads, eligible_linears, model_key, within_int8_rounding
+from rag_prompts import rag_prompt
+
+needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 weight-only kernel with a vectorized CPU path here")
+
+
+def test_quantized_rows_are_within_half_a_scale_step_of_the_weights():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=generator)
+    weight[3] = 0.0  # a zero row keeps a usable scale
+    weight[5, 7] = 50.0  # an outlier sets its row's scale only
+    q, scales = quantize_rows(weight)
+    assert q.dtype == torch.int8 and q.shape == weight.shape and scales.shape == (48,) and scales.dtype == torch.float32
+    assert int(q.abs().max()) <= QMAX and bool((q[3] == 0).all()) and float(scales[3]) == 1.0
+    error = (q.float() * scales[:, None] - weight).abs()
+    assert bool((error <= scales[:, None] / 2 * (1 + 1e-6)).all())
+    assert float(scales[5]) == pytest.approx(50.0 / QMAX) and float(scales[4]) < float(scales[5]) / 10
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 40])
+def test_the_int8_product_is_f_linear_within_its_rounding_bound(rows):
+    """Stated tolerance, per output: the weights' rounding, ``sum |x| * scale / 2``, plus the
+    bfloat16 rounding of activations and sums (:func:`within_int8_rounding`, twice its
+    worst case)."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=generator) * 0.05, torch.randn(96, generator=generator)
+    x = torch.randn(2, rows, 64, generator=generator)
+    q, scales = quantize_rows(weight)
+    dequantized = q.float() * scales[:, None]
+    got = int8_product(q, scales, bias)(x)
+    assert got.shape == (2, rows, 96) and got.dtype == torch.float32
+    flat = x.reshape(-1, 64)
+    assert within_int8_rounding(got.reshape(-1, 96) - bias, F.linear(flat, dequantized), flat, dequantized)
+    weights_rounding = flat.abs() @ (scales / 2)[None, :].expand(64, -1)
+    off_own = (got.reshape(-1, 96) - F.linear(flat, weight, bias)).abs()
+    assert bool((off_own <= weights_rounding + 2 * 2.0**-8 * (flat.abs() @ weight.abs().T) * 1.01 + 2.0**-7 * F.linear(flat, weight).abs() + 1e-5).all())
+
+
+@needs_int8
+def test_a_row_gets_the_same_int8_result_alone_or_among_others():
+    """Greedy tokens then do not depend on how many rows (drafts, other sequences) a step has."""
+    generator = torch.Generator().manual_seed(1)
+    q, scales = quantize_rows(torch.randn(80, 48, generator=generator))
+    run = int8_product(q, scales, None)
+    x = torch.randn(12, 48, generator=generator)
+    assert torch.equal(run(x), torch.cat([run(x[i : i + 1]) for i in range(12)]))
+
+
+@needs_int8
+def test_the_int8_copy_serves_only_inside_steps_and_holds_a_quarter_of_the_bytes():
+    model = tiny_model("qwen2")  # biased projections, a tied output layer
+    layers = eligible_linears(model)
+    chosen = choose_kernel(model, "off", packed_bytes=0, decode_weights="int8")
+    assert chosen.kernel == "int8" and set(chosen.weights) == set(layers) == set(chosen.scales)
+    float_bytes = sum(layer.weight.numel() * 4 for layer in layers)
+    expected = sum(layer.weight.numel() + layer.out_features * 4 for layer in layers)
+    assert chosen.copy_bytes == expected and chosen.copy_bytes < float_bytes / 3
+    for layer in (layers[0], model.lm_head):
+        x = torch.randn(4, layer.in_features)
+        own = F.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), own)  # outside a step: the model's own product
+        with torch.inference_mode(), chosen.active():
+            inside = layer(x)
+            wide = torch.randn(small_rows.MAX_ROWS + 1, layer.in_features)
+            assert torch.equal(layer(wide), F.linear(wide, layer.weight, layer.bias))  # a prefill: the own weights
+        assert not torch.equal(inside, own)
+        dequantized = chosen.weights[layer].float() * chosen.scales[layer][:, None]
+        assert within_int8_rounding(inside - (layer.bias if layer.bias is not None else 0), F.linear(x, dequantized), x, dequantized)
+    chosen.restore()
+    assert all("forward" not in layer.__dict__ for layer in layers) and chosen.kernel == "off" and chosen.copy_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "setting,decode_weights,listed,packed_min",
+    [
+        ("auto", "auto", False, None),
+        ("auto", "auto", True, None),
+        ("auto", "model", True, 0),
+        ("packed", "model", False, None),
+        ("off", "int8", False, None),
+    ],
+)
+def test_the_kernel_choice_is_the_same_on_every_start(monkeypatch, setting, decode_weights, listed, packed_min):
+    """Ten starts of the same model with the same settings choose the same kernel: a rule over
+    the model, its dtype, the device and the torch build, nothing timed."""
+    model = tiny_model("llama")
+    if listed:
+        monkeypatch.setattr(small_rows, "INT8_BY_DEFAULT", frozenset({model_key(model)}))
+    if packed_min is not None:
+        monkeypatch.setattr(small_rows, "PACKED_MIN_BYTES", packed_min)
+    kernels = []
+    for _ in range(10):
+        chosen = choose_kernel(model, setting, packed_bytes=2**30, decode_weights=decode_weights)
+        kernels.append(chosen.kernel)
+        chosen.restore()
+    assert len(set(kernels)) == 1
+    onednn, int8 = small_rows.onednn_available(), int8_available()
+    expected = {
+        ("auto", "auto", False): "off",  # tiny layers: F.linear, and no int8 measured for this model
+        ("auto", "auto", True): "int8" if int8 else "off",
+        ("auto", "model", True): "packed" if onednn else "off",
+        ("packed", "model", False): "packed" if onednn else "off",
+        ("off", "int8", False): "int8" if int8 else "off",
+    }[(setting, decode_weights, listed)]
+    assert kernels[0] == expected
+
+
+def test_int8_by_default_only_for_the_models_measured(monkeypatch):
+    assert ("qwen2", 896, 24, 151936) in small_rows.INT8_BY_DEFAULT  # Qwen2.5(-Coder)-0.5B, measured
+    assert ("llama", 576, 30, 49152) not in small_rows.INT8_BY_DEFAULT  # the embedded model, measured: off
+    model = tiny_model("qwen2")
+    assert decode_reads(model, "model") == "model"
+    assert decode_reads(model, "auto") == "model"  # a model nobody measured
+    monkeypatch.setattr(small_rows, "INT8_BY_DEFAULT", frozenset({model_key(model)}))
+    assert decode_reads(model, "auto") == ("int8" if int8_available() else "model")
+    assert decode_reads(model, "int8") == ("int8" if int8_available() else "model")
+
+
+def test_with_decode_on_the_models_own_weights_every_step_stays_exact(make_engine, docs):
+    """``decode_weights="model"`` routes nothing on a tiny model: tokens and step logits are
+    bit for bit those of the model's own ``F.linear`` path."""
+    prompt = rag_prompt([docs[1], docs[0]], "Summarize.")
+    default = make_engine("llama", draft_tokens=0)
+    own = make_engine("llama", draft_tokens=0, decode_weights="model", small_row_kernels="off")
+    assert default.small_row_kernel == own.small_row_kernel == "off"
+    assert all("forward" not in layer.__dict__ for layer in eligible_linears(default.model))
+    a = default.generate(prompt, max_new_tokens=12, return_logits=True)
+    b = own.generate(prompt, max_new_tokens=12, return_logits=True)
+    assert a.token_ids == b.token_ids and torch.equal(a.step_logits, b.step_logits)
+
+
+@needs_int8
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_engine_decodes_on_int8_and_the_users_model_calls_stay_its_own(make_engine, docs, family):
+    engine = make_engine(family, decode_weights="int8")
+    own = make_engine(family, decode_weights="model", small_row_kernels="off", draft_tokens=0)
+    assert engine.small_row_kernel == "int8" and engine._adapter.small_rows.copy_bytes > 0
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        before = engine.model(ids).logits
+    prompt = rag_prompt([docs[2], docs[0]], "What does it say?")
+    answer = engine.generate(prompt, max_new_tokens=16)
+    batch = engine.generate_batch([prompt, rag_prompt([docs[3]], "Summarize.")], max_new_tokens=8)
+    reference = own.generate(prompt, max_new_tokens=16)
+    assert len(answer.token_ids) == 16 and answer.decode_steps > 0 and all(len(r.token_ids) == 8 for r in batch)
+    assert answer.token_ids[0] == reference.token_ids[0]  # the first token: prefill, on the own weights
+    with torch.inference_mode():
+        assert torch.equal(engine.model(ids).logits, before)  # outside a step: untouched
