@@ -432,7 +432,7 @@ class KVBoost:
         held = KVMemory(
             batch_buffers_bytes=self._places.held_bytes,
             idle_buffers_bytes=0 if pool is None else pool.idle_bytes,
-            decode_weights_bytes=_weight_copy_bytes(self._adapter.small_rows),
+            decode_weights_bytes=self._adapter.small_rows.copy_bytes,
             limits={
                 "max_batch_cache_bytes": self.settings.max_batch_cache_bytes,
                 "packed_weights_bytes": self.settings.packed_weights_bytes,
@@ -461,11 +461,3 @@ class KVBoost:
             Whether every queued write finished.
         """
         return self._cache.flush(timeout)
-
-
-def _weight_copy_bytes(small_rows: object) -> int:
-    """Bytes of the weight copies the decode steps' kernel holds besides the model's own."""
-    weights = getattr(small_rows, "weights", {})
-    return sum(
-        weight.numel() * weight.element_size() for module, weight in weights.items() if weight is not getattr(module, "weight", None)
-    )

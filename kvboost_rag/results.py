@@ -160,8 +160,9 @@ class KVMemory(BaseModel):
         arena_used_bytes: Bytes of the arena's ranges held now.
         memory_tier_bytes: The memory tier's entries and the indexes (``max_cache_bytes``).
         device_tier_bytes: The device tier's entries (``device_cache_bytes``).
-        decode_weights_bytes: Copies of the model's weights the decode steps read
-            (``small_row_kernels``; 0 when they read the model's own).
+        decode_weights_bytes: Copies of the model's weights the decode steps read (the int8
+            copy of ``decode_weights``, or the packed copy of ``small_row_kernels``; 0 when
+            they read the model's own).
         limits: The settings that bound these, by name, in bytes.
     """
 
