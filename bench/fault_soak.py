@@ -34,9 +34,8 @@ after ``engine.flush()``:
   by fresh engines over the disk folder alone and over Redis alone (what each tier holds);
 - answers of the concurrent rounds equal to the one-at-a-time answers (greedy).
 
-The memory figures come from ``engine.cache_stats()``: its ``memory`` items where the
-installed engine reports them, else the store's count of staged entries
-(:func:`memory_figures`); it and :class:`SlowDiskPuts` (the tier stack,
+The memory figures come from ``engine.cache_stats()`` and, read live before it flushes, the
+write-back's holders (:func:`memory_figures`); it and :class:`SlowDiskPuts` (the tier stack,
 ``engine._cache._store.tiers``) are the only places that read the engine's internals.
 
 Run (torch on ``--threads`` threads, 2 by default)::
@@ -95,31 +94,34 @@ def rss_mib() -> float:
 
 
 def memory_figures(engine: Any) -> dict[str, Any]:
-    """Staged entries, documents known and the engine's memory figures, from ``cache_stats()``.
-
-    Where ``CacheStats`` has ``memory`` (a dict: ``staged_entries`` and bytes per holder), its
-    items are returned under ``memory.<name>``; else the store's live count of staged entries
-    (read before ``cache_stats()``, which may flush first) stands in.
+    """What the engine holds now (read live, before ``cache_stats()`` flushes the queued
+    writes), then documents known and the memory tier's bytes from ``cache_stats()``.
 
     Args:
         engine: The engine.
 
     Returns:
-        ``staged_entries``, ``documents``, ``memory_tier_bytes`` (``memory_bytes``: the memory
-        tier's entries and indexes), ``stats_ms`` (how long ``cache_stats()`` took: it may wait
-        for queued writes) and any ``memory.*`` items.
+        ``staged_entries``, ``lent_bytes`` (K/V buffers lent to requests or held by their
+        write-backs), ``queued_bytes`` (both write-back queues), ``arena_bytes``,
+        ``documents``, ``memory_tier_bytes`` (``memory_bytes``: the memory tier's entries and
+        indexes), ``stats_ms`` (how long ``cache_stats()`` took: it waits for queued writes)
+        and the ``memory.*`` items of ``cache_stats().memory`` after it.
     """
-    from kvboost_rag.results import CacheStats
+    from kvboost_rag.results import KVMemory
 
-    reports_memory = "memory" in getattr(CacheStats, "model_fields", {}) or hasattr(CacheStats, "memory")
-    live = None if reports_memory else engine._cache._store.staged_count  # fallback: main before issue 54
+    live = engine._cache.memory_account(KVMemory())
+    pool = engine._host_buffers
+    figures: dict[str, Any] = {
+        "staged_entries": live.staged_entries,
+        "lent_bytes": 0 if pool is None else pool.lent_bytes,
+        "queued_bytes": live.copy_queue_bytes + live.write_queue_bytes,
+        "arena_bytes": live.arena_bytes,
+    }
     start = time.perf_counter()
     stats = engine.cache_stats()
-    figures: dict[str, Any] = {"stats_ms": (time.perf_counter() - start) * 1000, "documents": stats.documents,
-                               "memory_tier_bytes": stats.memory_bytes}
-    memory = getattr(stats, "memory", None) or {}
-    figures.update({f"memory.{name}": value for name, value in dict(memory).items()})
-    figures["staged_entries"] = memory.get("staged_entries", live) if memory else live
+    figures.update({"stats_ms": (time.perf_counter() - start) * 1000, "documents": stats.documents,
+                    "memory_tier_bytes": stats.memory_bytes})
+    figures.update({f"memory.{name}": value for name, value in stats.memory.model_dump().items() if name != "limits"})
     return figures
 
 
@@ -450,17 +452,18 @@ class Soak:
             self.pauser.stop()
 
 
-ROW_HEADER = ("| round | elapsed s | round s | RSS MiB | memory tier MiB | staged | documents | stats ms | answered "
-              "| same as alone "
+ROW_HEADER = ("| round | elapsed s | round s | RSS MiB | memory tier MiB | arena MiB | lent MiB | queued MiB | staged "
+              "| documents | stats ms | answered | same as alone "
               "| hung up | lost | warmed | Redis pauses | disk puts |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def row_line(row: RoundRow) -> str:
     """A round as a Markdown table row."""
     f = row.figures
     return (f"| {row.number} | {row.elapsed_s:.1f} | {row.wall_s:.1f} | {row.rss_mib:.0f} | "
-            f"{f['memory_tier_bytes'] / 2**20:.0f} | {f['staged_entries']} | "
+            f"{f['memory_tier_bytes'] / 2**20:.0f} | {f['arena_bytes'] / 2**20:.0f} | {f['lent_bytes'] / 2**20:.0f} | "
+            f"{f['queued_bytes'] / 2**20:.0f} | {f['staged_entries']} | "
             f"{f['documents']} | {f['stats_ms']:.0f} | {row.answered} | {row.same}/{row.compared} | {row.hung_up} | "
             f"{row.lost} | {row.warmed} | {row.pauses} | {row.disk_puts} |")
 
@@ -562,7 +565,8 @@ def report(soak: Soak, end: dict[str, Any], checks: dict[str, Any], warnings: Wa
         f"beside each round. Faults: every disk put slowed {args.disk_put_ms} ms; Redis paused for writes "
         f"{args.pause_ms} ms every {args.pause_every:g} s. Times: {checks['times']}.", "",
         ROW_HEADER, *[row_line(row) for row in soak.rows], "",
-        "`staged` and `documents` are read after each round (`cache_stats()`, `stats ms` its wait for queued writes).",
+        "After each round: arena, lent buffers, queued write-backs and staged entries read live, then `documents` and "
+        "the memory tier from `cache_stats()` (`stats ms`: its wait for queued writes).",
         "", "| check | value | target |", "|---|---|---|", *_summary_rows(soak, end, checks, warnings), "",
     ]
     if warnings.first:

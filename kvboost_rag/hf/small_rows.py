@@ -278,23 +278,29 @@ def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
     return linears
 
 
+def _probe_inputs(modules: Sequence[torch.nn.Linear]) -> Iterator[tuple[torch.nn.Linear, torch.Tensor]]:
+    """``(layer, input)`` pairs a kernel is checked on: the first and the largest layer, at 1
+    and :data:`PACKED_FOR_ROWS` rows (inputs from a fixed seed)."""
+    generator = torch.Generator().manual_seed(0)
+    largest = max(modules, key=lambda m: m.weight.numel())
+    for module in {modules[0], largest}:
+        for rows in (1, PACKED_FOR_ROWS):
+            yield module, torch.randn(rows, module.in_features, generator=generator)
+
+
 @torch.inference_mode()
 def _int8_agrees(modules: Sequence[torch.nn.Linear], linears: SmallRowLinears) -> bool:
     """Whether the int8 kernel computes ``F.linear`` over the dequantized copy, within the
     bound the activations' rounding allows, on the largest layer and the first one."""
-    generator = torch.Generator().manual_seed(0)
-    largest = max(modules, key=lambda m: m.weight.numel())
     try:
-        for module in {modules[0], largest}:
-            for rows in (1, PACKED_FOR_ROWS):
-                x = torch.randn(rows, module.in_features, generator=generator)
-                part = slice(0, AGREEMENT_ROWS)  # output channels checked (no whole-layer temporaries)
-                dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
-                expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
-                got = linears.product(module)(x)[..., part]
-                if got.shape != expected.shape or not within_int8_rounding(got, expected, x, dequantized):
-                    logger.warning("small-row kernel: the int8 kernel's result is off on this machine; not used")
-                    return False
+        for module, x in _probe_inputs(modules):
+            part = slice(0, AGREEMENT_ROWS)  # output channels checked (no whole-layer temporaries)
+            dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
+            expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
+            got = linears.product(module)(x)[..., part]
+            if got.shape != expected.shape or not within_int8_rounding(got, expected, x, dequantized):
+                logger.warning("small-row kernel: the int8 kernel's result is off on this machine; not used")
+                return False
     except RuntimeError as exc:
         logger.warning("small-row kernel: the int8 kernel failed on this model (%s); not used", exc)
         return False
@@ -320,18 +326,14 @@ def _weights(name: SmallRowKernel, modules: Sequence[torch.nn.Linear]) -> dict[t
 def _agrees(modules: Sequence[torch.nn.Linear], weights: dict[torch.nn.Linear, torch.Tensor]) -> bool:
     """Whether the kernel computes ``F.linear``'s result, to float32 rounding, on the largest
     layer and the first one, at 1 and :data:`PACKED_FOR_ROWS` rows."""
-    generator = torch.Generator().manual_seed(0)
-    largest = max(modules, key=lambda m: m.weight.numel())
     try:
-        for module in {modules[0], largest}:
-            for rows in (1, PACKED_FOR_ROWS):
-                x = torch.randn(rows, module.in_features, generator=generator)
-                expected = F.linear(x, module.weight, module.bias)
-                got = _product(weights[module], module.bias)(x)
-                scale = float(expected.abs().max()) + 1e-6
-                if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale):
-                    logger.warning("small-row kernel: oneDNN's result differs from F.linear's on this machine; not used")
-                    return False
+        for module, x in _probe_inputs(modules):
+            expected = F.linear(x, module.weight, module.bias)
+            got = _product(weights[module], module.bias)(x)
+            scale = float(expected.abs().max()) + 1e-6
+            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale):
+                logger.warning("small-row kernel: oneDNN's result differs from F.linear's on this machine; not used")
+                return False
     except RuntimeError as exc:
         logger.warning("small-row kernel: oneDNN failed on this model (%s); not used", exc)
         return False
