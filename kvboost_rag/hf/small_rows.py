@@ -55,6 +55,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -251,7 +252,7 @@ def choose_kernel(
     if name == "off":
         return SmallRowLinears()
     weights = _weights(name, modules)
-    if not _agrees(modules, weights):
+    if not _kernel_agrees(modules, partial(_onednn_agrees_on, weights), "oneDNN"):
         return SmallRowLinears()
     copy = sum(w.numel() * w.element_size() for w in weights.values()) if name == "packed" else 0
     return _installed(SmallRowLinears(name, weights, copy_bytes=copy), len(modules))
@@ -273,7 +274,7 @@ def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
     for module in modules:
         weights[module], scales[module] = quantize_rows(module.weight)
     linears = SmallRowLinears("int8", weights, scales, sum(int8_copy_bytes(weights[m], scales[m]) for m in modules))
-    if not _int8_agrees(modules, linears):
+    if not _kernel_agrees(modules, partial(_int8_agrees_on, linears), "the int8 kernel"):
         return SmallRowLinears()
     return linears
 
@@ -289,22 +290,31 @@ def _probe_inputs(modules: Sequence[torch.nn.Linear]) -> Iterator[tuple[torch.nn
 
 
 @torch.inference_mode()
-def _int8_agrees(modules: Sequence[torch.nn.Linear], linears: SmallRowLinears) -> bool:
-    """Whether the int8 kernel computes ``F.linear`` over the dequantized copy, within the
-    bound the activations' rounding allows, on the largest layer and the first one."""
+def _kernel_agrees(
+    modules: Sequence[torch.nn.Linear], agrees_on: Callable[[torch.nn.Linear, torch.Tensor], bool], kernel: str
+) -> bool:
+    """Whether ``agrees_on(layer, input)`` holds for every probe input (:func:`_probe_inputs`);
+    a kernel that disagrees or fails is logged and not used."""
     try:
         for module, x in _probe_inputs(modules):
-            part = slice(0, AGREEMENT_ROWS)  # output channels checked (no whole-layer temporaries)
-            dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
-            expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
-            got = linears.product(module)(x)[..., part]
-            if got.shape != expected.shape or not within_int8_rounding(got, expected, x, dequantized):
-                logger.warning("small-row kernel: the int8 kernel's result is off on this machine; not used")
+            if not agrees_on(module, x):
+                logger.warning("small-row kernel: %s's result is off on this machine; not used", kernel)
                 return False
     except RuntimeError as exc:
-        logger.warning("small-row kernel: the int8 kernel failed on this model (%s); not used", exc)
+        logger.warning("small-row kernel: %s failed on this model (%s); not used", kernel, exc)
         return False
     return True
+
+
+def _int8_agrees_on(linears: SmallRowLinears, module: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Whether the int8 kernel computes ``F.linear`` over the dequantized copy for ``x``, within
+    the bound the activations' rounding allows (on a slice of the output channels: no
+    whole-layer temporaries)."""
+    part = slice(0, AGREEMENT_ROWS)
+    dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
+    expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
+    got = linears.product(module)(x)[..., part]
+    return got.shape == expected.shape and within_int8_rounding(got, expected, x, dequantized)
 
 
 def within_int8_rounding(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -322,19 +332,10 @@ def _weights(name: SmallRowKernel, modules: Sequence[torch.nn.Linear]) -> dict[t
     return {m: m.weight.detach() for m in modules}
 
 
-@torch.inference_mode()
-def _agrees(modules: Sequence[torch.nn.Linear], weights: dict[torch.nn.Linear, torch.Tensor]) -> bool:
-    """Whether the kernel computes ``F.linear``'s result, to float32 rounding, on the largest
-    layer and the first one, at 1 and :data:`PACKED_FOR_ROWS` rows."""
-    try:
-        for module, x in _probe_inputs(modules):
-            expected = F.linear(x, module.weight, module.bias)
-            got = _product(weights[module], module.bias)(x)
-            scale = float(expected.abs().max()) + 1e-6
-            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale):
-                logger.warning("small-row kernel: oneDNN's result differs from F.linear's on this machine; not used")
-                return False
-    except RuntimeError as exc:
-        logger.warning("small-row kernel: oneDNN failed on this model (%s); not used", exc)
-        return False
-    return True
+def _onednn_agrees_on(weights: dict[torch.nn.Linear, torch.Tensor], module: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Whether oneDNN over ``weights`` computes ``F.linear``'s result for ``x``, to float32
+    rounding."""
+    expected = F.linear(x, module.weight, module.bias)
+    got = _product(weights[module], module.bias)(x)
+    scale = float(expected.abs().max()) + 1e-6
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * scale)
