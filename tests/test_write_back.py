@@ -93,7 +93,7 @@ def test_the_next_request_finds_every_document_before_the_tiers_hold_it(make_eng
         first = engine.generate(rag_prompt(docs), max_new_tokens=4, documents=docs)
         assert store.staged_count > 0 and first.content_hit_tokens == 0
         staged = engine.generate(rag_prompt(_reordered(docs)), max_new_tokens=6, documents=_reordered(docs), return_logits=True)
-        assert not engine._cache.worker.idle  # the first call's puts still wait
+        assert not engine._cache.writer.idle  # the first call's puts still wait
     assert engine.flush(timeout=60)
     assert store.staged_count == 0
     stored = engine.generate(rag_prompt(_reordered(docs)), max_new_tokens=6, documents=_reordered(docs), return_logits=True)

@@ -180,7 +180,7 @@ def test_a_blocked_tier_holds_no_lent_buffer_and_its_writes_are_counted_where_th
         assert engine._cache.copier.flush(timeout=120)
         memory = engine._cache.memory_account(KVMemory())
         assert engine._host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
-        assert not engine._cache.worker.idle and memory.write_queue_bytes > 0 and memory.copy_queue_bytes == 0
+        assert not engine._cache.writer.idle and memory.write_queue_bytes > 0 and memory.copy_queue_bytes == 0
     finally:
         gate.set()
     assert engine.flush(timeout=120) and len(disk) > 0 and engine._cache._store.staged_count == 0

@@ -9,7 +9,7 @@ copies from the device are asynchronous DMA): in steady state, storing a chunk a
 nothing.
 
 **Held by reference.** A tensor the arena hands out has a storage of its own over its range
-(made with :func:`torch.from_numpy` over a slice of the segment), so the tensor *and every view
+(:func:`~kvboost_rag.cache.held_views.held_alias` over a slice of the segment), so the tensor *and every view
 of it* hold the range: it returns to the arena only when the last of them is collected,
 whoever holds it (the memory tier, a staged entry, a reader of a lookup, a disk write).
 
@@ -25,10 +25,12 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-import weakref
+from functools import partial
 from math import prod
 
 import torch
+
+from kvboost_rag.cache.held_views import held_alias
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +126,7 @@ class HostArena:
             self._taken += length
             self.tensors_taken += 1
         piece = segment.array[start : start + prod(shape) * self._element]
-        finalizer = weakref.finalize(piece, self._give_back, segment, start, length)
-        finalizer.atexit = False
-        with torch.inference_mode(False):
-            tensor = torch.from_numpy(piece).view(self.dtype).view(shape)  # its storage holds ``piece``
-        return tensor
+        return held_alias(piece, self.dtype, partial(self._give_back, segment, start, length)).view(shape)
 
     def trim(self) -> int:
         """Give every wholly free segment back to the system; returns the bytes given back."""

@@ -124,7 +124,7 @@ class CacheManager:
         #: requests' threads (its queue bounds the buffers of its own and device copies held).
         self.copier = WriteWorker(queued, name=COPIER_THREAD)
         #: Puts those copies into the tiers (its queue bounds the host copies on their way).
-        self.worker = WriteWorker(queued)
+        self.writer = WriteWorker(queued)
         #: The documents and prefix chunks the tiers hold.
         self.index = CacheIndex(
             store, fingerprint, settings.chunk_size, self.charge_indexes, lambda: self._count({"documents_evicted": 1})
@@ -132,7 +132,7 @@ class CacheManager:
         #: Gathers and host copies of what the write-back stores (its arena: ``copies.arena``).
         self.copies = HostCopies(torch.device(device), dtype)
         self._write_back = WriteBack(
-            store, self.index, self.copies, self.copier, self.worker, fingerprint, settings.kv_cache_bits, settings.kv_group_size,
+            store, self.index, self.copies, self.copier, self.writer, fingerprint, settings.kv_cache_bits, settings.kv_group_size,
             self._count, self.charge_indexes,
         )
         self.index.shelf.write = self._write_back.write_later
@@ -151,17 +151,17 @@ class CacheManager:
     def charge_indexes(self) -> None:
         """Count the indexes' bytes against the memory budget (evicting entries if needed).
 
-        An eviction may spill entries to disk, so the charge runs on the write-back's worker:
+        An eviction may spill entries to disk, so the charge runs on the write-back's writer:
         at once when called there, else queued (once, however often it is asked for meanwhile).
         """
-        if self.worker.on_worker():
+        if self.writer.on_worker():
             self._store.reserve(INDEX_RESERVATION, self.index.nbytes)
             return
         with self._lock:
             if self._charge_queued:
                 return
             self._charge_queued = True
-        self.worker.submit(self._charge_now)
+        self.writer.submit(self._charge_now)
 
     def _charge_now(self) -> None:
         with self._lock:
@@ -293,12 +293,8 @@ class CacheManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.copier.flush(timeout):
             return False
-        return self.worker.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.writer.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    @property
-    def writes_idle(self) -> bool:
-        """Whether no write-back is being copied or stored."""
-        return self.copier.idle and self.worker.idle
 
     # ------------------------------------------------------------------ counters
     def record(self, plan: PromptPlan, outcome: Prefilled) -> None:
@@ -342,11 +338,11 @@ class CacheManager:
         """``held`` with the bytes the cache's own holders hold now: the write-back's queues,
         staged entries, the arena, the memory and device tiers (and their limits)."""
         device = sum(tier.used_bytes for tier in self._store.tiers if isinstance(tier, DeviceTier))
-        limits = {"max_cache_bytes": self._store.memory_tier.max_bytes, "max_queued_bytes": self.worker.max_queued_bytes}
+        limits = {"max_cache_bytes": self._store.memory_tier.max_bytes, "max_queued_bytes": self.writer.max_queued_bytes}
         return held.model_copy(
             update={
                 "copy_queue_bytes": self.copier.queued_bytes,
-                "write_queue_bytes": self.worker.queued_bytes,
+                "write_queue_bytes": self.writer.queued_bytes,
                 "staged_entries": self._store.staged_count,
                 "staged_bytes": self._store.staged_bytes,
                 "arena_bytes": self.copies.arena.segment_bytes,

@@ -96,8 +96,9 @@ class WriteJob:
         indexed_prefixes: Prefix chunks indexed when staged: dropped from the index again when
             no tier kept them.
         pins: Keys to pin in every tier once stored.
-        release: Hands the prompt's buffers back when the copier is done (called once; device
-            copies free them at once, and watched aliases when their last view is gone).
+        release: Hands back lent buffers no watched alias views (on CUDA, once the chunks are
+            gathered into device copies; called once); lent host buffers go back when the last
+            view of their watched aliases is gone.
         owned: The chunks' copies in memory of the cache's own, once the copier made them.
         source: The prompt's K and V the chunks are cut from, while they are planned.
     """
@@ -305,24 +306,19 @@ class WriteBack:
             job.owned = self._owned(job.chunks)
             for chunk, copy in zip(job.chunks, job.owned):
                 self._stage_copy(chunk, copy)
-                chunk.let_go()  # the buffers (a warm's own) are freed once the job is copied
+                chunk.let_go()  # the buffers go back (or, a warm's own, are freed) once no view is left
             self._writer.submit(partial(self._store_copies, job), job.owned_bytes)
         except BaseException:
             self._drop(job)  # nothing staged may outlive the buffers it views
             raise
-        finally:
-            job.release_buffers()
 
     def _stage_copy(self, chunk: ChunkWrite, copy: StoredEntry) -> None:
         """What lookups of ``chunk`` find until the tiers hold it: ``copy`` in place of a
-        staged view of lent buffers; a staged device copy owns its memory and stays, so
-        lookups keep finding it on the device. ``chunk.staged`` becomes ``None`` when it was
-        deleted or staged anew since."""
-        if chunk.staged is None or self._copies.frees_buffers_at_once:
-            if chunk.staged is not None and self._store.staged(chunk.key) is not chunk.staged:
-                chunk.staged = None
-            return
-        chunk.staged = copy if self._store.restage(chunk.key, chunk.staged, copy) else None
+        staged view of the prompt's buffers (``chunk.staged`` becomes ``None`` when it was
+        deleted or staged anew since: the writer then skips it). A staged device copy owns its
+        memory and stays, so lookups keep finding it on the device."""
+        if chunk.staged is not None and not self._copies.frees_buffers_at_once:
+            chunk.staged = copy if self._store.restage(chunk.key, chunk.staged, copy) else None
 
     def _owned(self, chunks: list[ChunkWrite]) -> list[StoredEntry]:
         """Stored entries of ``chunks`` in host memory of their own: arena copies, or

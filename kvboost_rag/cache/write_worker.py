@@ -68,7 +68,6 @@ class _Queued:
 
     job: Job | None
     nbytes: int
-    failed: bool = False
 
 
 class WriteWorker:
@@ -86,10 +85,8 @@ class WriteWorker:
         self._queue: deque[_Queued] = deque()
         self._arrivals: deque[object] = deque()  # submits waiting for room, first come first
         self._thread: threading.Thread | None = None
-        self._queued_bytes = 0
-        self._outstanding = 0  # jobs queued and not finished
-        self._submitted = 0  # jobs queued so far (a flush waits for those before it)
-        self._done_queued = 0  # queued jobs run so far (in queue order)
+        self._queued_bytes = 0  # of the jobs in the queue (the first one runs until it is popped)
+        self._done_queued = 0  # queued jobs run so far, in queue order
         self._closed = False
         #: Jobs that raised.
         self.errors = 0
@@ -132,17 +129,18 @@ class WriteWorker:
             if not self._closed and self._ensure_thread():
                 self._queue.append(_Queued(job, nbytes))
                 self._queued_bytes += nbytes
-                self._outstanding += 1
-                self._submitted += 1
                 self._state.notify_all()
                 return
-        self._run_here(job)
+        failed = self._call(job)  # closed, or no thread at interpreter exit: on this thread
+        with self._state:
+            self.completed += 1
+            self.errors += failed
 
     def _admits(self, ticket: object, nbytes: int) -> bool:
         """Whether ``ticket`` is first in line and its job fits (or nothing is queued)."""
         if self._arrivals[0] is not ticket:
             return False
-        return not self._outstanding or self._queued_bytes + nbytes <= self.max_queued_bytes
+        return not self._queue or self._queued_bytes + nbytes <= self.max_queued_bytes
 
     def _ensure_thread(self) -> bool:
         """Start the thread if it is not running (under the lock); whether one runs."""
@@ -164,7 +162,7 @@ class WriteWorker:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._state:
-            target = self._submitted
+            target = self._done_queued + len(self._queue)
             while self._done_queued < target:  # one thread runs the queued jobs in order
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -176,7 +174,7 @@ class WriteWorker:
     def idle(self) -> bool:
         """Whether no job is queued or running."""
         with self._state:
-            return not self._outstanding
+            return not self._queue
 
     def close(self, timeout: float | None = None) -> bool:
         """Run what is queued; later submits run their jobs on their callers' threads. Whether
@@ -191,55 +189,35 @@ class WriteWorker:
     def _serve(self) -> None:
         """The worker thread: run queued jobs until the queue stayed empty a while."""
         _run_in_background()
+        while True:
+            with self._state:
+                if not self._queue and not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
+                    self._thread = None
+                    return
+                queued = self._queue[0]
+            job, queued.job = queued.job, None
+            assert job is not None
+            failed = self._call(job)
+            del job  # its references go before it counts as done
+            with self._state:
+                self._queue.popleft()
+                self._queued_bytes -= queued.nbytes
+                self._done_queued += 1
+                self.completed += 1
+                self.errors += failed
+                self._state.notify_all()
+
+    def _call(self, job: Job) -> bool:
+        """Run ``job`` as one of this worker's; whether it raised (logged, rate-limited)."""
         _on_worker.worker = self
         try:
-            while True:
-                with self._state:
-                    if not self._queue and not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
-                        self._thread = None
-                        return
-                    queued = self._queue[0]
-                self._run(queued)
-                with self._state:
-                    self._queue.popleft()
-                    self._finished(queued)
-        finally:
-            _on_worker.worker = None
-
-    def _run(self, queued: _Queued) -> None:
-        """Run ``queued``'s job; its references are let go of before it counts as done."""
-        job, queued.job = queued.job, None
-        try:
-            assert job is not None
             job()
+            return False
         except Exception as error:  # noqa: BLE001 - one failed write must not stop the others
-            queued.failed = True
             _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, str(error))
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("the failed cache write", exc_info=error)
             del error  # its traceback holds the job's frames (and their memory)
-        finally:
-            del job
-
-    def _run_here(self, job: Job) -> None:
-        """Run ``job`` on the calling thread (the worker is closed or cannot start a thread)."""
-        _on_worker.worker = self
-        try:
-            job()
-        except Exception as error:  # noqa: BLE001 - as on the thread: logged and counted
-            with self._state:
-                self.errors += 1
-            _warnings.warning("write-back-failed", "a cache write failed: %s: %s", type(error).__name__, str(error))
+            return True
         finally:
             _on_worker.worker = None
-            with self._state:
-                self.completed += 1
-
-    def _finished(self, queued: _Queued) -> None:
-        """A queued job ran (under the lock)."""
-        self._queued_bytes -= queued.nbytes
-        self._outstanding -= 1
-        self._done_queued += 1
-        self.completed += 1
-        self.errors += queued.failed
-        self._state.notify_all()

@@ -6,8 +6,8 @@ would take the requests' buffers past ``max_batch_cache_bytes`` (one request is 
 when none runs, however large). A place is given back when its sequence leaves the batch, or
 when its request ends before decoding; a request's cancellation ends its wait.
 
-The bytes a request holds are those of the buffers it is lent (:meth:`BatchPlaces.lend`
-replaces the estimate it was admitted with). A reservation made ``until_stored`` keeps its bytes
+The bytes a request reserves are those of the buffers it will be lent (a CPU's host buffers
+are lent at exactly the rounded capacity reserved). A reservation made ``until_stored`` keeps its bytes
 counted after its place went back, until :meth:`BatchPlaces.release_bytes` (its request handed
 its buffers to the write-back, whose copier's queue counts them from there): a finished
 request's buffers are never counted nowhere, and while they are held new requests wait for
@@ -115,14 +115,6 @@ class BatchPlaces:
             self._admitted_bytes += nbytes
             self._state.notify_all()
         return reservation
-
-    def lend(self, reservation: Reservation, nbytes: int) -> None:
-        """The reservation's buffers are lent, of ``nbytes``: they replace its estimate."""
-        with self._state:
-            if not reservation.bytes_released:
-                self._admitted_bytes += nbytes - reservation.nbytes
-            reservation.nbytes = nbytes
-            self._state.notify_all()
 
     def release(self, reservation: Reservation) -> None:
         """Give a place back (once; later calls do nothing), with its bytes unless it was made

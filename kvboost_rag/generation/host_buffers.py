@@ -150,10 +150,6 @@ class BufferLease(Lease):
         """Tokens the buffers hold."""
         return _capacity(self._buffers)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the K and V buffers lent."""
-        return _nbytes(self._buffers)
 
     def buffers(self, capacity: int) -> Buffers:
         """The lent K and V (``capacity`` must fit them)."""

@@ -443,12 +443,11 @@ class Requests:
         if guide is None and options.constraint is not None:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
-        reservation = self.places.reserve(self._reserved_bytes(n + budget), cancellation, on_wait)
+        capacity = n + budget + SPARE_ROWS
+        reservation = self.places.reserve(self._reserved_bytes(capacity), cancellation, on_wait)
         reservation.until_stored = until_stored
-        lease = self._lease(n + budget + SPARE_ROWS)
+        lease = self._lease(capacity)
         if lease is not None:
-            if lease.slot is None:  # host buffers: the bytes lent replace the estimate
-                self.places.lend(reservation, lease.nbytes)
             reservation.on_release.append(partial(lease.release, "decode"))
         try:
             found = self.prefiller.lookup(plan) if options.reuse else None
@@ -553,12 +552,12 @@ class Requests:
         finally:
             request.release_slot()
 
-    def _reserved_bytes(self, tokens: int) -> int:
-        """Bytes a request of ``tokens`` positions holds: the host buffers it will be lent
-        (capacities rounded as the pool rounds them), else its K/V."""
+    def _reserved_bytes(self, capacity: int) -> int:
+        """Bytes the K/V buffers of ``capacity`` positions take: as the host pool rounds them
+        when it lends them, else exactly."""
         if self.host_buffers is not None:
-            return self._kv_bytes(self.host_buffers.capacity_for(tokens + SPARE_ROWS))
-        return self._kv_bytes(tokens)
+            capacity = self.host_buffers.capacity_for(capacity)
+        return self._kv_bytes(capacity)
 
     def _kv_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers of ``tokens`` positions."""

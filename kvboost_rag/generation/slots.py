@@ -37,11 +37,6 @@ class Lease(ABC):
         self._held = set(HOLDERS)
         self._lock = threading.Lock()
 
-    @property
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Bytes of the K and V buffers lent."""
-
     @abstractmethod
     def buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[layers, kv_heads, capacity or more, head_dim]`` K and V (``capacity`` must fit).
@@ -88,11 +83,6 @@ class SlotLease(Lease):
         """A lease of the smallest free slot holding ``tokens``; ``None`` when none is free."""
         slot = pool.acquire(tokens)
         return None if slot is None else cls(pool, slot)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the slot's K and V."""
-        return sum(t.numel() * t.element_size() for t in self.pool.buffers(self.slot))
 
     def buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's K and V (``capacity`` must fit it)."""
