@@ -8,9 +8,12 @@ are), at 1, 4, 8, 16 and 64 rows, on each kernel:
 - ``F.linear``: float32, the model's own weights (MKL ``sgemm``);
 - ``packed``: oneDNN's inner product over the float32 weights reordered once into its blocked
   layout (:mod:`kvboost_rag.hf.small_rows`);
-- ``int8``: ``torch.ops.aten._weight_int8pack_mm`` over int8 weights with one float32 scale per
-  output channel, as decode runs it (:func:`kvboost_rag.hf.int8_rows.int8_product`: activations
-  rounded to bfloat16, the kernel's vectorized path), a quarter of the bytes.
+- ``int8 dynamic``: FBGEMM's dynamic quantized linear over int8 weights with one float32 scale
+  per output channel, each row's activations rounded to 8 bits, as decode runs it
+  (:class:`kvboost_rag.hf.int8_rows.DynamicInt8Linear`), a quarter of the bytes;
+- ``int8 weight-only``: ``torch.ops.aten._weight_int8pack_mm`` over the same int8 weights
+  (:class:`kvboost_rag.hf.int8_rows.WeightOnlyInt8Linear`: activations rounded to bfloat16, the
+  kernel's vectorized path), the fallback where a torch build has no FBGEMM.
 
 Rounds are interleaved and the median of ``--reps`` is kept. Run:
 ``python -u bench/int8_kernels.py --threads 1 2`` (``--model PATH`` for another model folder,
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvboost_rag.hf.int8_rows import int8_product, quantize_rows  # noqa: E402
+from kvboost_rag.hf.int8_rows import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_rows  # noqa: E402
 from kvboost_rag.hf.small_rows import PACKED_FOR_ROWS  # noqa: E402
 
 ROWS = (1, 4, 8, 16, 64)
@@ -55,11 +58,14 @@ def time_model(name: str, config: dict, threads: int, reps: int) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) * 0.02 for shape in layer_shapes(config)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKED_FOR_ROWS) for w in weights]
-    int8 = [int8_product(*quantize_rows(w), None) for w in weights]
+    quantized = [quantize_rows(w) for w in weights]
+    dynamic = [DynamicInt8Linear(q, scales, None) for q, scales in quantized]
+    weight_only = [WeightOnlyInt8Linear(q, scales, None) for q, scales in quantized]
     kernels = {
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
-        "int8": lambda x, i: int8[i](x),
+        "int8 dynamic": lambda x, i: dynamic[i](x),
+        "int8 weight-only": lambda x, i: weight_only[i](x),
     }
     inputs = {rows: [torch.randn(rows, w.shape[1], generator=generator) for w in weights] for rows in ROWS}
     seconds: dict[tuple[str, int], list[float]] = {}
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; ms per pass over "
           f"the model's linear layers, median of {args.reps}")
     print()
-    print("| model | threads | " + " | ".join(f"{r} rows: F.linear / packed / int8" for r in ROWS) + " |")
+    print("| model | threads | " + " | ".join(f"{r} rows: F.linear / packed / int8 dynamic / int8 weight-only" for r in ROWS) + " |")
     print("|---|---:|" + "---|" * len(ROWS))
     for folder in folders:
         config = json.loads((folder / "config.json").read_text())

@@ -192,9 +192,11 @@ class KVBoostSettings(BaseModel):
             step is bound by the bytes it reads: every weight once, whatever its few rows):
             ``"model"`` (the model's own float32 weights, through ``small_row_kernels``),
             ``"int8"`` (an int8 copy with one scale per output channel, made at load, through
-            torch's ``_weight_int8pack_mm``: a quarter of the bytes, greedy answers no longer
-            exactly the model's own; the copy costs a quarter of the float32 weights, not the
-            whole again as the packed copy does), or ``"auto"`` (default: ``"int8"`` only for
+            FBGEMM's dynamic quantized linear with each row's activations rounded to 8 bits, or
+            torch's weight-only ``_weight_int8pack_mm`` where a torch build has no FBGEMM: a
+            quarter of the bytes, greedy answers no longer exactly the model's own; the copy
+            costs a quarter of the float32 weights, not the whole again as the packed copy
+            does), or ``"auto"`` (default: ``"int8"`` only for
             the models whose int8 answers were measured to equal their own, see
             docs/benchmarks.md, else ``"model"``). Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.

@@ -32,6 +32,7 @@ from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
+from kvboost_rag.hf.resident import page_out_input_embeddings
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -84,6 +85,7 @@ class KVBoost:
         # The text documents are warmed behind changes their K/V only as much as any other
         # context would: it is not part of the namespace, so documents hit under any prompt.
         self.fingerprint = adapter.fingerprint([f"bits={settings.kv_cache_bits}", f"group={settings.kv_group_size}"])
+        page_out_input_embeddings(self.model)  # the fingerprint read the whole table; lookups need rows
         memory = self._device_memory_plan(adapter, settings)
         store = build_store(settings, adapter.device, None if memory is None else memory.device_tier_bytes)
         self._cache = cache = CacheManager(store, self.fingerprint, adapter.layout, settings, adapter.device, adapter.dtype)

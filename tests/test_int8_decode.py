@@ -2,7 +2,8 @@
 same on every start.
 
 The int8 product must stay within the bound its rounding allows (the weights rounded to a step
-of one per-channel scale, the activations and sums to bfloat16), nothing outside the engine's
+of one per-channel scale, each row's activations to a step of 2/255 of its largest magnitude),
+a row's result must not depend on the other rows of its step, nothing outside the engine's
 steps may see the copy, and with decode reading the model's own weights every path stays exactly
 what it was.
 """
@@ -14,12 +15,29 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.dev.testing import tiny_model
-from kvboost_rag.hf import small_rows
-from kvboost_rag.hf.int8_rows import QMAX, int8_available, int8_product, quantize_rows
-from kvboost_rag.hf.small_rows import choose_kernel, decode_reads, eligible_linears, model_key, within_int8_rounding
+from kvboost_rag.hf import int8_rows, small_rows
+from kvboost_rag.hf.int8_rows import (
+    EDGE_COLUMNS,
+    QMAX,
+    DynamicInt8Linear,
+    WeightOnlyInt8Linear,
+    dynamic_int8_available,
+    int8_available,
+    int8_linear,
+    quantize_rows,
+)
+from kvboost_rag.hf.small_rows import choose_kernel, decode_reads, eligible_linears, model_key
 from rag_prompts import rag_prompt
 
-needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 weight-only kernel with a vectorized CPU path here")
+needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 kernel with a vectorized CPU path here")
+#: Both int8 kernels, each where this torch build and CPU have it.
+KERNELS = [
+    pytest.param(DynamicInt8Linear, marks=pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")),
+    pytest.param(
+        WeightOnlyInt8Linear,
+        marks=pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm") or not int8_available(), reason="no int8pack here"),
+    ),
+]
 
 
 def test_quantized_rows_are_within_half_a_scale_step_of_the_weights():
@@ -35,34 +53,74 @@ def test_quantized_rows_are_within_half_a_scale_step_of_the_weights():
     assert float(scales[5]) == pytest.approx(50.0 / QMAX) and float(scales[4]) < float(scales[5]) / 10
 
 
-@needs_int8
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 40])
-def test_the_int8_product_is_f_linear_within_its_rounding_bound(rows):
+def test_the_int8_product_is_f_linear_within_its_rounding_bound(kernel, rows):
     """Stated tolerance, per output: the weights' rounding, ``sum |x| * scale / 2``, plus the
-    bfloat16 rounding of activations and sums (:func:`within_int8_rounding`, twice its
-    worst case)."""
+    activations' rounding the kernel states (``within_rounding``): for the dynamic kernel each
+    row rounded to a step of ``2 / 255`` of its largest magnitude, ``max |x| / 255 * sum |w|``,
+    with 1% for float32 arithmetic; for the weight-only kernel bfloat16 activations and sums."""
     generator = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 64, generator=generator) * 0.05, torch.randn(96, generator=generator)
     x = torch.randn(2, rows, 64, generator=generator)
+    x[0, 0, 5] = 40.0  # an outlier sets its own row's step only
     q, scales = quantize_rows(weight)
     dequantized = q.float() * scales[:, None]
-    got = int8_product(q, scales, bias)(x)
+    copy = kernel(q, scales, bias)
+    assert torch.equal(copy.dequantized(), dequantized)
+    got = copy(x)
     assert got.shape == (2, rows, 96) and got.dtype == torch.float32
     flat = x.reshape(-1, 64)
-    assert within_int8_rounding(got.reshape(-1, 96) - bias, F.linear(flat, dequantized), flat, dequantized)
+    assert copy.within_rounding(got.reshape(-1, 96) - bias, F.linear(flat, dequantized), flat, dequantized)
     weights_rounding = flat.abs() @ (scales / 2)[None, :].expand(64, -1)
+    if kernel is DynamicInt8Linear:
+        activations_rounding = 1.01 * flat.abs().amax(dim=1, keepdim=True) / 255 * dequantized.abs().sum(dim=1)
+    else:
+        activations_rounding = 2 * 2.0**-8 * (flat.abs() @ weight.abs().T) * 1.01 + 2.0**-7 * F.linear(flat, weight).abs()
     off_own = (got.reshape(-1, 96) - F.linear(flat, weight, bias)).abs()
-    assert bool((off_own <= weights_rounding + 2 * 2.0**-8 * (flat.abs() @ weight.abs().T) * 1.01 + 2.0**-7 * F.linear(flat, weight).abs() + 1e-5).all())
+    assert bool((off_own <= weights_rounding * 1.01 + activations_rounding + 1e-5 * F.linear(flat, weight).abs() + 1e-5).all())
 
 
 @needs_int8
-def test_a_row_gets_the_same_int8_result_alone_or_among_others():
-    """Greedy tokens then do not depend on how many rows (drafts, other sequences) a step has."""
+def test_the_dynamic_rounding_bound_rejects_a_product_off_by_more():
+    generator = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(16, 32, generator=generator), torch.randn(3, 32, generator=generator)
+    expected = F.linear(x, weight)
+    bound = x.abs().amax(dim=1, keepdim=True) / 255 * weight.abs().sum(dim=1)
+    check = int8_linear(*quantize_rows(weight), None)
+    if not isinstance(check, DynamicInt8Linear):
+        pytest.skip("the dynamic kernel's bound: no FBGEMM here")
+    assert check.within_rounding(expected + 0.9 * bound, expected, x, weight)
+    assert not check.within_rounding(expected + 1.2 * bound, expected, x, weight)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_gets_the_same_int8_result_alone_or_among_others(kernel):
+    """Greedy tokens then do not depend on how many rows (drafts, other sequences) a step has,
+    even where one row's activations are a thousand times another's."""
     generator = torch.Generator().manual_seed(1)
-    q, scales = quantize_rows(torch.randn(80, 48, generator=generator))
-    run = int8_product(q, scales, None)
+    run = kernel(*quantize_rows(torch.randn(80, 48, generator=generator)), None)
     x = torch.randn(12, 48, generator=generator)
+    x[4] *= 1000.0
+    x[7] *= 1e-3
     assert torch.equal(run(x), torch.cat([run(x[i : i + 1]) for i in range(12)]))
+
+
+@pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")
+def test_a_kernel_whose_sums_saturate_is_found_at_load(monkeypatch):
+    """Without VNNI, pairs of u8 x s8 products are summed in 16 bits: the check's worst case
+    (every activation and weight at the top of the range) would come back clipped."""
+    assert int8_rows._sums_exactly()
+    exact = DynamicInt8Linear.__call__
+    monkeypatch.setattr(DynamicInt8Linear, "__call__", lambda self, x: exact(self, x) * (32767 / (255 * 127 * 2)))
+    assert not int8_rows._sums_exactly()
+
+
+@pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")
+def test_the_dynamic_kernel_is_chosen_where_available_and_warns_nothing(recwarn):
+    copy = int8_linear(*quantize_rows(torch.randn(8, 16)), None)
+    assert isinstance(copy, DynamicInt8Linear)
+    assert not [w for w in recwarn.list if "quantized" in str(w.message)]
 
 
 @needs_int8
@@ -70,9 +128,11 @@ def test_the_int8_copy_serves_only_inside_steps_and_holds_a_quarter_of_the_bytes
     model = tiny_model("qwen2")  # biased projections, a tied output layer
     layers = eligible_linears(model)
     chosen = choose_kernel(model, "off", packed_bytes=0, decode_weights="int8")
-    assert chosen.kernel == "int8" and set(chosen.weights) == set(layers) == set(chosen.scales)
+    assert chosen.kernel == "int8" and set(chosen.weights) == set(layers)
     float_bytes = sum(layer.weight.numel() * 4 for layer in layers)
-    expected = sum(layer.weight.numel() + layer.out_features * 4 for layer in layers)
+    expected = sum(chosen.weights[layer].nbytes for layer in layers)
+    if dynamic_int8_available():
+        assert expected == sum(layer.out_features * (layer.in_features + EDGE_COLUMNS + 12) for layer in layers)
     assert chosen.copy_bytes == expected and chosen.copy_bytes < float_bytes / 3
     for layer in (layers[0], model.lm_head):
         x = torch.randn(4, layer.in_features)
@@ -83,8 +143,9 @@ def test_the_int8_copy_serves_only_inside_steps_and_holds_a_quarter_of_the_bytes
             wide = torch.randn(small_rows.MAX_ROWS + 1, layer.in_features)
             assert torch.equal(layer(wide), F.linear(wide, layer.weight, layer.bias))  # a prefill: the own weights
         assert not torch.equal(inside, own)
-        dequantized = chosen.weights[layer].float() * chosen.scales[layer][:, None]
-        assert within_int8_rounding(inside - (layer.bias if layer.bias is not None else 0), F.linear(x, dequantized), x, dequantized)
+        dequantized = chosen.weights[layer].dequantized()
+        unbiased = inside - (layer.bias if layer.bias is not None else 0)
+        assert chosen.weights[layer].within_rounding(unbiased, F.linear(x, dequantized), x, dequantized)
     chosen.restore()
     assert all("forward" not in layer.__dict__ for layer in layers) and chosen.kernel == "off" and chosen.copy_bytes == 0
 

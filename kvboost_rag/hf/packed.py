@@ -260,18 +260,19 @@ def _segment_attention(
     softcap: float | None,
 ) -> torch.Tensor:
     """One segment's queries ``[1, heads, m, dim]`` over its keys, the kernel chosen by its
-    shape: one SDPA call for one token that sees every key before it, one product per K/V
-    head for a few tokens that are the last of their keys (float32 on a CPU), else the sparse
-    attention's backend (blocks of queries on a CPU)."""
+    shape: one product per K/V head for up to :data:`LAST_TOKENS_MAX` tokens that are the last
+    of their keys (float32 on a CPU: a decode row too, where SDPA's CPU kernel took 1.1-2.7x as
+    long on 2.4k-8k keys), one SDPA call for one token that sees every key before it elsewhere,
+    else the sparse attention's backend (blocks of queries on a CPU)."""
     groups = query.shape[1] // key.shape[1]
     visible = run.last + 1  # no query sees a key past the last one's position
     key, value = key[:, :, :visible], value[:, :, :visible]
     every_key = softcap is None and (window is None or window >= visible)
     m = query.shape[2]
-    if m == 1 and every_key:
-        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=groups > 1)
     if every_key and run.contiguous and m <= LAST_TOKENS_MAX and query.device.type == "cpu" and query.dtype == torch.float32:
         return last_tokens_attention(query, key, value, scale)
+    if m == 1 and every_key:
+        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=groups > 1)
     return attend(query, key, value, run.positions, scale, window, softcap)
 
 

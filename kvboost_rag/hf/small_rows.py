@@ -14,9 +14,10 @@ Which kernel runs is chosen once per model when the engine loads (:func:`choose_
 what decode should read (``decode_weights``) and then, for the model's own float32 weights, from
 ``small_row_kernels``:
 
-- ``"int8"``: ``torch.ops.aten._weight_int8pack_mm`` over an int8 copy of the weights with one
-  scale per output channel (:mod:`kvboost_rag.hf.int8_rows`): a quarter of the float32 bytes
-  read per step, and the copy costs a quarter of the weights' bytes, not the whole again;
+- ``"int8"``: FBGEMM's dynamic quantized linear over an int8 copy of the weights with one scale
+  per output channel, each row's activations rounded to 8 bits (:mod:`kvboost_rag.hf.int8_rows`):
+  a quarter of the float32 bytes read per step, and the copy costs a quarter of the weights'
+  bytes, not the whole again;
 - ``"packed"``: oneDNN over a copy of the weights in its blocked layout (the copy costs the
   weights' bytes again, so only while it fits the budget);
 - ``"onednn"``: oneDNN over the model's own weights (no copy, less fast);
@@ -62,8 +63,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.hf.int8_rows import copy_bytes as int8_copy_bytes
-from kvboost_rag.hf.int8_rows import int8_available, int8_product, quantize_rows
+from kvboost_rag.hf.int8_rows import Int8Linear, int8_available, int8_linear, quantize_rows
 from kvboost_rag.hf.sparse_attention import thread_setting
 
 logger = logging.getLogger(__name__)
@@ -130,23 +130,23 @@ class SmallRowLinears:
 
     Attributes:
         kernel: What runs inside :meth:`active`.
-        weights: Per layer, the weight the kernel reads (the int8 or packed copy, or the
-            layer's own).
-        scales: Per layer, the int8 copy's float32 scale per output channel (``"int8"`` only).
+        weights: Per layer, the weight the kernel reads: the packed copy or the layer's own
+            weight (a tensor), or the int8 copy (:func:`~kvboost_rag.hf.int8_rows.int8_linear`,
+            its own product).
         copy_bytes: Bytes of the weight copies this holds besides the model's own weights (the
-            int8 copies and their scales, or the packed copies; 0 when it reads the model's own).
+            int8 or packed copies; 0 when it reads the model's own).
     """
 
     kernel: SmallRowKernel = "off"
-    weights: dict[torch.nn.Linear, torch.Tensor] = field(default_factory=dict)
-    scales: dict[torch.nn.Linear, torch.Tensor] = field(default_factory=dict)
+    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear] = field(default_factory=dict)
     copy_bytes: int = 0
 
     def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """The kernel's product for one of the layers (``x -> x @ W.T + b``)."""
-        if self.kernel == "int8":
-            return int8_product(self.weights[module], self.scales[module], module.bias)
-        return _product(self.weights[module], module.bias)
+        weight = self.weights[module]
+        if not isinstance(weight, torch.Tensor):
+            return weight
+        return _product(weight, module.bias)
 
     def install(self) -> None:
         """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
@@ -160,7 +160,6 @@ class SmallRowLinears:
         for module in self.weights:
             module.__dict__.pop("forward", None)
         self.weights.clear()
-        self.scales.clear()
         self.copy_bytes = 0
         self.kernel = "off"
 
@@ -269,12 +268,19 @@ def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
 
 @torch.no_grad()
 def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
-    """Int8 copies of the layers' weights, if the kernel computes what they should."""
-    weights, scales = {}, {}
+    """Int8 copies of the layers' weights, if the kernel computes what they should (checked on
+    the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
+    float32 temporaries)."""
+    probed = {module for module, _ in _probe_inputs(modules)}
+    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear] = {}
+    checked: dict[torch.nn.Linear, torch.Tensor] = {}
     for module in modules:
-        weights[module], scales[module] = quantize_rows(module.weight)
-    linears = SmallRowLinears("int8", weights, scales, sum(int8_copy_bytes(weights[m], scales[m]) for m in modules))
-    if not _kernel_agrees(modules, partial(_int8_agrees_on, linears), "the int8 kernel"):
+        q, scales = quantize_rows(module.weight)
+        weights[module] = int8_linear(q, scales, module.bias)
+        if module in probed:
+            checked[module] = q[:AGREEMENT_ROWS].float() * scales[:AGREEMENT_ROWS, None]
+    linears = SmallRowLinears("int8", weights, sum(w.nbytes for w in weights.values()))  # type: ignore[union-attr]
+    if not _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel"):
         return SmallRowLinears()
     return linears
 
@@ -306,23 +312,19 @@ def _kernel_agrees(
     return True
 
 
-def _int8_agrees_on(linears: SmallRowLinears, module: torch.nn.Linear, x: torch.Tensor) -> bool:
-    """Whether the int8 kernel computes ``F.linear`` over the dequantized copy for ``x``, within
-    the bound the activations' rounding allows (on a slice of the output channels: no
-    whole-layer temporaries)."""
-    part = slice(0, AGREEMENT_ROWS)
-    dequantized = linears.weights[module][part].float() * linears.scales[module][part, None]
-    expected = F.linear(x, dequantized, None if module.bias is None else module.bias[part])
-    got = linears.product(module)(x)[..., part]
-    return got.shape == expected.shape and within_int8_rounding(got, expected, x, dequantized)
-
-
-def within_int8_rounding(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``got`` is ``x @ weight.T`` (``expected``) to within what rounding the
-    activations and the output to bfloat16 (8 significant bits each) allows: per output,
-    ``2 * 2**-8 * sum(|x| |w|)`` plus ``2**-8 |expected|``."""
-    bound = 2 * 2.0**-8 * (x.abs() @ weight.abs().T) + 2.0**-8 * expected.abs() + 1e-6
-    return bool(((got - expected).abs() <= bound).all())
+def _int8_agrees_on(
+    linears: SmallRowLinears, dequantized: dict[torch.nn.Linear, torch.Tensor], module: torch.nn.Linear, x: torch.Tensor
+) -> bool:
+    """Whether the int8 kernel computes ``F.linear`` over the dequantized copy for ``x`` (on
+    the output channels ``dequantized`` holds), within the bound the activations' rounding
+    allows."""
+    part = dequantized[module]
+    rows = part.shape[0]
+    expected = F.linear(x, part, None if module.bias is None else module.bias[:rows])
+    copy = linears.weights[module]
+    assert not isinstance(copy, torch.Tensor)
+    got = copy(x)[..., :rows]
+    return got.shape == expected.shape and copy.within_rounding(got, expected, x, part)
 
 
 @torch.no_grad()
