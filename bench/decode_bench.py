@@ -11,7 +11,17 @@ first (as at ingest); then, back to back for each prompt, one after another in a
   as the engine produced (``min_new_tokens`` too), timed from before tokenizing to its first
   streamed token and to its return;
 - ``engine``: ``KVBoost.generate`` with the defaults (drafting on);
-- ``no drafts``: the same engine with ``draft_tokens=0`` (plain one-token steps).
+- ``no drafts``: the same engine with ``draft_tokens=0`` (plain one-token steps);
+- ``llama.cpp`` (with ``--llamacpp GGUF``): llama-cpp-python's streamed ``create_completion`` on
+  a GGUF of the same model (:mod:`llamacpp_system`), the same prompt text (it holds its chat
+  template; llama.cpp adds a BOS only where the GGUF asks, Qwen2.5's and SmolLM2's do not),
+  ``n_threads`` and ``n_threads_batch`` equal to ``--threads``, greedy (temperature 0, top_k 1,
+  repeat_penalty 1.0) and exactly as many new tokens as the engine produced: every
+  end-of-generation token (``token_eos()``, the end-of-turn token, and all the vocabulary marks
+  so) gets a logit bias of -1e9, so it never stops early. TTFT is the wall time from the call
+  to the first streamed piece, the total to the last. llama.cpp keeps the previous call's K/V
+  and reuses its longest common token prefix with the next prompt (here the system turn: the
+  documents come in a new order each prompt): its own behaviour, kept.
 
 Per prompt it prints: prompt tokens, tokens generated, the **copy share** of the plain greedy
 answers, ``generate``'s and the engine's without drafts (which differ where document reuse
@@ -22,6 +32,12 @@ answer tokens that were drafted and accepted, tokens accepted per verify step, d
 each row and their ratios to ``generate`` (decode: ``(tokens - 1) / (total - ttft)``), and the
 whole answer's ratio (``generate`` total over engine total). Whether the engine's tokens equal
 the no-draft row's (they must: drafting changes no greedy token) is checked on every prompt.
+With ``--llamacpp``, also llama.cpp's prompt tokens (its own tokenizer), decode tokens/s, TTFT
+and whole answer ms against the engine's whole answer ms, the whole answer's ratio (llama.cpp
+total over engine total), the decode ratios no drafts / llama.cpp and engine / llama.cpp, and
+how many leading tokens of llama.cpp's answer equal the no-draft row's (its weights are the
+GGUF's quantized ones, the model folder's their float32 conversion); the summary gives the
+ratios' medians.
 
 Before the prompts, the **verify cost per row count**: one forward of 1, 2, 4, 8 and 16 tokens
 over the first prompt's cache (its full prefill), as decode and verify steps run it
@@ -36,9 +52,12 @@ engine without drafts against ``generate``, decode ms per token.
 
 Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
 ``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
-``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--out FILE`` for the markdown report).
+``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--out FILE`` for the markdown report,
+``--llamacpp [GGUF]`` for the llama.cpp row: the GGUF may be left out for the embedded model
+and for ``bench/qwen_model.py``'s folder; needs ``pip install -e ".[llamacpp]"``).
 The header gives the small-row kernel the engine chose, its weight copy's bytes, and resident
-memory right after loading (before warming) against the parameters' bytes. An instruct model of another family:
+memory right after loading (before warming) against the parameters' bytes, and with ``--llamacpp`` the
+llama-cpp-python version and the GGUF's quantization. An instruct model of another family:
 ``--model "$(python bench/qwen_model.py)"``.
 """
 
@@ -53,6 +72,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -61,6 +81,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
+from kvboost_rag.default_model import cache_home
+from llamacpp_system import LlamaCppSystem, embedded_gguf, end_of_generation_tokens, load_llama_cpp, stream_exact
+from qwen_model import FOLDER as QWEN_FOLDER
+
+logger = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = (
     "You are a precise assistant for Python programmers. Answer the question using only the "
@@ -91,18 +116,25 @@ class _Clock(BaseStreamer):
 
 @dataclass
 class Run:
-    """One answer: its tokens and its clock."""
+    """One answer: its tokens and its clock (``count``: tokens generated where ``tokens`` holds
+    fewer, as llama.cpp's last token, streamed but never evaluated; 0: ``len(tokens)``)."""
 
     tokens: list[int]
     ttft_ms: float
     total_ms: float
     drafted: int = 0
     draft_steps: int = 0
+    count: int = 0
+
+    @property
+    def produced(self) -> int:
+        """Tokens generated."""
+        return self.count or len(self.tokens)
 
     @property
     def decode_rate(self) -> float:
         """Tokens/s after the first token."""
-        steps = len(self.tokens) - 1
+        steps = self.produced - 1
         seconds = (self.total_ms - self.ttft_ms) / 1000
         return steps / seconds if steps > 0 and seconds > 0 else float("nan")
 
@@ -169,31 +201,142 @@ def build_prompts(tokenizer, count: int, docs: int, doc_chars: int, plain: bool,
     return prompts, used, beginning
 
 
-def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[str, str]], new_tokens: int) -> list[str]:
-    """Runs every prompt through the three rows and returns the report's lines."""
+@dataclass
+class LlamaCppRow:
+    """The llama.cpp row: the loaded GGUF and the tokens it must not sample."""
+
+    system: LlamaCppSystem
+    gguf: Path
+    banned: list[int]
+    threads: int
+
+    def describe(self) -> str:
+        """The header's words for it: version, file, quantization, threads."""
+        return (
+            f"llama.cpp row: llama-cpp-python {self.system.version} on {self.gguf.name} ({self.system.quantization}), "
+            f"n_threads = n_threads_batch = {self.threads}, {len(self.banned)} end-of-generation tokens banned"
+        )
+
+
+def default_gguf(model: str | None) -> Path:
+    """The GGUF of ``--model`` when ``--llamacpp`` names none: the embedded model's, or the one
+    ``bench/qwen_model.py`` converted its folder from.
+
+    Raises:
+        SystemExit: Another model (its GGUF must be given), or the Qwen GGUF is gone.
+    """
+    if model is None:
+        return embedded_gguf()
+    if Path(model).name == QWEN_FOLDER:
+        path = cache_home() / "gguf" / f"{QWEN_FOLDER}.gguf"
+        if path.exists():
+            return path
+        raise SystemExit(f"{path} is missing: run python bench/qwen_model.py")
+    raise SystemExit(f"--llamacpp: give the GGUF file of {model}")
+
+
+def open_llamacpp(gguf: Path, threads: int, context: int, llama_cpp: Any = None) -> LlamaCppRow:
+    """Loads ``gguf`` with ``threads`` threads for prompts and decoding and a ``context``-token window.
+
+    Args:
+        gguf: The model file.
+        threads: ``n_threads`` and ``n_threads_batch``.
+        context: ``n_ctx``.
+        llama_cpp: The ``llama_cpp`` module (tests pass a stand-in); imported when ``None``.
+
+    Raises:
+        LlamaCppUnavailableError: llama-cpp-python is not installed.
+    """
+    module = llama_cpp if llama_cpp is not None else load_llama_cpp()
+    system = LlamaCppSystem(gguf=gguf, threads=threads, context=context, llama_cpp=module)
+    banned = end_of_generation_tokens(system.llm, module)
+    metadata = getattr(system.llm, "metadata", None) or {}
+    logger.info(
+        "llama.cpp: %s, add_bos_token %s, end-of-generation tokens %s",
+        gguf.name, metadata.get("tokenizer.ggml.add_bos_token", "unset"), banned,
+    )
+    return LlamaCppRow(system, gguf, banned, threads)
+
+
+def run_llamacpp(row: LlamaCppRow, prompt: str, new_tokens: int) -> tuple[Run, int]:
+    """llama.cpp's answer of exactly ``new_tokens`` tokens and its prompt's token count."""
+    answer = stream_exact(row.system.llm, prompt, new_tokens, row.banned)
+    if answer.produced != new_tokens:
+        logger.warning("llama.cpp produced %d tokens, %d asked", answer.produced, new_tokens)
+    return Run(answer.tokens, answer.ttft_ms, answer.total_ms, count=answer.produced), answer.prompt_tokens
+
+
+def llamacpp_ratios(engine: Run, off: Run, llama: Run) -> tuple[float, float, float]:
+    """Whole answer llama.cpp / engine (total ms), decode no drafts / llama.cpp and engine / llama.cpp (tokens/s)."""
+    return llama.total_ms / engine.total_ms, off.decode_rate / llama.decode_rate, engine.decode_rate / llama.decode_rate
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return same
+
+
+def answer_rows(
+    model, tokenizer, engine: KVBoost, prompt: str, index: int, new_tokens: int, llama: LlamaCppRow | None = None
+) -> tuple[dict[str, Run], int]:
+    """One prompt's answers: an engine answer of up to ``new_tokens`` sets the token count, then
+    each row once, in an order rotated by ``index``. Returns them and llama.cpp's prompt tokens (0 without it)."""
+    default_drafts = engine.settings.draft_tokens
+    count = len(run_engine(engine, prompt, new_tokens, default_drafts).tokens)
+    order = ["engine", "off", "generate"] + (["llama.cpp"] if llama is not None else [])
+    shift = index % len(order)
+    runs: dict[str, Run] = {}
+    llama_prompt = 0
+    for name in order[shift:] + order[:shift]:
+        if name == "engine":
+            runs[name] = run_engine(engine, prompt, count, default_drafts)
+        elif name == "off":
+            runs[name] = run_engine(engine, prompt, count, 0)
+        elif name == "generate":
+            runs[name] = run_generate(model, tokenizer, prompt, count)
+        else:
+            runs[name], llama_prompt = run_llamacpp(llama, prompt, count)
+    engine.settings.draft_tokens = default_drafts
+    return runs, llama_prompt
+
+
+#: The llama.cpp row's columns, after the others.
+LLAMA_COLUMNS = (
+    "llama.cpp prompt tok | llama.cpp decode tok/s | llama.cpp TTFT / whole answer ms | engine whole answer ms | "
+    "whole answer llama.cpp / engine | decode no drafts / llama.cpp | decode engine / llama.cpp | "
+    "llama.cpp tokens equal to no drafts (leading) |"
+)
+
+
+def _llama_cells(llama: Run, prompt_tokens: int, e: Run, off: Run, ratios: tuple[float, float, float]) -> str:
+    """One prompt's llama.cpp cells."""
+    whole, nodraft, engine = ratios
+    return (
+        f" {prompt_tokens} | {llama.decode_rate:.1f} | {llama.ttft_ms:.0f} / {llama.total_ms:.0f} | {e.total_ms:.0f} | "
+        f"{whole:.2f}x | {nodraft:.2f}x | {engine:.2f}x | {leading_equal(llama.tokens, off.tokens)} of {llama.produced} |"
+    )
+
+
+def whole_answer_table(
+    model, tokenizer, engine: KVBoost, prompts: list[tuple[str, str]], new_tokens: int, llama: LlamaCppRow | None = None
+) -> list[str]:
+    """Runs every prompt through the rows (three, four with ``llama``) and returns the report's lines."""
     lines = [
         "| # | kind | prompt tok | new tok | copy share generate / engine | drafted share | accepted / verify | "
         "decode tok/s generate / engine / no drafts | decode engine / generate | no drafts / generate | "
-        "whole answer generate / engine | same tokens as no drafts |",
-        "|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|---|",
+        "whole answer generate / engine | same tokens as no drafts |" + (f" {LLAMA_COLUMNS}" if llama else ""),
+        "|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|---|" + ("---:|" * 8 if llama else ""),
     ]
     decode, whole, nodraft, copying, same = [], [], [], [], 0
     by_kind: dict[str, list[tuple[float, float]]] = {}
-    default_drafts = engine.settings.draft_tokens
+    llama_ratios: list[tuple[float, float, float]] = []
     for i, (kind, prompt) in enumerate(prompts):
-        order = ["engine", "off", "generate"]
-        order = order[i % 3 :] + order[: i % 3]
-        runs: dict[str, Run] = {}
-        runs["engine"] = run_engine(engine, prompt, new_tokens, default_drafts)  # sets the token count
-        count = len(runs["engine"].tokens)
-        for name in order:
-            if name == "engine":
-                runs[name] = run_engine(engine, prompt, count, default_drafts)
-            elif name == "off":
-                runs[name] = run_engine(engine, prompt, count, 0)
-            else:
-                runs[name] = run_generate(model, tokenizer, prompt, count)
-        engine.settings.draft_tokens = default_drafts
+        runs, llama_prompt = answer_rows(model, tokenizer, engine, prompt, i, new_tokens, llama)
         e, off, g = runs["engine"], runs["off"], runs["generate"]
         prompt_ids = tokenizer(prompt).input_ids
         share, own = copy_share(prompt_ids, g.tokens), copy_share(prompt_ids, off.tokens)
@@ -210,8 +353,26 @@ def whole_answer_table(model, tokenizer, engine: KVBoost, prompts: list[tuple[st
             f"{per_verify:.2f} | {g.decode_rate:.1f} / {e.decode_rate:.1f} / {off.decode_rate:.1f} | {d_ratio:.2f}x | "
             f"{o_ratio:.2f}x | {w_ratio:.2f}x | {'yes' if identical else 'NO'} |"
         )
+        if llama is not None:
+            llama_ratios.append(llamacpp_ratios(e, off, runs["llama.cpp"]))
+            lines[-1] += _llama_cells(runs["llama.cpp"], llama_prompt, e, off, llama_ratios[-1])
+            if llama_prompt != len(prompt_ids):
+                logger.info("prompt %d: llama.cpp reads %d tokens, the HF tokenizer %d", i, llama_prompt, len(prompt_ids))
         logging.info("%s", lines[-1])
-    return lines + _summary_lines(decode, nodraft, whole, copying, same, len(prompts), by_kind)
+    summary = _summary_lines(decode, nodraft, whole, copying, same, len(prompts), by_kind)
+    return lines + summary[:2] + _llama_summary(llama, llama_ratios) + summary[2:]
+
+
+def _llama_summary(llama: LlamaCppRow | None, ratios: list[tuple[float, float, float]]) -> list[str]:
+    """The llama.cpp ratios' medians (no lines without the row)."""
+    if llama is None or not ratios:
+        return []
+    whole, nodraft, engine = ([r[k] for r in ratios] for k in range(3))
+    return [
+        f"llama.cpp ({llama.system.quantization}): whole answer llama.cpp / engine median {statistics.median(whole):.2f}x "
+        f"(min {min(whole):.2f}x); decode no drafts / llama.cpp median {statistics.median(nodraft):.2f}x, "
+        f"engine / llama.cpp median {statistics.median(engine):.2f}x (min {min(engine):.2f}x)."
+    ]
 
 
 def _summary_lines(
@@ -324,6 +485,31 @@ def _resident_bytes() -> int:
     return 0
 
 
+def _llamacpp_gguf(args: argparse.Namespace) -> Path | None:
+    """The GGUF ``--llamacpp`` asks for (``None`` without it), checked before any model loads.
+
+    Raises:
+        LlamaCppUnavailableError: llama-cpp-python is not installed.
+        SystemExit: No GGUF is given or found.
+    """
+    if args.llamacpp is None:
+        return None
+    load_llama_cpp()
+    gguf = Path(args.llamacpp) if args.llamacpp else default_gguf(args.model)
+    if not gguf.is_file():
+        raise SystemExit(f"--llamacpp: {gguf} is not a file")
+    return gguf
+
+
+def _llamacpp_row(gguf: Path | None, threads: int, new_tokens: int, tokenizer, prompts: list[tuple[str, str]]) -> LlamaCppRow | None:
+    """The llama.cpp row on ``gguf`` (``None`` without one), its window twice the longest prompt
+    plus the answer, at least 8192 tokens."""
+    if gguf is None:
+        return None
+    longest = max(len(tokenizer(prompt).input_ids) for _, prompt in prompts)
+    return open_llamacpp(gguf, threads, max(8192, 2 * longest + new_tokens))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -340,9 +526,15 @@ def main(argv: list[str] | None = None) -> None:
         "--decode-weights", choices=("auto", "model", "int8"), default="auto",
         help="what the engine's decode and verify steps read (the engine's decode_weights setting)",
     )
+    parser.add_argument(
+        "--llamacpp", nargs="?", const="", default=None, metavar="GGUF",
+        help="add the llama.cpp row on this GGUF of the same model (left out: the embedded model's, or "
+        "qwen_model.py's for its folder); needs pip install -e '.[llamacpp]'",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    gguf = _llamacpp_gguf(args)
     torch.set_num_threads(args.threads)
     engine = KVBoost.from_pretrained(args.model, show_progress=False, decode_weights=args.decode_weights)
     resident = _resident_bytes()
@@ -351,20 +543,23 @@ def main(argv: list[str] | None = None) -> None:
     prompts, documents, beginning = build_prompts(tokenizer, args.prompts + 1, args.docs, args.doc_chars, args.plain, args.seed)
     engine.warm(beginning)
     engine.warm_documents(documents)
+    llama = _llamacpp_row(gguf, args.threads, args.new_tokens, tokenizer, prompts)
     warmup = prompts.pop(0)[1]  # one untimed answer each: first-call costs are not decoding
     engine.generate(warmup, max_new_tokens=8)
     run_generate(model, tokenizer, warmup, 8)
+    if llama is not None:
+        run_llamacpp(llama, warmup, 8)
     header = (
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
         f"torch {torch.__version__}, decode_weights={args.decode_weights}: small-row kernel {engine.small_row_kernel} "
         f"(copy {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
         f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start"
-    )
+    ) + (f"; {llama.describe()}" if llama is not None else "")
     lines = [header, ""]
     if args.cost_reps:
         lines += [*verify_cost_table(engine, prompts[0][1], args.cost_reps), ""]
-    lines += whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens)
+    lines += whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens, llama)
     lines.append(f"Load average {os.getloadavg()[0]:.1f} at the end.")
     if args.tiny_host:
         lines += ["", *tiny_host_table(64)]
