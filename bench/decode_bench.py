@@ -52,7 +52,9 @@ engine without drafts against ``generate``, decode ms per token.
 
 Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
 ``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
-``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--out FILE`` for the markdown report,
+``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--kv-cache-bits 8|4`` (documents and
+prefixes stored quantized: they are dequantized into the prompt's float32 K/V when loaded, so
+decode reads float32 K/V either way), ``--out FILE`` for the markdown report,
 ``--llamacpp [GGUF]`` for the llama.cpp row: the GGUF may be left out for the embedded model
 and for ``bench/qwen_model.py``'s folder; needs ``pip install -e ".[llamacpp]"``).
 The header gives the small-row kernel the engine chose, its weight copy's bytes, and resident
@@ -273,12 +275,7 @@ def llamacpp_ratios(engine: Run, off: Run, llama: Run) -> tuple[float, float, fl
 
 def leading_equal(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
-    same = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        same += 1
-    return same
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def answer_rows(
@@ -527,6 +524,10 @@ def main(argv: list[str] | None = None) -> None:
         help="what the engine's decode and verify steps read (the engine's decode_weights setting)",
     )
     parser.add_argument(
+        "--kv-cache-bits", type=int, choices=(8, 4), default=None,
+        help="the engine's kv_cache_bits: documents and prefixes stored quantized (default: the model's dtype)",
+    )
+    parser.add_argument(
         "--llamacpp", nargs="?", const="", default=None, metavar="GGUF",
         help="add the llama.cpp row on this GGUF of the same model (left out: the embedded model's, or "
         "qwen_model.py's for its folder); needs pip install -e '.[llamacpp]'",
@@ -536,7 +537,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     gguf = _llamacpp_gguf(args)
     torch.set_num_threads(args.threads)
-    engine = KVBoost.from_pretrained(args.model, show_progress=False, decode_weights=args.decode_weights)
+    engine = KVBoost.from_pretrained(
+        args.model, show_progress=False, decode_weights=args.decode_weights, kv_cache_bits=args.kv_cache_bits
+    )
     resident = _resident_bytes()
     model, tokenizer = engine.model, engine.tokenizer
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -552,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
-        f"torch {torch.__version__}, decode_weights={args.decode_weights}: small-row kernel {engine.small_row_kernel} "
+        f"torch {torch.__version__}, decode_weights={args.decode_weights}, kv_cache_bits={args.kv_cache_bits}: small-row kernel {engine.small_row_kernel} "
         f"(copy {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
         f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start"
     ) + (f"; {llama.describe()}" if llama is not None else "")

@@ -89,7 +89,7 @@ def summarize(rows: list[dict], tie_margin: float) -> list[str]:
     steps = [k for row in rows for k in row["kl"]]
     return [
         f"{len(rows)} prompts: int8 answers equal the own ones up to the first near tie (top-1 margin < {tie_margin}) "
-        f"on {agree} ({agree / len(rows):.0%}), over the whole answer on {whole} ({whole / len(rows):.0%}); "
+        f"on {agree} ({agree / len(rows):.1%}), over the whole answer on {whole} ({whole / len(rows):.1%}); "
         f"per-step next-token KL(own || int8) over {len(steps)} steps: median {statistics.median(steps):.2e}, "
         f"mean {statistics.fmean(steps):.2e}, p90 {sorted(steps)[int(0.9 * len(steps))]:.2e}, max {max(steps):.2e}"
     ]

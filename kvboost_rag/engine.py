@@ -32,7 +32,7 @@ from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
-from kvboost_rag.hf.resident import page_out_input_embeddings
+from kvboost_rag.hf.resident import page_out_input_embeddings, trim_heap
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -95,6 +95,7 @@ class KVBoost:
         self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes, settings.decode_weights)
+            trim_heap()  # the copies' temporaries
         prefiller = Prefiller(
             adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe
         )

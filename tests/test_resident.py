@@ -67,3 +67,13 @@ def test_a_table_the_output_layer_shares_is_left_alone(monkeypatch):
     untied.lm_head.weight = torch.nn.Parameter(untied.get_input_embeddings().weight.detach().clone())
     page_out_input_embeddings(untied)
     assert len(paged) == 1 and paged[0].data_ptr() == untied.get_input_embeddings().weight.data_ptr()
+
+
+@linux
+def test_trimming_the_heap_keeps_what_is_in_use():
+    kept = [torch.randn(4096) for _ in range(64)]
+    copies = [t.clone() for t in kept]
+    freed = [torch.randn(1 << 16) for _ in range(64)]
+    del freed
+    resident.trim_heap()
+    assert all(torch.equal(a, b) for a, b in zip(kept, copies))

@@ -90,8 +90,8 @@ def _sums_exactly() -> bool:
     (pairs of products summed in 16 bits) would clip the sums to half."""
     width = 512
     copy = DynamicInt8Linear(torch.full((8, width), QMAX, dtype=torch.int8), torch.ones(8), None)
-    for sign in (1.0, -1.0):
-        got = copy(torch.full((1, width), sign))
+    for sign, rows in ((1.0, 1), (-1.0, 1), (1.0, 16)):  # one row and a verify step's
+        got = copy(torch.full((rows, width), sign))
         if not bool(((got - sign * QMAX * width).abs() <= QMAX * width / ACTIVATION_LEVELS * 1.01).all()):
             logger.info("int8: FBGEMM's sums of 8-bit activations saturate on this CPU; the weight-only kernel is used")
             return False

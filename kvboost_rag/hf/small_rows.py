@@ -39,9 +39,9 @@ A candidate must first compute what ``F.linear`` computes on the model's own lay
 rounding for oneDNN; the int8 rounding bound for int8), or ``F.linear`` stays. Measured on two
 machines (docs/benchmarks.md): on a 2-core AMD EPYC the packed copy took 12-13 ms for 1-8
 rows of the embedded model's output layer where ``F.linear`` took 23-33 ms; on a 2-core Intel
-Xeon (AVX-512), over all of the embedded model's layers on 2 threads (``bench/int8_kernels.py``),
-``F.linear`` took 29.9 / 47.2 / 66.1 / 77.4 ms at 1 / 4 / 8 / 16 rows, the packed copy 35.7 /
-45.8 / 51.0 / 68.3, int8 22.6 / 30.5 / 50.7 / 92.9.
+Xeon (AVX-512), over all of Qwen2.5 0.5B's layers on 2 threads (``bench/int8_kernels.py``),
+``F.linear`` took 84.5 / 148.3 / 201.4 / 190.9 ms at 1 / 4 / 8 / 16 rows, the packed copy 101.7 /
+114.0 / 131.8 / 160.0, int8 45.0 / 61.4 / 71.6 / 90.5.
 
 The chosen kernel runs only inside the engine's decode and verify steps, in the thread that
 runs them (:meth:`SmallRowLinears.active`), for inputs of at most :data:`MAX_ROWS` rows:
