@@ -230,7 +230,7 @@ def choose_kernel(
     Returns:
         The layers and their kernel (``"off"``: nothing was changed).
     """
-    reads = decode_reads(model, decode_weights) if decode_weights != "model" else "model"
+    reads = decode_reads(model, decode_weights)
     wanted = reads == "int8" or (setting != "off" and onednn_available())
     modules = eligible_linears(model) if wanted else []
     for module in modules:  # routed by an earlier engine on this model: decided anew
@@ -271,7 +271,7 @@ def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
     """Int8 copies of the layers' weights, if the kernel computes what they should (checked on
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
     float32 temporaries)."""
-    probed = {module for module, _ in _probe_inputs(modules)}
+    probed = _probed_layers(modules)
     weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear] = {}
     checked: dict[torch.nn.Linear, torch.Tensor] = {}
     for module in modules:
@@ -285,12 +285,17 @@ def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
     return linears
 
 
-def _probe_inputs(modules: Sequence[torch.nn.Linear]) -> Iterator[tuple[torch.nn.Linear, torch.Tensor]]:
-    """``(layer, input)`` pairs a kernel is checked on: the first and the largest layer, at 1
-    and :data:`PACKED_FOR_ROWS` rows (inputs from a fixed seed)."""
-    generator = torch.Generator().manual_seed(0)
+def _probed_layers(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:
+    """The layers a kernel is checked on: the first and the largest, in that order."""
     largest = max(modules, key=lambda m: m.weight.numel())
-    for module in {modules[0], largest}:
+    return [modules[0]] if largest is modules[0] else [modules[0], largest]
+
+
+def _probe_inputs(modules: Sequence[torch.nn.Linear]) -> Iterator[tuple[torch.nn.Linear, torch.Tensor]]:
+    """``(layer, input)`` pairs a kernel is checked on: :func:`_probed_layers` at 1 and
+    :data:`PACKED_FOR_ROWS` rows (inputs from a fixed seed, in a fixed order)."""
+    generator = torch.Generator().manual_seed(0)
+    for module in _probed_layers(modules):
         for rows in (1, PACKED_FOR_ROWS):
             yield module, torch.randn(rows, module.in_features, generator=generator)
 
