@@ -151,9 +151,7 @@ class DynamicInt8Linear:
         """``x @ W.T + bias`` for float32 ``x`` of any leading shape (float32 out)."""
         flat = x.reshape(-1, self.in_features)
         peak = torch.linalg.vector_norm(flat, float("inf"), dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
-        rows = flat.new_empty(flat.shape[0], self.in_features + EDGE_COLUMNS)
-        torch.div(flat, peak, out=rows[:, : self.in_features])
-        rows[:, self.in_features :] = self._edge
+        rows = torch.cat([flat / peak, self._edge.expand(flat.shape[0], EDGE_COLUMNS)], dim=1)
         y = torch.ops.quantized.linear_dynamic(rows, self.packed, False).mul_(peak)
         if self.bias is not None:
             y = y.add_(self.bias)
