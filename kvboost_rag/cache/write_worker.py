@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.openmp_workers import release_idle_workers
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -191,6 +192,8 @@ class WriteWorker:
         _run_in_background()
         while True:
             with self._state:
+                if not self._queue:
+                    release_idle_workers()  # idle: its OpenMP workers would slow the engine loop's
                 if not self._queue and not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
                     self._thread = None
                     return

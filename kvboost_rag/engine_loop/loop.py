@@ -51,6 +51,7 @@ from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import truncate_cache
 from kvboost_rag.hf.captured import CapturedRows
+from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.hf.passes import ModelCall, PassSteps, TokenPass
 
@@ -127,7 +128,10 @@ class EngineLoop:
         return work
 
     def _enqueue(self, works: list[PromptWork]) -> None:
-        """Hand works to the loop's thread (started if it is not running)."""
+        """Hand works to the loop's thread (started if it is not running). The caller's idle
+        OpenMP workers are given back first: while they exist the loop's own workers sleep
+        between parallel regions (:mod:`kvboost_rag.openmp_workers`)."""
+        release_idle_workers()
         with self._lock:
             self._incoming.extend(works)
             self._lock.notify()
@@ -210,6 +214,7 @@ class EngineLoop:
         then ends)."""
         with self._lock:
             if not self._incoming and not self._works and not self._running:
+                release_idle_workers()  # idle: its workers would slow the threads that run torch meanwhile
                 self._lock.wait(LINGER_SECONDS)  # a call right after the last one keeps the thread
             self._works += self._incoming
             self._incoming.clear()

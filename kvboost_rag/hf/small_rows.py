@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.hf.int8_rows import Int8Linear, int8_available, int8_linear, quantize_rows
+from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
 from kvboost_rag.hf.sparse_attention import thread_setting
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class SmallRowLinears:
     """
 
     kernel: SmallRowKernel = "off"
-    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear] = field(default_factory=dict)
+    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = field(default_factory=dict)
     copy_bytes: int = 0
 
     def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -238,7 +239,7 @@ def choose_kernel(
     if not modules:
         return SmallRowLinears()
     if reads == "int8":
-        chosen = _int8_linears(modules)
+        chosen = _int8_linears(model, modules)
         if chosen.kernel == "int8" or not onednn_available() or setting == "off":
             return _installed(chosen, len(modules))
     weight_bytes = sum(m.weight.numel() * 4 for m in modules)
@@ -267,22 +268,30 @@ def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
 
 
 @torch.no_grad()
-def _int8_linears(modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
-    """Int8 copies of the layers' weights, if the kernel computes what they should (checked on
+def _int8_linears(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
+    """Int8 copies of the layers' weights, the layers that read one input fused
+    (:mod:`kvboost_rag.hf.int8_siblings`), if the kernel computes what they should (checked on
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
     float32 temporaries)."""
     probed = _probed_layers(modules)
-    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear] = {}
-    checked: dict[torch.nn.Linear, torch.Tensor] = {}
+    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = {}
+    for group in sibling_groups(model, modules):
+        weights.update(zip(group, fused_int8(group)))
     for module in modules:
-        q, scales = quantize_rows(module.weight)
-        weights[module] = int8_linear(q, scales, module.bias)
-        if module in probed:
-            checked[module] = q[:AGREEMENT_ROWS].float() * scales[:AGREEMENT_ROWS, None]
+        if module not in weights:
+            weights[module] = int8_linear(*quantize_rows(module.weight), module.bias)
+    weights = {module: weights[module] for module in modules}  # the model's order
+    checked = {module: _dequantized(*quantize_rows(module.weight[:AGREEMENT_ROWS])) for module in probed}  # rows quantize alone
     linears = SmallRowLinears("int8", weights, sum(w.nbytes for w in weights.values()))  # type: ignore[union-attr]
-    if not _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel"):
-        return SmallRowLinears()
-    return linears
+    agrees = _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel")
+    for copy in weights.values():
+        if isinstance(copy, SiblingProduct):
+            copy.shared.forget()  # the probes' held outputs
+    return linears if agrees else SmallRowLinears()
+
+
+def _dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales[:, None]
 
 
 def _probed_layers(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:

@@ -1,0 +1,93 @@
+"""Idle OpenMP worker pools given back (:mod:`kvboost_rag.openmp_workers`).
+
+libgomp throttles the spinning of every team's workers once all pools together hold more
+threads than it may use CPUs; the engine gives back the pools of the threads that hand it work
+and of its own threads when they go idle. The pool must really go (its threads end), the call
+must be harmless on a thread without one, and the loop must make it on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from kvboost_rag import openmp_workers
+from kvboost_rag.dev.testing import tiny_engine
+from kvboost_rag.openmp_workers import loaded_gnu_openmp, release_idle_workers
+
+
+def test_the_gnu_runtime_is_found_in_the_mappings_listed(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libc.so.6\n"
+        "7f20-7f30 rw-p 00000000 00:00 0 \n"
+        "7f40-7f50 r-xp 00000000 08:01 456 /opt/env/lib/python3.11/site-packages/torch/lib/libgomp.so.1\n"
+    )
+    assert loaded_gnu_openmp(str(maps)) == "/opt/env/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
+    maps.write_text("7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libomp.so.5\n")
+    assert loaded_gnu_openmp(str(maps)) is None
+    assert loaded_gnu_openmp(str(tmp_path / "absent")) is None
+
+
+def test_without_the_gnu_runtime_nothing_is_called(monkeypatch):
+    openmp_workers._pause.cache_clear()
+    monkeypatch.setattr(openmp_workers, "loaded_gnu_openmp", lambda maps="": None)
+    try:
+        assert release_idle_workers() is False
+    finally:
+        openmp_workers._pause.cache_clear()
+
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(loaded_gnu_openmp() is None, reason="torch runs on another OpenMP runtime here")
+def test_a_threads_pool_is_given_back_and_built_again_when_needed():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        before = _threads()
+        x = torch.ones(4_000_000)  # a parallel region: this thread's pool, one worker at 2 threads
+        seen["workers"] = _threads() - before
+        seen["released"] = release_idle_workers()
+        seen["left"] = _threads()
+        x.add_(1)  # built again
+        seen["new workers"] = _threads() - seen["left"]
+        seen["sum"] = int(x.sum())
+        release_idle_workers()
+
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen["released"] is True and seen["sum"] == 2 * 4_000_000
+    assert len(seen["workers"]) == 1 and not seen["workers"] & seen["left"]  # its worker ended
+    assert len(seen["new workers"]) == 1
+    assert release_idle_workers() is True  # harmless on a thread whose pool may be in use or absent
+
+
+def test_the_loop_gives_back_the_callers_pool_before_its_work(monkeypatch):
+    from kvboost_rag.engine_loop import loop
+
+    calls: list[str] = []
+    loop_idled = threading.Event()
+
+    def record() -> bool:
+        calls.append(threading.current_thread().name)
+        if threading.current_thread().name == loop.LOOP_THREAD:
+            loop_idled.set()
+        return True
+
+    monkeypatch.setattr(loop, "release_idle_workers", record)
+    engine = tiny_engine()
+    engine.generate("a short prompt about caches", max_new_tokens=2)
+    assert threading.current_thread().name in calls  # on the caller's thread, before the loop ran its work
+    assert loop_idled.wait(30)  # and on the loop's own thread once it idled
