@@ -11,6 +11,9 @@ are), at 1, 4, 8, 16 and 64 rows, on each kernel:
 - ``int8 dynamic``: FBGEMM's dynamic quantized linear over int8 weights with one float32 scale
   per output channel, each row's activations rounded to 8 bits, as decode runs it
   (:class:`kvboost_rag.hf.int8_rows.DynamicInt8Linear`), a quarter of the bytes;
+- ``int8 fused``: the same kernel with each layer's query, key and value projections as one
+  product and its gate and up projections as another, as the engine multiplies them
+  (:mod:`kvboost_rag.hf.int8_siblings`): 4 calls a decoder layer instead of 7;
 - ``int8 weight-only``: ``torch.ops.aten._weight_int8pack_mm`` over the same int8 weights
   (:class:`kvboost_rag.hf.int8_rows.WeightOnlyInt8Linear`: activations rounded to bfloat16, the
   kernel's vectorized path), the fallback where a torch build has no FBGEMM.
@@ -52,6 +55,16 @@ def layer_shapes(config: dict) -> list[tuple[int, int]]:
     return block * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def fused_groups(count: int, layers_per_block: int = 7) -> list[list[int]]:
+    """Indexes of :func:`layer_shapes`' layers as the engine multiplies them on int8: query,
+    key and value as one product, gate and up as one (``kvboost_rag.hf.int8_siblings``)."""
+    groups = []
+    for start in range(0, count - 1, layers_per_block):
+        q, k, v, o, gate, up, down = range(start, start + layers_per_block)
+        groups += [[q, k, v], [o], [gate, up], [down]]
+    return groups + [[count - 1]]
+
+
 @torch.inference_mode()
 def time_model(name: str, config: dict, threads: int, reps: int) -> list[str]:
     torch.set_num_threads(threads)
@@ -61,20 +74,23 @@ def time_model(name: str, config: dict, threads: int, reps: int) -> list[str]:
     quantized = [quantize_rows(w) for w in weights]
     dynamic = [DynamicInt8Linear(q, scales, None) for q, scales in quantized]
     weight_only = [WeightOnlyInt8Linear(q, scales, None) for q, scales in quantized]
-    kernels = {
-        "F.linear": lambda x, i: F.linear(x, weights[i]),
-        "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
-        "int8 dynamic": lambda x, i: dynamic[i](x),
-        "int8 weight-only": lambda x, i: weight_only[i](x),
+    groups = fused_groups(len(weights))
+    fused = [DynamicInt8Linear(torch.cat([quantized[i][0] for i in g]), torch.cat([quantized[i][1] for i in g]), None) for g in groups]
+    kernels = {  # name: (product of call i, which layers' inputs, one call per group)
+        "F.linear": (lambda x, i: F.linear(x, weights[i]), [[i] for i in range(len(weights))]),
+        "packed": (lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), [[i] for i in range(len(weights))]),
+        "int8 dynamic": (lambda x, i: dynamic[i](x), [[i] for i in range(len(weights))]),
+        "int8 fused": (lambda x, i: fused[i](x), groups),
+        "int8 weight-only": (lambda x, i: weight_only[i](x), [[i] for i in range(len(weights))]),
     }
     inputs = {rows: [torch.randn(rows, w.shape[1], generator=generator) for w in weights] for rows in ROWS}
     seconds: dict[tuple[str, int], list[float]] = {}
     for rep in range(reps + 1):  # the first round warms up
-        for kernel, call in kernels.items():
+        for kernel, (call, calls) in kernels.items():
             for rows in ROWS:
                 start = time.perf_counter()
-                for i, x in enumerate(inputs[rows]):
-                    call(x, i)
+                for i, group in enumerate(calls):
+                    call(inputs[rows][group[0]], i)
                 if rep:
                     seconds.setdefault((kernel, rows), []).append(time.perf_counter() - start)
     mb = sum(w.numel() for w in weights) * 4 / 1e6
@@ -99,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; ms per pass over "
           f"the model's linear layers, median of {args.reps}")
     print()
-    print("| model | threads | " + " | ".join(f"{r} rows: F.linear / packed / int8 dynamic / int8 weight-only" for r in ROWS) + " |")
+    print("| model | threads | " + " | ".join(f"{r} rows: F.linear / packed / int8 dynamic / int8 fused / int8 weight-only" for r in ROWS) + " |")
     print("|---|---:|" + "---|" * len(ROWS))
     for folder in folders:
         config = json.loads((folder / "config.json").read_text())

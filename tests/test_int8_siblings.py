@@ -104,3 +104,21 @@ def test_grouped_layers_decode_what_separate_layers_decode(monkeypatch):
     grouped = answer()
     monkeypatch.setattr(small_rows, "sibling_groups", lambda model, modules: [])
     assert answer() == grouped
+
+
+def test_the_kernel_bench_groups_layers_as_the_engine_does():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import int8_kernels
+
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 100}
+    shapes = int8_kernels.layer_shapes(config)
+    groups = int8_kernels.fused_groups(len(shapes))
+    assert groups == [[0, 1, 2], [3], [4, 5], [6], [7, 8, 9], [10], [11, 12], [13], [14]]
+    model = tiny_model("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2)
+    engine_groups = sibling_groups(model, eligible_linears(model))
+    assert [len(g) for g in groups if len(g) > 1] == [len(g) for g in engine_groups]

@@ -107,3 +107,35 @@ def test_an_engine_chooses_once_at_load_and_the_users_model_calls_stay_its_own(m
     expected = "packed" if small_rows.onednn_available() else "off"
     assert adapter.small_rows.kernel == engine.small_row_kernel == expected
     assert isinstance(adapter.small_rows, SmallRowLinears)
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    assert small_rows.cpu_vendor(str(info)) == "GenuineIntel"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n")
+    assert small_rows.cpu_vendor(str(info)) == "AuthenticAMD"
+    assert small_rows.cpu_vendor(str(tmp_path / "none")) == ""
+    assert small_rows.float_kernel_min_rows("GenuineIntel") == small_rows.OWN_PRODUCT_ROWS_ON_INTEL + 1
+    assert small_rows.float_kernel_min_rows("AuthenticAMD") == small_rows.float_kernel_min_rows("") == 1
+
+
+@needs_onednn
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_on_intel_the_fewest_rows_keep_the_own_product(monkeypatch, vendor):
+    monkeypatch.setattr(small_rows, "cpu_vendor", lambda cpuinfo="": vendor)
+    model = tiny_model("llama")
+    chosen = choose_kernel(model, "packed", packed_bytes=2**30)
+    fewest = small_rows.OWN_PRODUCT_ROWS_ON_INTEL + 1 if vendor == "GenuineIntel" else 1
+    assert chosen.kernel == "packed" and chosen.min_rows == fewest
+    layer = model.lm_head
+    kernel = chosen.product(layer)
+    with torch.inference_mode(), chosen.active():
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, layer.in_features)
+            expected = kernel(x) if rows >= fewest else F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(layer(x), expected)
+    int8 = choose_kernel(model, "off", packed_bytes=0, decode_weights="int8")
+    assert int8.min_rows == 1  # the int8 copy serves every row count
+    chosen.restore()
+    int8.restore()

@@ -51,9 +51,9 @@ from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import truncate_cache
 from kvboost_rag.hf.captured import CapturedRows
-from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.hf.passes import ModelCall, PassSteps, TokenPass
+from kvboost_rag.openmp_workers import release_idle_workers
 
 logger = logging.getLogger(__name__)
 

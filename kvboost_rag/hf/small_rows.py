@@ -33,7 +33,9 @@ same idle machine, so decode speed changed from one start to the next):
 - ``small_row_kernels="auto"`` (when decode reads the model's own weights) is ``"packed"`` where
   oneDNN applies, the layers' weights are at least :data:`PACKED_MIN_BYTES` (below it oneDNN's
   call costs more than such layers' product) and the copy fits ``packed_weights_bytes``; else
-  ``"off"``.
+  ``"off"``. On Intel CPUs the oneDNN kernels take steps of more than
+  :data:`OWN_PRODUCT_ROWS_ON_INTEL` rows only: MKL's own float32 product of one or two rows
+  reads the weights at the memory's speed there.
 
 A candidate must first compute what ``F.linear`` computes on the model's own layers (float32
 rounding for oneDNN; the int8 rounding bound for int8), or ``F.linear`` stays. Measured on two
@@ -78,6 +80,13 @@ PACKED_FOR_ROWS = 16
 #: Least float32 weight bytes of the layers for which ``"auto"`` packs them (tiny models' layers
 #: cost less through ``F.linear`` than oneDNN's call).
 PACKED_MIN_BYTES = 64 * 2**20
+#: Rows up to which, on Intel CPUs, steps over the model's own float32 weights keep ``F.linear``
+#: instead of oneDNN: one pass over all the embedded model's layers on a 2-core Intel Xeon, 2
+#: threads, took 26.2 / 27.3 / 34.5 / 65.1 ms at 1 / 2 / 4 / 8 rows through ``F.linear`` and
+#: 35.1 / 32.6 / 33.0 / 56.9 ms packed (Qwen2.5 0.5B's whole step: 146 against 172 ms at one
+#: row); on a 2-core AMD EPYC the packed copy was faster at every row count (MKL, under
+#: ``F.linear``, does not run its fastest code on AMD CPUs).
+OWN_PRODUCT_ROWS_ON_INTEL = 2
 #: Output channels of a layer on which the int8 kernel's result is checked at load.
 AGREEMENT_ROWS = 512
 #: The models ``decode_weights="auto"`` decodes on int8 weights: ``(model_type, hidden_size,
@@ -136,11 +145,14 @@ class SmallRowLinears:
             its own product).
         copy_bytes: Bytes of the weight copies this holds besides the model's own weights (the
             int8 or packed copies; 0 when it reads the model's own).
+        min_rows: Fewest rows the kernel takes; smaller inputs keep the layers' own product
+            (:func:`float_kernel_min_rows`).
     """
 
     kernel: SmallRowKernel = "off"
     weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = field(default_factory=dict)
     copy_bytes: int = 0
+    min_rows: int = 1
 
     def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """The kernel's product for one of the layers (``x -> x @ W.T + b``)."""
@@ -152,7 +164,7 @@ class SmallRowLinears:
     def install(self) -> None:
         """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
         for module in self.weights:
-            routed = types.MethodType(_routed_forward(self.product(module)), module)
+            routed = types.MethodType(_routed_forward(self.product(module), self.min_rows), module)
             setattr(routed.__func__, ROUTED, True)
             module.forward = routed
 
@@ -172,13 +184,15 @@ class SmallRowLinears:
             yield
 
 
-def _routed_forward(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
+def _routed_forward(
+    run: Callable[[torch.Tensor], torch.Tensor], min_rows: int = 1
+) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if (
             getattr(_state, "on", False)
             and x.dtype == torch.float32
             and x.device.type == "cpu"
-            and x.numel() <= MAX_ROWS * module.in_features
+            and min_rows * module.in_features <= x.numel() <= MAX_ROWS * module.in_features
         ):
             return run(x)
         return F.linear(x, module.weight, module.bias)
@@ -255,14 +269,40 @@ def choose_kernel(
     if not _kernel_agrees(modules, partial(_onednn_agrees_on, weights), "oneDNN"):
         return SmallRowLinears()
     copy = sum(w.numel() * w.element_size() for w in weights.values()) if name == "packed" else 0
-    return _installed(SmallRowLinears(name, weights, copy_bytes=copy), len(modules))
+    return _installed(SmallRowLinears(name, weights, copy_bytes=copy, min_rows=float_kernel_min_rows()), len(modules))
+
+
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``, ...;
+    ``""`` where there is none)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def float_kernel_min_rows(vendor: str | None = None) -> int:
+    """Fewest rows the oneDNN kernels take over float32 weights: on Intel CPUs
+    (:data:`OWN_PRODUCT_ROWS_ON_INTEL`), MKL's own product of so few rows reads the weights at
+    the memory's speed and is the faster; elsewhere the oneDNN kernel takes every row count."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    return OWN_PRODUCT_ROWS_ON_INTEL + 1 if vendor == "GenuineIntel" else 1
 
 
 def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
     if linears.kernel != "off":
         linears.install()
         logger.info(
-            "small-row kernel for decode and verify steps: %s (%d layers, copies %d MiB)", linears.kernel, layers, linears.copy_bytes >> 20
+            "small-row kernel for decode and verify steps: %s from %d rows (%d layers, copies %d MiB)",
+            linears.kernel,
+            linears.min_rows,
+            layers,
+            linears.copy_bytes >> 20,
         )
     return linears
 
