@@ -211,7 +211,9 @@ class KVBoostSettings(BaseModel):
             weights are 64 MiB or more and the copy fits ``packed_weights_bytes``, else
             ``"off"`` (on CUDA, 16-bit or quantized weights, or without oneDNN: ``F.linear``);
             ``"packed"`` (oneDNN over a copy of the weights, within ``packed_weights_bytes``),
-            ``"onednn"`` (oneDNN over the model's own weights), or ``"off"``. Prefill passes,
+            ``"onednn"`` (oneDNN over the model's own weights), or ``"off"``. On Intel CPUs the
+            oneDNN kernels take steps of 3 rows or more; steps of 1-2 rows keep ``F.linear``,
+            which reads the weights at the memory's speed there. Prefill passes,
             and calls of the model outside the engine, always run the model's own
             ``F.linear``. Not used with captured steps, nor when decode reads int8.
         packed_weights_bytes: Most bytes the packed weight copies of ``small_row_kernels``

@@ -38,45 +38,50 @@ OMP_PAUSE_SOFT = 1
 GNU_OPENMP_PREFIX = "libgomp"
 
 
-def loaded_gnu_openmp(maps: str = "/proc/self/maps") -> str | None:
-    """The path of the GNU OpenMP runtime this process has loaded (``None``: none, or no
-    ``/proc``)."""
+def loaded_gnu_openmp(maps: str = "/proc/self/maps") -> list[str]:
+    """The paths of the GNU OpenMP runtimes this process has loaded, in the order they are
+    mapped (torch's own, and any other a library brought: each keeps its own pools; empty
+    where there is none, or no ``/proc``)."""
+    found: list[str] = []
     try:
         with open(maps, encoding="utf-8", errors="replace") as lines:
             for line in lines:
                 fields = line.split(maxsplit=5)
                 path = fields[5].strip() if len(fields) == 6 else ""
-                if os.path.basename(path).startswith(GNU_OPENMP_PREFIX) and ".so" in path:
-                    return path
+                if os.path.basename(path).startswith(GNU_OPENMP_PREFIX) and ".so" in path and path not in found:
+                    found.append(path)
     except OSError:
-        return None
-    return None
+        return []
+    return found
 
 
 @functools.cache
-def _pause() -> Callable[[int], int] | None:
-    """libgomp's ``omp_pause_resource_all`` (``None`` where it is not loaded or lacks it)."""
-    path = loaded_gnu_openmp()
-    if path is None:
-        return None
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        logger.debug("no omp_pause_resource_all in %s", path)
-        return None
-    pause.argtypes = [ctypes.c_int]
-    pause.restype = ctypes.c_int
-    return pause
+def _pauses() -> tuple[Callable[[int], int], ...]:
+    """Each loaded libgomp's ``omp_pause_resource_all`` (those that have it)."""
+    pauses = []
+    for path in loaded_gnu_openmp():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            logger.debug("no omp_pause_resource_all in %s", path)
+            continue
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        pauses.append(pause)
+    return tuple(pauses)
 
 
 def release_idle_workers() -> bool:
-    """Give back the calling thread's OpenMP worker pool (see the module's doc).
+    """Give back the calling thread's OpenMP worker pools (see the module's doc), in every GNU
+    OpenMP runtime loaded: which one torch's kernels use is not known by name, and in the
+    others the call only releases pools of this thread that sit idle.
 
     Call it only from a thread that is not inside a parallel region (any Python code outside a
-    torch kernel's callback). Where the runtime is not libgomp, does nothing.
+    torch kernel's callback). Where no runtime is libgomp, does nothing.
 
     Returns:
-        Whether libgomp accepted the call (``True`` also when the thread had no pool).
+        Whether a libgomp was found and every one accepted the call (``True`` also when the
+        thread had no pool).
     """
-    pause = _pause()
-    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+    pauses = _pauses()
+    return bool(pauses) and all([pause(OMP_PAUSE_SOFT) == 0 for pause in pauses])

@@ -26,26 +26,30 @@ def test_the_gnu_runtime_is_found_in_the_mappings_listed(tmp_path):
         "7f20-7f30 rw-p 00000000 00:00 0 \n"
         "7f40-7f50 r-xp 00000000 08:01 456 /opt/env/lib/python3.11/site-packages/torch/lib/libgomp.so.1\n"
     )
-    assert loaded_gnu_openmp(str(maps)) == "/opt/env/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
+    torch_runtime = "/opt/env/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
+    assert loaded_gnu_openmp(str(maps)) == [torch_runtime]
+    other = "/opt/env/lib/python3.11/site-packages/scikit_learn.libs/libgomp-a34b3233.so.1.0.0"
+    maps.write_text(maps.read_text() + f"7f60-7f70 r-xp 00000000 08:01 789 {other}\n7f80-7f90 r--p 00001000 08:01 456 {torch_runtime}\n")
+    assert loaded_gnu_openmp(str(maps)) == [torch_runtime, other]  # each once, in mapped order
     maps.write_text("7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libomp.so.5\n")
-    assert loaded_gnu_openmp(str(maps)) is None
-    assert loaded_gnu_openmp(str(tmp_path / "absent")) is None
+    assert loaded_gnu_openmp(str(maps)) == []
+    assert loaded_gnu_openmp(str(tmp_path / "absent")) == []
 
 
 def test_without_the_gnu_runtime_nothing_is_called(monkeypatch):
-    openmp_workers._pause.cache_clear()
-    monkeypatch.setattr(openmp_workers, "loaded_gnu_openmp", lambda maps="": None)
+    openmp_workers._pauses.cache_clear()
+    monkeypatch.setattr(openmp_workers, "loaded_gnu_openmp", lambda maps="": [])
     try:
         assert release_idle_workers() is False
     finally:
-        openmp_workers._pause.cache_clear()
+        openmp_workers._pauses.cache_clear()
 
 
 def _threads() -> set[str]:
     return set(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.skipif(loaded_gnu_openmp() is None, reason="torch runs on another OpenMP runtime here")
+@pytest.mark.skipif(not loaded_gnu_openmp(), reason="torch runs on another OpenMP runtime here")
 def test_a_threads_pool_is_given_back_and_built_again_when_needed():
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
