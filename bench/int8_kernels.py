@@ -11,9 +11,10 @@ are), at 1, 4, 8, 16 and 64 rows, on each kernel:
 - ``int8 dynamic``: FBGEMM's dynamic quantized linear over int8 weights with one float32 scale
   per output channel, each row's activations rounded to 8 bits, as decode runs it
   (:class:`kvboost_rag.hf.int8_rows.DynamicInt8Linear`), a quarter of the bytes;
-- ``int8 fused``: the same kernel with each layer's query, key and value projections as one
-  product and its gate and up projections as another, as the engine multiplies them
-  (:mod:`kvboost_rag.hf.int8_siblings`): 4 calls a decoder layer instead of 7;
+- ``int8 fused``: the engine's int8 kernel (the dynamic one where available) with each layer's
+  query, key and value projections as one product and its gate and up projections as another,
+  as the engine multiplies them (:func:`kvboost_rag.hf.int8_siblings.fused_copy`): 4 calls a
+  decoder layer instead of 7;
 - ``int8 weight-only``: ``torch.ops.aten._weight_int8pack_mm`` over the same int8 weights
   (:class:`kvboost_rag.hf.int8_rows.WeightOnlyInt8Linear`: activations rounded to bfloat16, the
   kernel's vectorized path), the fallback where a torch build has no FBGEMM.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvboost_rag.hf.int8_rows import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_rows  # noqa: E402
+from kvboost_rag.hf.int8_siblings import fused_copy  # noqa: E402
 from kvboost_rag.hf.small_rows import PACKED_FOR_ROWS  # noqa: E402
 
 ROWS = (1, 4, 8, 16, 64)
@@ -75,13 +77,14 @@ def time_model(name: str, config: dict, threads: int, reps: int) -> list[str]:
     dynamic = [DynamicInt8Linear(q, scales, None) for q, scales in quantized]
     weight_only = [WeightOnlyInt8Linear(q, scales, None) for q, scales in quantized]
     groups = fused_groups(len(weights))
-    fused = [DynamicInt8Linear(torch.cat([quantized[i][0] for i in g]), torch.cat([quantized[i][1] for i in g]), None) for g in groups]
-    kernels = {  # name: (product of call i, which layers' inputs, one call per group)
-        "F.linear": (lambda x, i: F.linear(x, weights[i]), [[i] for i in range(len(weights))]),
-        "packed": (lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), [[i] for i in range(len(weights))]),
-        "int8 dynamic": (lambda x, i: dynamic[i](x), [[i] for i in range(len(weights))]),
+    fused = [fused_copy([quantized[i] for i in group], [None] * len(group)) for group in groups]
+    each = [[i] for i in range(len(weights))]
+    kernels = {  # name: (product of call i, the layers call i multiplies: its input is the first's)
+        "F.linear": (lambda x, i: F.linear(x, weights[i]), each),
+        "packed": (lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""), each),
+        "int8 dynamic": (lambda x, i: dynamic[i](x), each),
         "int8 fused": (lambda x, i: fused[i](x), groups),
-        "int8 weight-only": (lambda x, i: weight_only[i](x), [[i] for i in range(len(weights))]),
+        "int8 weight-only": (lambda x, i: weight_only[i](x), each),
     }
     inputs = {rows: [torch.randn(rows, w.shape[1], generator=generator) for w in weights] for rows in ROWS}
     seconds: dict[tuple[str, int], list[float]] = {}

@@ -194,9 +194,9 @@ class WriteWorker:
             with self._state:
                 if not self._queue:
                     release_idle_workers()  # idle: its OpenMP workers would slow the engine loop's
-                if not self._queue and not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
-                    self._thread = None
-                    return
+                    if not self._state.wait_for(lambda: self._queue, LINGER_SECONDS):
+                        self._thread = None
+                        return
                 queued = self._queue[0]
             job, queued.job = queued.job, None
             assert job is not None

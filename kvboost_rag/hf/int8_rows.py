@@ -124,6 +124,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q * scales`` per output row as float32: the weight :func:`quantize_rows`'s result stands for."""
+    return q.float() * scales[:, None]
+
+
 class DynamicInt8Linear:
     """One layer's int8 copy in FBGEMM's packed layout; its product rounds each row's
     activations to a step of ``2 / 255`` of the row's largest magnitude (see the module's doc).
@@ -199,7 +204,7 @@ class WeightOnlyInt8Linear:
 
     def dequantized(self) -> torch.Tensor:
         """The weight the product multiplies by, ``[out, in]`` float32 (for checks)."""
-        return self.q.float() * self.scales[:, None]
+        return dequantize_rows(self.q, self.scales)
 
     def within_rounding(self, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``got`` is ``x @ weight.T`` (``expected``) to within what rounding the

@@ -19,7 +19,7 @@ in between.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -44,19 +44,21 @@ def sibling_groups(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) 
     return groups
 
 
-@torch.no_grad()
-def fused_int8(group: Sequence[torch.nn.Linear]) -> list[SiblingProduct]:
-    """One int8 copy for ``group``'s layers (their rows end to end) and each layer's product
-    through it, in ``group``'s order."""
-    quantized = [quantize_rows(layer.weight) for layer in group]
-    values = torch.cat([q for q, _ in quantized])
-    scales = torch.cat([s for _, s in quantized])
-    del quantized
-    biases = [layer.bias for layer in group]
+def fused_copy(quantized: Sequence[tuple[torch.Tensor, torch.Tensor]], biases: Sequence[torch.Tensor | None]) -> Int8Linear:
+    """One int8 copy of several layers' :func:`~kvboost_rag.hf.int8_rows.quantize_rows` results
+    (their rows end to end) and biases (``None`` where none has one; zeros for a layer without)."""
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, group)])
-    shared = SharedInput(int8_linear(values, scales, bias), [layer.out_features for layer in group])
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(q.shape[0]) for b, (q, _) in zip(biases, quantized)])
+    return int8_linear(torch.cat([q for q, _ in quantized]), torch.cat([s for _, s in quantized]), bias)
+
+
+@torch.no_grad()
+def fused_int8(group: Sequence[torch.nn.Linear]) -> list[SiblingProduct]:
+    """One int8 copy for ``group``'s layers (:func:`fused_copy`) and each layer's product
+    through it, in ``group``'s order."""
+    fused = fused_copy([quantize_rows(layer.weight) for layer in group], [layer.bias for layer in group])
+    shared = SharedInput(fused, [layer.out_features for layer in group])
     return [SiblingProduct(shared, index) for index in range(len(group))]
 
 
@@ -72,7 +74,6 @@ class SharedInput:
     def __init__(self, fused: Int8Linear, widths: list[int]) -> None:
         self.fused = fused
         self.widths = widths
-        self.offsets = [sum(widths[:i]) for i in range(len(widths))]
         self._held = threading.local()  # (input, outputs not taken yet) of this thread's last product
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,8 @@ class SharedInput:
         the layer has not taken it yet, else from a new one."""
         held = getattr(self._held, "value", None)
         if held is None or held[0] is not x or held[1][index] is None:
+            # A one-row step's columns are contiguous already (no copy); a verify step's are
+            # copied, as model code may view them with dimensions merged.
             parts = [part.contiguous() for part in self.fused(x).split(self.widths, dim=-1)]
             held = (x, parts)
         taken, held[1][index] = held[1][index], None
@@ -104,7 +107,7 @@ class SiblingProduct:
         self.shared, self.index = shared, index
         self.in_features = shared.fused.in_features
         self.out_features = shared.widths[index]
-        start = shared.offsets[index]
+        start = sum(shared.widths[:index])
         self._rows = slice(start, start + self.out_features)
         #: This layer's share of the fused copy's bytes.
         self.nbytes = shared.fused.nbytes // shared.fused.out_features * self.out_features
@@ -120,9 +123,3 @@ class SiblingProduct:
     def within_rounding(self, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """The fused kernel's bound (per output channel, so it holds for a layer's columns)."""
         return self.shared.fused.within_rounding(got, expected, x, weight)
-
-
-def members(groups: Sequence[Sequence[torch.nn.Linear]]) -> Iterator[torch.nn.Linear]:
-    """Every layer of ``groups``."""
-    for group in groups:
-        yield from group

@@ -65,7 +65,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.hf.int8_rows import Int8Linear, int8_available, int8_linear, quantize_rows
+from kvboost_rag.hf.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
 from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
 from kvboost_rag.hf.sparse_attention import thread_setting
 
@@ -185,7 +185,7 @@ class SmallRowLinears:
 
 
 def _routed_forward(
-    run: Callable[[torch.Tensor], torch.Tensor], min_rows: int = 1
+    run: Callable[[torch.Tensor], torch.Tensor], min_rows: int
 ) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -314,24 +314,17 @@ def _int8_linears(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) ->
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
     float32 temporaries)."""
     probed = _probed_layers(modules)
-    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = {}
-    for group in sibling_groups(model, modules):
-        weights.update(zip(group, fused_int8(group)))
-    for module in modules:
-        if module not in weights:
-            weights[module] = int8_linear(*quantize_rows(module.weight), module.bias)
-    weights = {module: weights[module] for module in modules}  # the model's order
-    checked = {module: _dequantized(*quantize_rows(module.weight[:AGREEMENT_ROWS])) for module in probed}  # rows quantize alone
+    fused = {layer: product for group in sibling_groups(model, modules) for layer, product in zip(group, fused_int8(group))}
+    weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = {
+        module: fused.get(module) or int8_linear(*quantize_rows(module.weight), module.bias) for module in modules
+    }
+    checked = {module: dequantize_rows(*quantize_rows(module.weight[:AGREEMENT_ROWS])) for module in probed}  # rows quantize alone
     linears = SmallRowLinears("int8", weights, sum(w.nbytes for w in weights.values()))  # type: ignore[union-attr]
     agrees = _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel")
-    for copy in weights.values():
-        if isinstance(copy, SiblingProduct):
-            copy.shared.forget()  # the probes' held outputs
+    for module in probed:
+        if isinstance(weights[module], SiblingProduct):
+            weights[module].shared.forget()  # the probes' held outputs
     return linears if agrees else SmallRowLinears()
-
-
-def _dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales[:, None]
 
 
 def _probed_layers(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:
