@@ -555,8 +555,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
-        f"torch {torch.__version__}, decode_weights={args.decode_weights}, kv_cache_bits={args.kv_cache_bits}: small-row kernel {engine.small_row_kernel} "
-        f"(copy {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
+        f"torch {torch.__version__}, decode_weights={args.decode_weights}, kv_cache_bits={args.kv_cache_bits}: small-row kernel {engine.small_row_kernel}, "
+        f"{engine.four_bit_layers} layers read as stored 4-bit runs (copies {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
         f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start"
     ) + (f"; {llama.describe()}" if llama is not None else "")
     lines = [header, ""]

@@ -88,9 +88,9 @@ def summarize(rows: list[dict], tie_margin: float) -> list[str]:
         whole += row["first_diff"] is None
     steps = [k for row in rows for k in row["kl"]]
     return [
-        f"{len(rows)} prompts: int8 answers equal the own ones up to the first near tie (top-1 margin < {tie_margin}) "
+        f"{len(rows)} prompts: answers on the decode weights equal the own ones up to the first near tie (top-1 margin < {tie_margin}) "
         f"on {agree} ({agree / len(rows):.1%}), over the whole answer on {whole} ({whole / len(rows):.1%}); "
-        f"per-step next-token KL(own || int8) over {len(steps)} steps: median {statistics.median(steps):.2e}, "
+        f"per-step next-token KL(own || decode weights) over {len(steps)} steps: median {statistics.median(steps):.2e}, "
         f"mean {statistics.fmean(steps):.2e}, p90 {sorted(steps)[int(0.9 * len(steps))]:.2e}, max {max(steps):.2e}"
     ]
 
@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc-chars", type=int, default=1600)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--decode-weights", choices=("int8", "auto"), default="int8",
+        help="what decode reads: int8 (an int8 copy, layers stored as 4-bit runs read as stored) or auto (the engine's default)",
+    )
     parser.add_argument("--tie-margin", type=float, default=0.5, help="top-1 minus top-2 logit below which a step is a near tie")
     parser.add_argument("--jsonl", type=Path, default=None, help="append per-prompt results here")
     parser.add_argument("--summarize", type=Path, default=None, help="print the summary of a --jsonl file and exit")
@@ -122,11 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(args.model) if args.model else default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    linears = choose_kernel(model, "off", 0, decode_weights="int8")
-    assert linears.kernel == "int8", "the int8 kernel does not apply on this machine"
+    linears = choose_kernel(model, "off", 0, decode_weights=args.decode_weights)
+    assert linears.routed, f"decode_weights={args.decode_weights} reads the model's own weights on this machine"
     prompts, _, _ = build_prompts(tokenizer, args.first + args.prompts, args.docs, args.doc_chars, False, args.seed)
     print(f"int8_quality: {folder.name}, {args.threads} torch threads, torch {torch.__version__}, {args.new_tokens} new tokens, "
-          f"prompts {args.first}-{args.first + args.prompts - 1}, int8 copy {linears.copy_bytes / 1e6:.0f} MB", flush=True)
+          f"prompts {args.first}-{args.first + args.prompts - 1}, decode_weights={args.decode_weights}: "
+          f"{len(linears.four_bit)} layers as stored 4-bit runs, the others {linears.kernel}, copies {linears.copy_bytes / 1e6:.0f} MB", flush=True)
     rows = []
     for i, (kind, prompt) in enumerate(prompts[args.first :], start=args.first):
         start = time.perf_counter()

@@ -198,7 +198,13 @@ class KVBoostSettings(BaseModel):
             costs a quarter of the float32 weights, not the whole again as the packed copy
             does), or ``"auto"`` (default: ``"int8"`` only for
             the models whose int8 answers were measured to equal their own, see
-            docs/benchmarks.md, else ``"model"``). Where the int8 kernel does not apply (CUDA,
+            docs/benchmarks.md, else ``"model"``). With ``"auto"`` and ``"int8"``, the layers
+            whose float32 weights are 4-bit runs (a GGUF file's Q4_0, Q4_1 or Q4_K tensors, as
+            ``convert_gguf`` and the embedded model hold them) are read as stored, 4 bits per
+            weight, through torch's CPU 4-bit kernel with bfloat16 activations (an eighth of the
+            float32 bytes; the weights' values are the model's own up to the bfloat16 rounding
+            of each run's step and offset); ``"model"`` reads every layer's float32 weights.
+            Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
             Prefill passes, and calls of the model outside the engine, always read the model's
             own weights. Not used with captured steps.

@@ -222,8 +222,16 @@ class KVBoost:
     def small_row_kernel(self) -> str:
         """The linear layers' kernel in decode and verify steps, chosen at load
         (``decode_weights``, ``small_row_kernels``): ``"int8"`` (an int8 copy of the weights),
-        ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own)."""
+        ``"packed"``, ``"onednn"`` or ``"off"`` (the model's own); the layers stored as 4-bit
+        runs are apart (:attr:`four_bit_layers`)."""
         return self._adapter.small_rows.kernel
+
+    @property
+    def four_bit_layers(self) -> int:
+        """Linear layers whose decode and verify steps read their weights as stored 4-bit runs
+        (a GGUF file's 4-bit tensors; ``decode_weights``), whatever :attr:`small_row_kernel`
+        says of the others."""
+        return len(self._adapter.small_rows.four_bit)
 
     # ------------------------------------------------------------------ text
     @property

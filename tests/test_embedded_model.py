@@ -4,14 +4,23 @@ import random
 import statistics
 
 import pytest
-from decoding_checks import check_against_full_prefill
+from decoding_checks import check_against_full_prefill, margins
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
-from kvboost_rag import KVBoostSettings
+from kvboost_rag import KVBoost, KVBoostSettings
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.diagnosis.correctness import first_token_kl
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def own_weights_engine():
+    """The embedded model decoding on its own float32 weights. Reuse is checked for exactness
+    there: the default engine decodes on the stored 4-bit runs, whose bfloat16 rounding turns
+    float32 rounding differences (a verify step's against a one-token step's) into logit
+    differences of ~0.1 (measured by ``bench/int8_quality.py``, tested below)."""
+    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n", decode_weights="model")
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +59,28 @@ def test_repairs_beat_no_repair_on_shuffled_documents(embedded_engine, corpus):
     assert statistics.mean(kl["attention"]) < statistics.mean(kl["cacheblend"])
 
 
-def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
+def test_prefix_hit_is_exact_on_the_embedded_model(own_weights_engine, corpus):
+    engine = own_weights_engine
     prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[:2]) + "\n\n"
-    embedded_engine.warm(prefix)
+    engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
-    full = embedded_engine.generate(prompt, max_new_tokens=12, reuse=False, return_logits=True)
-    check = check_against_full_prefill(embedded_engine, prompt, full, atol=1e-3)
+    full = engine.generate(prompt, max_new_tokens=12, reuse=False, return_logits=True)
+    check = check_against_full_prefill(engine, prompt, full, atol=1e-3)
     assert check.steps_compared > 0
     for hit in (check.forced, check.free):
-        assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
+        assert hit.prefix_hit_tokens >= engine.count_tokens(prefix) - 1
+
+
+def test_a_prefix_hits_first_token_is_exact_while_decode_reads_four_bit_runs(embedded_engine, corpus):
+    """Prompt work beside decode rows (the tokens after a prefix hit) reads the model's own
+    weights whatever decode reads: the first token's logits are full prefill's."""
+    prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[2:4]) + "\n\n"
+    embedded_engine.warm(prefix)
+    prompt = prefix + "Question: what is described?\nAnswer:"
+    full = embedded_engine.generate(prompt, max_new_tokens=1, reuse=False, return_logits=True)
+    hit = embedded_engine.generate(prompt, max_new_tokens=1, return_logits=True)
+    assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
+    assert (hit.step_logits[0].float() - full.step_logits[0].float()).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("weighting", ["attention", "value"])
@@ -88,3 +110,26 @@ def test_attention_repair_beats_no_repair_and_improves_with_budget(embedded_engi
         assert all(k < none for k, none in zip(kl[budget], kl[0.0])), (budget, kl)
     means = [statistics.mean(kl[b]) for b in budgets]
     assert means == sorted(means, reverse=True), means
+
+
+def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do(embedded_engine, own_weights_engine):
+    """The embedded model's GGUF stores its 210 projection layers as Q4_1: decode reads them as
+    stored, and its greedy answer is the float32 weights' up to their first near tie (a top-1
+    margin under 0.5, the bar ``bench/int8_quality.py`` measures)."""
+    from kvboost_rag.hf.four_bit_groups import four_bit_available
+
+    if not four_bit_available():
+        pytest.skip("no CPU 4-bit kernel in this torch build")
+    assert embedded_engine.four_bit_layers == 210
+    own = own_weights_engine
+    assert own.four_bit_layers == 0
+    topics = python_reference_documents(max_chars=700)[:3]
+    prompt = embedded_engine.apply_chat_template(
+        [{"role": "user", "content": "\n\n".join(topics) + "\n\nExplain the first document in two sentences."}]
+    )
+    expected = own.generate(prompt, max_new_tokens=32, return_logits=True)
+    got = embedded_engine.generate(prompt, max_new_tokens=32)
+    for step, margin in enumerate(margins(expected.step_logits)):
+        if margin < 0.5:
+            break
+        assert got.token_ids[step] == expected.token_ids[step], step

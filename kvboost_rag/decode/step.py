@@ -248,7 +248,7 @@ class DecodeRows:
                 continue
             tokens = [sequence.token, *draft]
             positions = torch.arange(sequence.position, sequence.position + len(tokens))
-            out.append(Segment(torch.tensor(tokens), positions, sequence.cache, logits=len(tokens)))  # type: ignore[arg-type]
+            out.append(Segment(torch.tensor(tokens), positions, sequence.cache, logits=len(tokens), decode=True))  # type: ignore[arg-type]
         return out
 
     def finish(

@@ -206,10 +206,14 @@ class ModelAdapter:
     @torch.inference_mode()
     def forward_packed(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
         """:meth:`forward_segments` as one packed pass, whatever the probe found (the probe
-        itself calls it)."""
-        runs = packed_layout(segments, self.device)
+        itself calls it). The decode segments go first, so their rows lead every layer's input
+        (and the output layer's, all their tokens' logits being kept): the small-row kernel
+        takes those rows, the prompt work after them reads the model's own weights."""
+        order = sorted(range(len(segments)), key=lambda i: not segments[i].decode)
+        runs = packed_layout([segments[i] for i in order], self.device)
         index = logits_index(runs)
-        with self._attention.use(PACKED_ATTENTION), self.small_rows.active():
+        decode_rows = sum(len(run.segment) for run in runs if run.segment.decode)
+        with self._attention.use(PACKED_ATTENTION), self.small_rows.active(decode_rows):
             out = self.model(
                 input_ids=host_to_device(packed_ids(runs), self.device),
                 position_ids=host_to_device(packed_positions(runs), self.device),
@@ -217,7 +221,11 @@ class ModelAdapter:
                 use_cache=True,
                 logits_to_keep=index if isinstance(index, int) else host_to_device(index, self.device),
             )
-        return split_outputs(runs, out.logits[0])
+        outputs = split_outputs(runs, out.logits[0])
+        placed: list[SegmentOutput] = [outputs[0]] * len(segments)
+        for position, i in enumerate(order):
+            placed[i] = outputs[position]
+        return placed
 
     def _segment_alone(self, segment: Segment) -> SegmentOutput:
         """One segment in a pass of its own, through the model's own attention (a segment
@@ -230,7 +238,7 @@ class ModelAdapter:
         if not appended:
             cache.arm(host_to_device(positions, self.device))
         recording = last_query_attention(segment.record) if segment.record else nullcontext([])
-        small_rows = self.small_rows.active() if segment.logits == len(segment) else nullcontext()
+        small_rows = self.small_rows.active() if segment.decode else nullcontext()
         with recording as recorded, small_rows:
             logits = self.forward(
                 segment.ids, positions, cache, sparse_queries=not appended or held > 0, logits_to_keep=max(1, segment.logits)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -62,16 +63,29 @@ def fused_int8(group: Sequence[torch.nn.Linear]) -> list[SiblingProduct]:
     return [SiblingProduct(shared, index) for index in range(len(group))]
 
 
+class FusedCopy(Protocol):
+    """A fused product: an int8 copy (:data:`~kvboost_rag.hf.int8_rows.Int8Linear`) or a
+    4-bit one (:class:`~kvboost_rag.hf.four_bit_groups.FourBitLinear`)."""
+
+    in_features: int
+    out_features: int
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def within_rounding(self, got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool: ...
+
+
 class SharedInput:
     """A fused product whose output columns belong to several layers: each layer takes its
     own from the last product on its input (see the module's doc).
 
     Args:
-        fused: The group's int8 copy.
+        fused: The group's copy (int8 or 4-bit).
         widths: Each layer's output width, in the copy's order.
     """
 
-    def __init__(self, fused: Int8Linear, widths: list[int]) -> None:
+    def __init__(self, fused: FusedCopy, widths: list[int]) -> None:
         self.fused = fused
         self.widths = widths
         self._held = threading.local()  # (input, outputs not taken yet) of this thread's last product

@@ -60,6 +60,9 @@ class Segment:
         record: Attention of this many of its last queries is recorded per layer (summed over
             them, mean over heads; ``0``: none): the attention repair's probe.
         record_layers: Layers recorded, from the first (``None``: all).
+        decode: A decode or verify row (every token's logits wanted): its linear layers read
+            what ``decode_weights`` says (:mod:`kvboost_rag.hf.small_rows`); prompt work always
+            reads the model's own weights.
     """
 
     ids: torch.Tensor
@@ -68,6 +71,7 @@ class Segment:
     logits: int = 0
     record: int = 0
     record_layers: int | None = None
+    decode: bool = False
 
     def __len__(self) -> int:
         return int(self.ids.numel())

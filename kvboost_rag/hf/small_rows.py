@@ -23,6 +23,11 @@ what decode should read (``decode_weights``) and then, for the model's own float
 - ``"onednn"``: oneDNN over the model's own weights (no copy, less fast);
 - ``"off"``: ``F.linear``, as the model itself runs.
 
+Apart from that kernel, with ``decode_weights`` ``"auto"`` or ``"int8"``, the layers whose float32
+weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at every row count
+(:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others are); the
+kernel above is chosen for the rest.
+
 The choice is a rule over facts of the model, its dtype, the device and the torch build, never a
 timing taken at load (timed at load, the choice flipped between starts of the same model on the
 same idle machine, so decode speed changed from one start to the next):
@@ -45,10 +50,12 @@ Xeon (AVX-512), over all of Qwen2.5 0.5B's layers on 2 threads (``bench/int8_ker
 ``F.linear`` took 84.5 / 148.3 / 201.4 / 190.9 ms at 1 / 4 / 8 / 16 rows, the packed copy 101.7 /
 114.0 / 131.8 / 160.0, int8 45.0 / 61.4 / 71.6 / 90.5.
 
-The chosen kernel runs only inside the engine's decode and verify steps, in the thread that
-runs them (:meth:`SmallRowLinears.active`), for inputs of at most :data:`MAX_ROWS` rows:
-prefill passes, and anything else that calls the model (``model.generate`` included), run
-``F.linear`` over the model's own weights.
+The chosen kernel runs only on the decode and verify rows of the engine's steps, in the thread
+that runs them (:meth:`SmallRowLinears.active`), at most :data:`MAX_ROWS` of them: the prompt
+work a packed pass carries beside them (a prefill slice, the tokens after a prefix hit, the
+repair's passes, a document being warmed), prefill passes, and anything else that calls the
+model (``model.generate`` included), run ``F.linear`` over the model's own weights, so reuse
+stays exact whatever decode reads.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvboost_rag.hf.four_bit_groups import FourBitLinear, four_bit_linears
 from kvboost_rag.hf.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
 from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
 from kvboost_rag.hf.sparse_attention import thread_setting
@@ -147,12 +155,21 @@ class SmallRowLinears:
             int8 or packed copies; 0 when it reads the model's own).
         min_rows: Fewest rows the kernel takes; smaller inputs keep the layers' own product
             (:func:`float_kernel_min_rows`).
+        four_bit: The layers whose weights are 4-bit runs, read as stored at every row count
+            (:mod:`kvboost_rag.hf.four_bit_groups`); not in :attr:`weights`, their copies'
+            bytes in :attr:`copy_bytes`.
     """
 
     kernel: SmallRowKernel = "off"
     weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = field(default_factory=dict)
     copy_bytes: int = 0
     min_rows: int = 1
+    four_bit: dict[torch.nn.Linear, FourBitLinear | SiblingProduct] = field(default_factory=dict)
+
+    @property
+    def routed(self) -> bool:
+        """Whether any layer runs a kernel of its own in decode and verify steps."""
+        return self.kernel != "off" or bool(self.four_bit)
 
     def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """The kernel's product for one of the layers (``x -> x @ W.T + b``)."""
@@ -163,41 +180,69 @@ class SmallRowLinears:
 
     def install(self) -> None:
         """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
-        for module in self.weights:
-            routed = types.MethodType(_routed_forward(self.product(module), self.min_rows), module)
+        routes = [(module, self.product(module), self.min_rows) for module in self.weights]
+        routes += [(module, product, 1) for module, product in self.four_bit.items()]
+        for module, product, min_rows in routes:
+            routed = types.MethodType(_routed_forward(product, min_rows), module)
             setattr(routed.__func__, ROUTED, True)
             module.forward = routed
 
     def restore(self) -> None:
         """Give the layers back their own ``forward`` and drop the copies."""
-        for module in self.weights:
+        for module in [*self.weights, *self.four_bit]:
             module.__dict__.pop("forward", None)
         self.weights.clear()
+        self.four_bit.clear()
         self.copy_bytes = 0
         self.kernel = "off"
 
     @contextmanager
-    def active(self) -> Iterator[None]:
-        """Within the block (this thread), the layers take inputs of up to :data:`MAX_ROWS`
-        rows through the kernel."""
-        with thread_setting(_state, "on", self.kernel != "off"):
-            yield
+    def active(self, decode_rows: int | None = None) -> Iterator[None]:
+        """Within the block (this thread), the layers take decode and verify rows of up to
+        :data:`MAX_ROWS` through the kernel.
+
+        Args:
+            decode_rows: How many of each layer input's first rows are decode and verify rows
+                (a packed pass's decode segments come first); the rows after them (prompt work)
+                read the model's own weights. ``None``: every row.
+        """
+        with thread_setting(_state, "on", self.routed), thread_setting(_state, "rows", decode_rows):
+            try:
+                yield
+            finally:
+                _state.head = None  # the last input split in two (see _decode_head)
 
 
 def _routed_forward(
     run: Callable[[torch.Tensor], torch.Tensor], min_rows: int
 ) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if (
-            getattr(_state, "on", False)
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and min_rows * module.in_features <= x.numel() <= MAX_ROWS * module.in_features
-        ):
+        if not getattr(_state, "on", False) or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, module.weight, module.bias)
+        rows = x.numel() // module.in_features
+        decode = getattr(_state, "rows", None)
+        decode = rows if decode is None else min(decode, rows)
+        if not min_rows <= decode <= MAX_ROWS:
+            return F.linear(x, module.weight, module.bias)
+        if decode == rows:
             return run(x)
-        return F.linear(x, module.weight, module.bias)
+        flat = x.reshape(rows, module.in_features)
+        head = run(_decode_head(x, flat, decode))
+        tail = F.linear(flat[decode:], module.weight, module.bias)
+        return torch.cat([head, tail]).view(*x.shape[:-1], module.out_features)
 
     return forward
+
+
+def _decode_head(x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``x``, the same tensor for every layer called on ``x`` (so
+    the layers that read one input share one product, :mod:`kvboost_rag.hf.int8_siblings`);
+    held until the next split or the end of :meth:`SmallRowLinears.active`."""
+    held = getattr(_state, "head", None)
+    if held is None or held[0] is not x or held[1].shape[0] != rows:
+        held = (x, flat[:rows])
+        _state.head = held
+    return held[1]
 
 
 def model_key(model: torch.nn.Module) -> tuple[str, int, int, int]:
@@ -240,22 +285,52 @@ def choose_kernel(
             module's doc), or the kernel to use where it applies.
         packed_bytes: Most bytes the packed copies may take (``"packed"`` is not used beyond it).
         decode_weights: What decode reads: ``"model"`` (its own float32 weights, through
-            ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`).
+            ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`);
+            with ``"int8"`` and ``"auto"``, the layers whose weights are 4-bit runs read them as
+            stored (:mod:`kvboost_rag.hf.four_bit_groups`).
 
     Returns:
-        The layers and their kernel (``"off"``: nothing was changed).
+        The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
     """
-    reads = decode_reads(model, decode_weights)
-    wanted = reads == "int8" or (setting != "off" and onednn_available())
-    modules = eligible_linears(model) if wanted else []
-    for module in modules:  # routed by an earlier engine on this model: decided anew
+    eligible = eligible_linears(model)
+    for module in eligible:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
-    if not modules:
-        return SmallRowLinears()
+    four_bit = _four_bit_copies(model, eligible) if decode_weights != "model" else {}
+    rest = [module for module in eligible if module not in four_bit]
+    chosen = _rest_kernel(model, rest, setting, packed_bytes, decode_reads(model, decode_weights)) if rest else SmallRowLinears()
+    chosen.four_bit = four_bit
+    chosen.copy_bytes += sum(copy.nbytes for copy in four_bit.values())
+    return _installed(chosen, len(eligible))
+
+
+def _four_bit_copies(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) -> dict[torch.nn.Linear, FourBitLinear | SiblingProduct]:
+    """The 4-bit copies of the layers stored as 4-bit runs, if the kernel computes what the
+    layers compute (checked on the first of them and the largest)."""
+    try:
+        copies = four_bit_linears(model, eligible)
+    except RuntimeError as exc:  # the kernel's packing refused a layer
+        logger.warning("small-row kernel: the 4-bit kernel failed on this model (%s); not used", exc)
+        return {}
+    if not copies:
+        return {}
+    layers = list(copies)
+    agrees = _kernel_agrees(layers, partial(_four_bit_agrees_on, copies), "the 4-bit kernel")
+    for copy in copies.values():
+        if isinstance(copy, SiblingProduct):
+            copy.shared.forget()  # the probes' held outputs
+    return copies if agrees else {}
+
+
+def _rest_kernel(
+    model: torch.nn.Module, modules: list[torch.nn.Linear], setting: str, packed_bytes: int, reads: Literal["model", "int8"]
+) -> SmallRowLinears:
+    """The kernel of the layers not read as 4-bit runs (not installed)."""
     if reads == "int8":
         chosen = _int8_linears(model, modules)
         if chosen.kernel == "int8" or not onednn_available() or setting == "off":
-            return _installed(chosen, len(modules))
+            return chosen
+    if setting == "off" or not onednn_available():
+        return SmallRowLinears()
     weight_bytes = sum(m.weight.numel() * 4 for m in modules)
     name: SmallRowKernel = setting  # type: ignore[assignment]
     if setting == "auto":
@@ -269,7 +344,7 @@ def choose_kernel(
     if not _kernel_agrees(modules, partial(_onednn_agrees_on, weights), "oneDNN"):
         return SmallRowLinears()
     copy = sum(w.numel() * w.element_size() for w in weights.values()) if name == "packed" else 0
-    return _installed(SmallRowLinears(name, weights, copy_bytes=copy, min_rows=float_kernel_min_rows()), len(modules))
+    return SmallRowLinears(name, weights, copy_bytes=copy, min_rows=float_kernel_min_rows())
 
 
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -295,13 +370,15 @@ def float_kernel_min_rows(vendor: str | None = None) -> int:
 
 
 def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
-    if linears.kernel != "off":
+    if linears.routed:
         linears.install()
         logger.info(
-            "small-row kernel for decode and verify steps: %s from %d rows (%d layers, copies %d MiB)",
+            "small-row kernel for decode and verify steps: %d of %d layers read as stored 4-bit runs, the others %s "
+            "from %d rows (copies %d MiB)",
+            len(linears.four_bit),
+            layers,
             linears.kernel,
             linears.min_rows,
-            layers,
             linears.copy_bytes >> 20,
         )
     return linears
@@ -357,6 +434,16 @@ def _kernel_agrees(
         logger.warning("small-row kernel: %s failed on this model (%s); not used", kernel, exc)
         return False
     return True
+
+
+def _four_bit_agrees_on(
+    copies: dict[torch.nn.Linear, FourBitLinear | SiblingProduct], module: torch.nn.Linear, x: torch.Tensor
+) -> bool:
+    """Whether the 4-bit kernel computes ``F.linear`` over the layer's own weight for ``x``,
+    within the bound the bfloat16 rounding allows (the runs are the weight's own values)."""
+    expected = F.linear(x, module.weight, module.bias)
+    got = copies[module](x)
+    return got.shape == expected.shape and copies[module].within_rounding(got, expected, x, module.weight)
 
 
 def _int8_agrees_on(
