@@ -143,7 +143,7 @@ def decode_steps(engine: KVBoost, prompts: Sequence[str], sizes: Sequence[int], 
         for _ in range(repeats):
             start = time.perf_counter()
             adapter.forward_segments(
-                [Segment(token, torch.tensor([position]), cache, logits=1) for position, cache in zip(positions, caches[:size])]
+                [Segment(token, torch.tensor([position]), cache, logits=1, decode=True) for position, cache in zip(positions, caches[:size])]
             )
             times.append((time.perf_counter() - start) * 1000)
             positions[:size] = [p + 1 for p in positions[:size]]

@@ -60,7 +60,8 @@ def _eager_step(adapter: ModelAdapter, pool: SlotPool, row: Row) -> tuple[float,
     the position the captured loop overwrites next)."""
     keys, values = pool.buffers(row.slot)
     segment = lambda: Segment(  # noqa: E731
-        torch.tensor(row.tokens), torch.tensor([row.position]), adapter.cache_over(keys, values, row.position), logits=1
+        torch.tensor(row.tokens), torch.tensor([row.position]), adapter.cache_over(keys, values, row.position), logits=1,
+        decode=True,
     )
     step = lambda: adapter.forward_segments([segment()])  # noqa: E731
     step()

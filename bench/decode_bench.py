@@ -422,7 +422,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
                 adapter.small_rows = kernel
                 for width in WIDTHS:
                     start = time.perf_counter()
-                    row = Segment(torch.tensor(ids[-width:]), torch.arange(len(ids), len(ids) + width), cache, logits=width)
+                    row = Segment(torch.tensor(ids[-width:]), torch.arange(len(ids), len(ids) + width), cache, logits=width, decode=True)
                     adapter.forward_segments([row])
                     if rep:
                         seconds.setdefault((name, width), []).append(time.perf_counter() - start)

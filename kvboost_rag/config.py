@@ -184,7 +184,8 @@ class KVBoostSettings(BaseModel):
             max_decode_wait)`` of the machine's time while answers decode).
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
-            stays what plain decoding gives, sampling keeps its distribution). The length of
+            stays what plain decoding gives, sampling keeps its distribution; where decode
+            reads rounded weights, ``decode_weights``, a near tie may go either way). The length of
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
@@ -206,8 +207,9 @@ class KVBoostSettings(BaseModel):
             of each run's step and offset); ``"model"`` reads every layer's float32 weights.
             Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
-            Prefill passes, and calls of the model outside the engine, always read the model's
-            own weights. Not used with captured steps.
+            Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),
+            even in a step beside decode rows, and calls of the model outside the engine, always
+            read the model's own weights, so the first token of every reuse path is unchanged. Not used with captured steps.
         small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) over the
             model's own float32 weights in decode and verify steps, chosen when the engine
             loads (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16

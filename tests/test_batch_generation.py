@@ -233,7 +233,7 @@ def test_a_packed_pass_gives_each_segment_what_its_own_pass_gives(make_engine, o
             scattered = torch.tensor([10, 11, 20, 40, n3 - 1])
             return [
                 Segment(torch.tensor([7]), torch.tensor([n0]), caches[0], logits=1),
-                Segment(torch.tensor([7, 8, 9]), torch.arange(n1, n1 + 3), caches[1], logits=3),
+                Segment(torch.tensor([7, 8, 9]), torch.arange(n1, n1 + 3), caches[1], logits=3, decode=True),  # runs first
                 Segment(torch.arange(3, 23), torch.arange(n2, n2 + 20), caches[2], logits=1),
                 Segment(prompts[3][scattered], scattered, caches[3], logits=1),
             ]
