@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny-host", action="store_true", help="also the host-cost check on a tiny 32-layer model")
     parser.add_argument("--cost-reps", type=int, default=7, help="rounds of the verify-cost table (0: none)")
     parser.add_argument(
-        "--decode-weights", choices=("auto", "model", "int8"), default="auto",
+        "--decode-weights", choices=("auto", "model", "int8", "stored"), default="auto",
         help="what the engine's decode and verify steps read (the engine's decode_weights setting)",
     )
     parser.add_argument(

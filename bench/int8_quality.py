@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--decode-weights", choices=("int8", "auto"), default="int8",
-        help="what decode reads: int8 (an int8 copy, layers stored as 4-bit runs read as stored) or auto (the engine's default)",
+        "--decode-weights", choices=("int8", "stored", "auto"), default="int8",
+        help="what decode reads: int8 (an int8 copy, layers stored as 4-bit runs read as stored), stored (those runs, "
+        "the model's own weights elsewhere) or auto (the engine's default)",
     )
     parser.add_argument("--tie-margin", type=float, default=0.5, help="top-1 minus top-2 logit below which a step is a near tie")
     parser.add_argument("--jsonl", type=Path, default=None, help="append per-prompt results here")

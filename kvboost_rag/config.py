@@ -199,12 +199,15 @@ class KVBoostSettings(BaseModel):
             costs a quarter of the float32 weights, not the whole again as the packed copy
             does), or ``"auto"`` (default: ``"int8"`` only for
             the models whose int8 answers were measured to equal their own, see
-            docs/benchmarks.md, else ``"model"``). With ``"auto"`` and ``"int8"``, the layers
+            docs/benchmarks.md, else ``"model"``). ``"stored"``: the layers
             whose float32 weights are 4-bit runs (a GGUF file's Q4_0, Q4_1 or Q4_K tensors, as
             ``convert_gguf`` and the embedded model hold them) are read as stored, 4 bits per
             weight, through torch's CPU 4-bit kernel with bfloat16 activations (an eighth of the
-            float32 bytes; the weights' values are the model's own up to the bfloat16 rounding
-            of each run's step and offset); ``"model"`` reads every layer's float32 weights.
+            float32 bytes; the values are the model's own up to the bfloat16 rounding of each
+            run's step and offset), the others on their own weights; wherever decode reads int8,
+            those runs are read as stored too. Not the default for other models: with rounded
+            weights, drafts (whose lengths follow measured step times) can flip a near tie from
+            one call to the next.
             Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
             Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),
@@ -309,7 +312,7 @@ class KVBoostSettings(BaseModel):
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
     max_decode_wait: float = Field(0.7, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)
-    decode_weights: Literal["auto", "model", "int8"] = "auto"
+    decode_weights: Literal["auto", "model", "int8", "stored"] = "auto"
     small_row_kernels: Literal["auto", "packed", "onednn", "off"] = "auto"
     packed_weights_bytes: int = Field(4 * 1024**3, ge=0)
     captured_steps: Literal["auto", "on", "off"] = "auto"

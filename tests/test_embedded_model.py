@@ -15,12 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def own_weights_engine():
-    """The embedded model decoding on its own float32 weights. Reuse is checked for exactness
-    there: the default engine decodes on the stored 4-bit runs, whose bfloat16 rounding turns
-    float32 rounding differences (a verify step's against a one-token step's) into logit
-    differences of ~0.1 (measured by ``bench/int8_quality.py``, tested below)."""
-    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n", decode_weights="model")
+def stored_engine():
+    """The embedded model decoding on its GGUF's 4-bit runs as stored (``decode_weights="stored"``)."""
+    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n", decode_weights="stored")
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +56,8 @@ def test_repairs_beat_no_repair_on_shuffled_documents(embedded_engine, corpus):
     assert statistics.mean(kl["attention"]) < statistics.mean(kl["cacheblend"])
 
 
-def test_prefix_hit_is_exact_on_the_embedded_model(own_weights_engine, corpus):
-    engine = own_weights_engine
+def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
+    engine = embedded_engine
     prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[:2]) + "\n\n"
     engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
@@ -71,15 +68,15 @@ def test_prefix_hit_is_exact_on_the_embedded_model(own_weights_engine, corpus):
         assert hit.prefix_hit_tokens >= engine.count_tokens(prefix) - 1
 
 
-def test_a_prefix_hits_first_token_is_exact_while_decode_reads_four_bit_runs(embedded_engine, corpus):
+def test_a_prefix_hits_first_token_is_exact_while_decode_reads_four_bit_runs(stored_engine, corpus):
     """Prompt work beside decode rows (the tokens after a prefix hit) reads the model's own
     weights whatever decode reads: the first token's logits are full prefill's."""
     prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[2:4]) + "\n\n"
-    embedded_engine.warm(prefix)
+    stored_engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
-    full = embedded_engine.generate(prompt, max_new_tokens=1, reuse=False, return_logits=True)
-    hit = embedded_engine.generate(prompt, max_new_tokens=1, return_logits=True)
-    assert hit.prefix_hit_tokens >= embedded_engine.count_tokens(prefix) - 1
+    full = stored_engine.generate(prompt, max_new_tokens=1, reuse=False, return_logits=True)
+    hit = stored_engine.generate(prompt, max_new_tokens=1, return_logits=True)
+    assert hit.prefix_hit_tokens >= stored_engine.count_tokens(prefix) - 1
     assert (hit.step_logits[0].float() - full.step_logits[0].float()).abs().max() <= 1e-3
 
 
@@ -112,7 +109,7 @@ def test_attention_repair_beats_no_repair_and_improves_with_budget(embedded_engi
     assert means == sorted(means, reverse=True), means
 
 
-def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do(embedded_engine, own_weights_engine):
+def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do(embedded_engine, stored_engine):
     """The embedded model's GGUF stores its 210 projection layers as Q4_1: decode reads them as
     stored, and its greedy answer is the float32 weights' up to their first near tie (a top-1
     margin under 0.5, the bar ``bench/int8_quality.py`` measures)."""
@@ -120,15 +117,15 @@ def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do
 
     if not four_bit_available():
         pytest.skip("no CPU 4-bit kernel in this torch build")
-    assert embedded_engine.four_bit_layers == 210
-    own = own_weights_engine
+    assert stored_engine.four_bit_layers == 210
+    own = embedded_engine  # the default: its own float32 weights
     assert own.four_bit_layers == 0
     topics = python_reference_documents(max_chars=700)[:3]
-    prompt = embedded_engine.apply_chat_template(
+    prompt = own.apply_chat_template(
         [{"role": "user", "content": "\n\n".join(topics) + "\n\nExplain the first document in two sentences."}]
     )
     expected = own.generate(prompt, max_new_tokens=32, return_logits=True)
-    got = embedded_engine.generate(prompt, max_new_tokens=32)
+    got = stored_engine.generate(prompt, max_new_tokens=32)
     for step, margin in enumerate(margins(expected.step_logits)):
         if margin < 0.5:
             break

@@ -23,10 +23,13 @@ what decode should read (``decode_weights``) and then, for the model's own float
 - ``"onednn"``: oneDNN over the model's own weights (no copy, less fast);
 - ``"off"``: ``F.linear``, as the model itself runs.
 
-Apart from that kernel, with ``decode_weights`` ``"auto"`` or ``"int8"``, the layers whose float32
-weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at every row count
-(:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others are); the
-kernel above is chosen for the rest.
+Apart from that kernel, with ``decode_weights="stored"``, and wherever decode reads int8, the
+layers whose float32 weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at
+every row count (:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others
+are); the kernel above is chosen for the rest. Not by default on other models: rounded decode
+weights turn a verify step's float32 differences from a one-token step's into logit differences
+of ~0.1, and draft lengths follow measured step times, so a near tie could go either way from
+one call to the next.
 
 The choice is a rule over facts of the model, its dtype, the device and the torch build, never a
 timing taken at load (timed at load, the choice flipped between starts of the same model on the
@@ -80,7 +83,7 @@ from kvboost_rag.hf.sparse_attention import thread_setting
 logger = logging.getLogger(__name__)
 
 SmallRowKernel = Literal["int8", "packed", "onednn", "off"]
-DecodeWeights = Literal["auto", "model", "int8"]
+DecodeWeights = Literal["auto", "model", "int8", "stored"]
 #: Largest input (rows: tokens of all sequences of a step) the chosen kernel takes.
 MAX_ROWS = 256
 #: Batch size the packed layout is chosen for (oneDNN picks its blocking from it).
@@ -258,10 +261,11 @@ def model_key(model: torch.nn.Module) -> tuple[str, int, int, int]:
 
 
 def decode_reads(model: torch.nn.Module, decode_weights: DecodeWeights) -> Literal["model", "int8"]:
-    """What decode and verify steps read under ``decode_weights``, where the kernels apply:
-    ``"int8"`` needs the int8 kernel (:func:`~kvboost_rag.hf.int8_rows.int8_available`);
-    ``"auto"`` is ``"int8"`` only for the models of :data:`INT8_BY_DEFAULT`."""
-    if decode_weights == "model" or not int8_available():
+    """What decode and verify steps read under ``decode_weights`` (besides 4-bit runs), where
+    the kernels apply: ``"int8"`` needs the int8 kernel
+    (:func:`~kvboost_rag.hf.int8_rows.int8_available`); ``"auto"`` is ``"int8"`` only for the
+    models of :data:`INT8_BY_DEFAULT`; ``"stored"`` and ``"model"`` are ``"model"``."""
+    if decode_weights in ("model", "stored") or not int8_available():
         return "model"
     if decode_weights == "auto" and model_key(model) not in INT8_BY_DEFAULT:
         return "model"
@@ -285,9 +289,10 @@ def choose_kernel(
             module's doc), or the kernel to use where it applies.
         packed_bytes: Most bytes the packed copies may take (``"packed"`` is not used beyond it).
         decode_weights: What decode reads: ``"model"`` (its own float32 weights, through
-            ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`);
-            with ``"int8"`` and ``"auto"``, the layers whose weights are 4-bit runs read them as
-            stored (:mod:`kvboost_rag.hf.four_bit_groups`).
+            ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`),
+            ``"stored"`` (the layers whose weights are 4-bit runs read as stored,
+            :mod:`kvboost_rag.hf.four_bit_groups`, the others as ``"model"``); wherever decode
+            reads int8, the 4-bit runs are read as stored too.
 
     Returns:
         The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
@@ -295,9 +300,10 @@ def choose_kernel(
     eligible = eligible_linears(model)
     for module in eligible:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
-    four_bit = _four_bit_copies(model, eligible) if decode_weights != "model" else {}
+    reads = decode_reads(model, decode_weights)
+    four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
     rest = [module for module in eligible if module not in four_bit]
-    chosen = _rest_kernel(model, rest, setting, packed_bytes, decode_reads(model, decode_weights)) if rest else SmallRowLinears()
+    chosen = _rest_kernel(model, rest, setting, packed_bytes, reads) if rest else SmallRowLinears()
     chosen.four_bit = four_bit
     chosen.copy_bytes += sum(copy.nbytes for copy in four_bit.values())
     return _installed(chosen, len(eligible))
