@@ -11,13 +11,15 @@ GGUF file or its tensor names.
 
 The product is torch's ``_weight_int4pack_mm_for_cpu`` (the kernel of torch's own 4-bit
 weight-only linears on CPU) with bfloat16 activations, steps and offsets (its float16 and
-float32 paths are unvectorized, 10-100x slower), its output widened to float32: an eighth of the
-float32 bytes read per step. The weights' values are the model's own up to the bfloat16
+float32 paths are unvectorized, 30-65x slower on one row), its output widened to float32:
+an eighth of the float32 bytes read per step. The weights' values are the model's own up to the bfloat16
 rounding of each run's step and offset (2**-9 relative); the activations and sums are rounded to
 bfloat16 too. Measured (docs/benchmarks.md): the embedded model's 210 projection layers, one-row
 step over 2.4k keys 62.1 -> 43.7 ms on a 2-core Intel Xeon; next-token KL against the model's own
-weights median 1.05e-4, answers equal up to the first near tie on 6 of 6 prompts (the bar for a
-default is 95% and 1e-3).
+weights median 1.06e-4, answers equal up to the first near tie on 12 of 12 prompts. Read with
+``decode_weights="stored"`` and wherever decode reads int8, not by default otherwise: a verify
+step's logits differ from a one-token step's by ~0.1 after the bfloat16 rounding, so near ties
+under drafts can go either way from one call to the next.
 
 The layers that read one input (query/key/value, gate/up) are multiplied as one when all of
 them are 4-bit groups (:mod:`kvboost_rag.hf.int8_siblings`' sharing).
