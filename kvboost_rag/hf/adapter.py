@@ -221,11 +221,8 @@ class ModelAdapter:
                 use_cache=True,
                 logits_to_keep=index if isinstance(index, int) else host_to_device(index, self.device),
             )
-        outputs = split_outputs(runs, out.logits[0])
-        placed: list[SegmentOutput] = [outputs[0]] * len(segments)
-        for position, i in enumerate(order):
-            placed[i] = outputs[position]
-        return placed
+        placed = dict(zip(order, split_outputs(runs, out.logits[0])))
+        return [placed[i] for i in range(len(segments))]
 
     def _segment_alone(self, segment: Segment) -> SegmentOutput:
         """One segment in a pass of its own, through the model's own attention (a segment

@@ -321,9 +321,7 @@ def _four_bit_copies(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]
         return {}
     layers = list(copies)
     agrees = _kernel_agrees(layers, partial(_four_bit_agrees_on, copies), "the 4-bit kernel")
-    for copy in copies.values():
-        if isinstance(copy, SiblingProduct):
-            copy.shared.forget()  # the probes' held outputs
+    _forget_probe_outputs(copies, _probed_layers(layers))
     return copies if agrees else {}
 
 
@@ -404,10 +402,15 @@ def _int8_linears(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) ->
     checked = {module: dequantize_rows(*quantize_rows(module.weight[:AGREEMENT_ROWS])) for module in probed}  # rows quantize alone
     linears = SmallRowLinears("int8", weights, sum(w.nbytes for w in weights.values()))  # type: ignore[union-attr]
     agrees = _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel")
-    for module in probed:
-        if isinstance(weights[module], SiblingProduct):
-            weights[module].shared.forget()  # the probes' held outputs
+    _forget_probe_outputs(weights, probed)
     return linears if agrees else SmallRowLinears()
+
+
+def _forget_probe_outputs(copies: dict, probed: Sequence[torch.nn.Linear]) -> None:
+    """Drop the outputs the load-time probes left held by the probed layers' fused groups."""
+    for module in probed:
+        if isinstance(copies[module], SiblingProduct):
+            copies[module].shared.forget()
 
 
 def _probed_layers(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:
