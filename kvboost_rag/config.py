@@ -184,8 +184,9 @@ class KVBoostSettings(BaseModel):
             max_decode_wait)`` of the machine's time while answers decode).
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
-            stays what plain decoding gives, sampling keeps its distribution; where decode
-            reads rounded weights, ``decode_weights``, a near tie may go either way). The length of
+            stays what plain decoding gives, whatever ``decode_weights``: a verify step computes
+            each token as a one-token step would, bitwise but for the float32 rounding of layers
+            that read float32 weights; sampling keeps its distribution). The length of
             each draft follows how often drafts were accepted and what a longer step costs on
             this machine, measured as it decodes; no draft where nothing matches. ``0`` turns
             drafting off.
@@ -197,17 +198,16 @@ class KVBoostSettings(BaseModel):
             torch's weight-only ``_weight_int8pack_mm`` where a torch build has no FBGEMM: a
             quarter of the bytes, greedy answers no longer exactly the model's own; the copy
             costs a quarter of the float32 weights, not the whole again as the packed copy
-            does), or ``"auto"`` (default: ``"int8"`` only for
-            the models whose int8 answers were measured to equal their own, see
-            docs/benchmarks.md, else ``"model"``). ``"stored"``: the layers
-            whose float32 weights are 4-bit runs (a GGUF file's Q4_0, Q4_1 or Q4_K tensors, as
-            ``convert_gguf`` and the embedded model hold them) are read as stored, 4 bits per
-            weight, through torch's CPU 4-bit kernel with bfloat16 activations (an eighth of the
-            float32 bytes; the values are the model's own up to the bfloat16 rounding of each
-            run's step and offset), the others on their own weights; wherever decode reads int8,
-            those runs are read as stored too. Not the default for other models: with rounded
-            weights, drafts (whose lengths follow measured step times) can flip a near tie from
-            one call to the next.
+            does), ``"stored"`` (the layers whose float32 weights are 4-bit runs, a GGUF file's
+            Q4_0, Q4_1 or Q4_K tensors as ``convert_gguf`` and the embedded model hold them, are
+            read as stored, 4 bits per weight, through torch's CPU 4-bit kernel with bfloat16
+            activations: an eighth of the float32 bytes, the values the model's own up to the
+            bfloat16 rounding of each run's step and offset; the other layers as ``"model"``),
+            or ``"auto"`` (default: ``"int8"`` only for the models whose int8 answers were
+            measured to equal their own, see docs/benchmarks.md, with their 4-bit runs as
+            ``"stored"``; else ``"model"``). ``"stored"`` is not the default elsewhere: on rounded
+            activations, the float32 rounding differences between reuse paths grow to logit
+            differences of ~0.1 in later decode steps.
             Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
             Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),

@@ -226,3 +226,35 @@ def test_an_engine_decodes_on_int8_and_the_users_model_calls_stay_its_own(make_e
     assert answer.token_ids[0] == reference.token_ids[0]  # the first token: prefill, on the own weights
     with torch.inference_mode():
         assert torch.equal(engine.model(ids).logits, before)  # outside a step: untouched
+
+
+def verify_and_one_token_logits(engine, ids: list[int], drafted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the last ``drafted`` tokens of ``ids`` in one verify pass, and in one-token
+    passes at the same positions, over the same cache."""
+    from kvboost_rag.hf.caches import truncate_cache
+    from kvboost_rag.hf.packed import Segment
+
+    adapter, held = engine._adapter, len(ids) - drafted
+    cache = adapter.new_cache(len(ids) + 4)
+    with torch.inference_mode():
+        adapter.forward(torch.tensor(ids[:held]), torch.arange(held), cache)
+        verify = adapter.forward_packed([Segment(torch.tensor(ids[held:]), torch.arange(held, len(ids)), cache, logits=drafted, decode=True)])
+        truncate_cache(cache, held)
+        steps = [
+            adapter.forward_packed([Segment(torch.tensor(ids[p : p + 1]), torch.arange(p, p + 1), cache, logits=1, decode=True)])[0].logits
+            for p in range(held, len(ids))
+        ]
+    return verify[0].logits, torch.cat(steps)
+
+
+@needs_int8
+@pytest.mark.parametrize("drafted", [3, 16])
+def test_on_int8_a_verify_steps_logits_are_bitwise_those_of_one_token_steps(make_engine, docs, drafted):
+    """Greedy tokens must not depend on drafts: every layer reads int8 (each row on its own) and
+    the short rows' attention computes each token as it would alone."""
+    engine = make_engine("qwen2", decode_weights="int8")
+    ids = engine.tokenizer(rag_prompt([*docs, *docs, *docs], "What does it say?")).input_ids
+    assert len(ids) > 1500  # products over this many keys round by their count of keys on MKL
+    for length in (len(ids), 40):  # a long row, and one whose tokens attend one by one
+        verify, steps = verify_and_one_token_logits(engine, ids[:length], drafted)
+        assert torch.equal(verify, steps), length

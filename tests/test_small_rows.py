@@ -139,3 +139,22 @@ def test_on_intel_the_fewest_rows_keep_the_own_product(monkeypatch, vendor):
     assert int8.min_rows == 1  # the int8 copy serves every row count
     chosen.restore()
     int8.restore()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("length", [20, 64, 70, 130, 2100])
+def test_a_verify_steps_tokens_attend_bitwise_as_one_token_steps(heads, kv_heads, length):
+    """A token's attention output must not depend on the other tokens of its step (a float
+    product's rounding follows how many keys it sums), so drafts never change greedy tokens."""
+    torch.manual_seed(length)
+    tokens, dim = 16, 32
+    query = torch.randn(1, tokens, heads, dim).transpose(1, 2)
+    buffers = torch.full((2, 1, kv_heads, length + 8, dim), float("nan"))  # never read past the keys held
+    buffers[:, :, :, :length] = torch.randn(2, 1, kv_heads, length, dim)
+    key, value = buffers[0, :, :, :length], buffers[1, :, :, :length]
+    together = last_tokens_attention(query, key, value, 0.3)
+    assert not together.isnan().any()
+    for t in range(tokens):
+        seen = length - tokens + 1 + t
+        alone = last_tokens_attention(query[:, :, t : t + 1], key[:, :, :seen], value[:, :, :seen], 0.3)
+        assert torch.equal(together[:, :, t : t + 1], alone), t

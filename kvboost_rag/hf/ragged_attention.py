@@ -35,10 +35,13 @@ def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """Attention of a row's new tokens, which are its last keys, each over the keys up to its
     own position, with no window or softcap: one product of all queries of a K/V head (the
     heads that share it and the tokens, ``groups x tokens`` rows) with its keys, a softmax in
-    float32 with the tokens' causal corner masked, one product with its values. SDPA's
-    kernels on a CPU run a few queries of a grouped-query model one head and token block at
-    a time, over K/V expanded per head: 8 tokens cost 3-4x one there, 2-3x here (the
-    arithmetic itself grows with the tokens).
+    float32 with the tokens' causal corner masked, and the products with the values split at a
+    fixed key (:func:`_weighted_values`) so that a token's output is bitwise the same in a
+    verify step of any length as in a one-token step at its position (the tokens of a row
+    shorter than :data:`TOGETHER_MIN_KEYS` keys attend one by one). SDPA's kernels on a CPU
+    run a few queries of a grouped-query model one head and token block at a time, over K/V
+    expanded per head: 8 tokens cost 3-4x one there, 2-3x here (the arithmetic itself grows
+    with the tokens).
 
     Args:
         query: ``[1, heads, tokens, dim]``.
@@ -51,6 +54,12 @@ def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """
     _, heads, tokens, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
+    if 1 < tokens and length - tokens + 1 < TOGETHER_MIN_KEYS:  # a short row: each token alone
+        alone = []
+        for t in range(tokens):
+            seen = length - tokens + 1 + t
+            alone.append(last_tokens_attention(query[:, :, t : t + 1], key[:, :, :seen], value[:, :, :seen], scale))
+        return torch.cat(alone, dim=2)
     groups = heads // kv_heads
     folded = query.reshape(kv_heads, groups * tokens, dim)  # head h = kv * groups + g: rows g * tokens + t
     scores = torch.matmul(folded, key[0].transpose(-1, -2)).float()  # [kv_heads, groups * tokens, length]
@@ -58,7 +67,54 @@ def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if tokens > 1:  # token t sees the new keys up to its own: the strict upper corner is masked
         scores.view(kv_heads, groups, tokens, length)[..., length - tokens + 1 :].add_(_corner(tokens, scores.device))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value[0]).view(1, heads, tokens, value.shape[-1])
+    out = _weighted_values(probs.view(kv_heads, groups, tokens, length), value[0])
+    return out.view(1, heads, tokens, value.shape[-1])
+
+
+#: Fewest keys the first token of a step must see for its tokens to attend together: below it
+#: each token attends alone. Torch's CPU softmax sums a row in vector lanes (masked keys add zeros
+#: to the same lanes) and MKL's products round alike whatever the count of keys and rows, but
+#: not for rows shorter than a vector or two (16 floats with AVX-512), summed another way.
+TOGETHER_MIN_KEYS = 64
+
+
+#: Keys per block of the split value products: a token that sees ``n`` keys sums the first
+#: ``SPLIT_KEYS * (n // SPLIT_KEYS)`` of them in one product, the rest in a second one.
+SPLIT_KEYS = 64
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` per token, ``[kv_heads, groups, tokens, dim]``, computed so that a
+    token's result depends only on its own position, not on the other tokens of the step.
+
+    A product's rounding depends on how many keys it sums (a verify step's first token, its
+    later keys masked to zero, summed over more keys than the same token alone: up to 0.8 in
+    a logit after int8 activations), but not, with the same keys, on how many rows it computes
+    (checked by the tests on the running CPU). So a token that sees ``n`` keys sums the first
+    ``a = SPLIT_KEYS * (n // SPLIT_KEYS)`` in one product over exactly ``a`` keys, shared by the
+    step's tokens with the same ``a``, and adds its last ``n - a`` keys' product, one per token.
+
+    Args:
+        probs: ``[kv_heads, groups, tokens, length]`` attention weights; token ``t`` sees keys
+            up to ``length - tokens + t`` (the later ones' weights are zero).
+        values: ``[kv_heads, length, dim]``.
+    """
+    kv_heads, groups, tokens, length = probs.shape
+    seen = [length - tokens + 1 + t for t in range(tokens)]
+    anchors = [SPLIT_KEYS * (n // SPLIT_KEYS) for n in seen]
+    folded = probs.view(kv_heads, groups * tokens, length)
+    if anchors[0] == anchors[-1] and anchors[0]:  # one split for every token (a step of one: always)
+        out = torch.matmul(folded[..., : anchors[0]], values[:, : anchors[0]]).view(kv_heads, groups, tokens, -1)
+    else:
+        out = probs.new_zeros((kv_heads, groups, tokens, values.shape[-1]))
+        for anchor in sorted(set(anchors) - {0}):
+            head = torch.matmul(folded[..., :anchor], values[:, :anchor]).view(kv_heads, groups, tokens, -1)
+            first, last = anchors.index(anchor), tokens - anchors[::-1].index(anchor)
+            out[:, :, first:last] = head[:, :, first:last]
+    for t in range(tokens):
+        if seen[t] > anchors[t]:
+            out[:, :, t] += torch.matmul(probs[:, :, t, anchors[t] : seen[t]], values[:, anchors[t] : seen[t]])
+    return out
 
 
 _corners: dict[tuple[int, str], torch.Tensor] = {}

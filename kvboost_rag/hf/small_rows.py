@@ -26,10 +26,15 @@ what decode should read (``decode_weights``) and then, for the model's own float
 Apart from that kernel, with ``decode_weights="stored"``, and wherever decode reads int8, the
 layers whose float32 weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at
 every row count (:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others
-are); the kernel above is chosen for the rest. Not by default on other models: rounded decode
-weights turn a verify step's float32 differences from a one-token step's into logit differences
-of ~0.1, and draft lengths follow measured step times, so a near tie could go either way from
-one call to the next.
+are); the kernel above is chosen for the rest. Not by default on other models: decode steps on
+rounded activations turn the float32 rounding differences between reuse paths (a prefix hit's
+tail against full prefill) into logit differences of ~0.1, so the embedded model's decode steps
+would no longer match full prefill's to 1e-3. Every kernel here
+computes each row on its own and the short rows' attention
+(:func:`~kvboost_rag.hf.ragged_attention.last_tokens_attention`) each token as it would alone,
+so a verify step's tokens get the logits one-token steps would give (bitwise where every layer
+reads int8 or 4-bit runs; within float32 rounding of a float32 output layer otherwise): drafts
+change how long an answer takes, not its tokens.
 
 The choice is a rule over facts of the model, its dtype, the device and the torch build, never a
 timing taken at load (timed at load, the choice flipped between starts of the same model on the
