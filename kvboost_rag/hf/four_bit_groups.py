@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvboost_rag.hf.int8_siblings import SharedInput, SiblingProduct, sibling_groups
+from kvboost_rag.hf.int8_siblings import SharedInput, SiblingProduct, joined_bias, sibling_groups
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def four_bit_linears(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]
             found[layer] = groups
     copies: dict[torch.nn.Linear, FourBitLinear | SiblingProduct] = {}
     for group in sibling_groups(model, list(found)):
-        fused = FourBitLinear(_joined([found[layer] for layer in group]), _joined_bias(group))
+        fused = FourBitLinear(_joined([found[layer] for layer in group]), joined_bias([layer.bias for layer in group], [layer.out_features for layer in group]))
         shared = SharedInput(fused, [layer.out_features for layer in group])
         copies.update({layer: SiblingProduct(shared, index) for index, layer in enumerate(group)})
     for layer, groups in found.items():
@@ -178,10 +178,3 @@ def four_bit_linears(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]
 def _joined(parts: Sequence[FourBitGroups]) -> FourBitGroups:
     """Several layers' runs, their rows end to end."""
     return FourBitGroups(*(torch.cat(field) for field in zip(*((p.values, p.steps, p.lows) for p in parts))))
-
-
-def _joined_bias(group: Sequence[torch.nn.Linear]) -> torch.Tensor | None:
-    """The layers' biases end to end (zeros for a layer without), ``None`` where none has one."""
-    if all(layer.bias is None for layer in group):
-        return None
-    return torch.cat([layer.bias.detach() if layer.bias is not None else torch.zeros(layer.out_features) for layer in group])

@@ -48,10 +48,16 @@ def sibling_groups(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) 
 def fused_copy(quantized: Sequence[tuple[torch.Tensor, torch.Tensor]], biases: Sequence[torch.Tensor | None]) -> Int8Linear:
     """One int8 copy of several layers' :func:`~kvboost_rag.hf.int8_rows.quantize_rows` results
     (their rows end to end) and biases (``None`` where none has one; zeros for a layer without)."""
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else torch.zeros(q.shape[0]) for b, (q, _) in zip(biases, quantized)])
+    bias = joined_bias(biases, [q.shape[0] for q, _ in quantized])
     return int8_linear(torch.cat([q for q, _ in quantized]), torch.cat([s for _, s in quantized]), bias)
+
+
+def joined_bias(biases: Sequence[torch.Tensor | None], widths: Sequence[int]) -> torch.Tensor | None:
+    """Several layers' biases end to end (zeros of its width for a layer without one), ``None``
+    where none has one."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(width) for b, width in zip(biases, widths)])
 
 
 @torch.no_grad()
