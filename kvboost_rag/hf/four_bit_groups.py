@@ -85,11 +85,10 @@ def four_bit_groups(weight: torch.Tensor) -> FourBitGroups | None:
     rows, width = weight.shape
     if width % GROUP or rows % ROW_MULTIPLE or not rows:
         return None
-    if _chunk_groups(weight.detach()[:1].float()) is None:  # the first row refuses most weights
-        return None
+    starts = [0, *range(1, rows, CHUNK_ROWS)]  # the first row alone: it refuses most weights
     parts = []
-    for start in range(0, rows, CHUNK_ROWS):
-        part = _chunk_groups(weight.detach()[start : start + CHUNK_ROWS].float())
+    for start, stop in zip(starts, [*starts[1:], rows]):
+        part = _chunk_groups(weight.detach()[start:stop].float())
         if part is None:
             return None
         parts.append(part)

@@ -103,14 +103,14 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     seen = [length - tokens + 1 + t for t in range(tokens)]
     anchors = [SPLIT_KEYS * (n // SPLIT_KEYS) for n in seen]
     folded = probs.view(kv_heads, groups * tokens, length)
-    if anchors[0] == anchors[-1] and anchors[0]:  # one split for every token (a step of one: always)
-        out = torch.matmul(folded[..., : anchors[0]], values[:, : anchors[0]]).view(kv_heads, groups, tokens, -1)
-    else:
-        out = probs.new_zeros((kv_heads, groups, tokens, values.shape[-1]))
-        for anchor in sorted(set(anchors) - {0}):
-            head = torch.matmul(folded[..., :anchor], values[:, :anchor]).view(kv_heads, groups, tokens, -1)
-            first, last = anchors.index(anchor), tokens - anchors[::-1].index(anchor)
-            out[:, :, first:last] = head[:, :, first:last]
+    out = None
+    for anchor in sorted(set(anchors)):  # one for a step of one; two where the tokens straddle a split
+        head = torch.matmul(folded[..., :anchor], values[:, :anchor]).view(kv_heads, groups, tokens, -1)  # zeros over no keys
+        first = anchors.index(anchor)  # the tokens from here on split there
+        if out is None:
+            out = head
+        else:
+            out[:, :, first:] = head[:, :, first:]
     for t in range(tokens):
         if seen[t] > anchors[t]:
             out[:, :, t] += torch.matmul(probs[:, :, t, anchors[t] : seen[t]], values[:, anchors[t] : seen[t]])

@@ -455,9 +455,7 @@ def _four_bit_agrees_on(
 ) -> bool:
     """Whether the 4-bit kernel computes ``F.linear`` over the layer's own weight for ``x``,
     within the bound the bfloat16 rounding allows (the runs are the weight's own values)."""
-    expected = F.linear(x, module.weight, module.bias)
-    got = copies[module](x)
-    return got.shape == expected.shape and copies[module].within_rounding(got, expected, x, module.weight)
+    return _within_copy_rounding(copies[module], module.weight, module.bias, x)
 
 
 def _int8_agrees_on(
@@ -467,12 +465,19 @@ def _int8_agrees_on(
     the output channels ``dequantized`` holds), within the bound the activations' rounding
     allows."""
     part = dequantized[module]
-    rows = part.shape[0]
-    expected = F.linear(x, part, None if module.bias is None else module.bias[:rows])
     copy = linears.weights[module]
     assert not isinstance(copy, torch.Tensor)
-    got = copy(x)[..., :rows]
-    return got.shape == expected.shape and copy.within_rounding(got, expected, x, part)
+    return _within_copy_rounding(copy, part, None if module.bias is None else module.bias[: part.shape[0]], x)
+
+
+def _within_copy_rounding(
+    copy: Int8Linear | FourBitLinear | SiblingProduct, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+) -> bool:
+    """Whether a rounded copy's product for ``x``, on the output channels ``weight`` holds,
+    is ``F.linear`` over ``weight`` to within the rounding the copy allows."""
+    expected = F.linear(x, weight, bias)
+    got = copy(x)[..., : weight.shape[0]]
+    return got.shape == expected.shape and copy.within_rounding(got, expected, x, weight)
 
 
 @torch.no_grad()
