@@ -203,13 +203,15 @@ class KVBoostSettings(BaseModel):
             read as stored, 4 bits per weight, through torch's CPU 4-bit kernel with bfloat16
             activations: an eighth of the float32 bytes, the values the model's own up to the
             bfloat16 rounding of each run's step and offset; the other layers as ``"model"``),
-            or ``"auto"`` (default: ``"int8"`` for the models whose int8 answers were
-            measured to equal their own, with their 4-bit runs as ``"stored"``; ``"stored"`` for
-            the models whose answers on their 4-bit runs were, the embedded model; else
-            ``"model"``; see docs/benchmarks.md). On rounded activations (int8, 4-bit runs) the
-            float32 rounding differences between reuse paths grow to logit differences of up
-            to ~0.1 in the decode steps after the first token, so an answer can part from full
-            prefill's there at a near tie; ``"model"`` keeps every step exact.
+            or ``"auto"`` (default: ``"int8"`` only for the models whose int8 answers were
+            measured to equal their own, see docs/benchmarks.md, with their 4-bit runs as
+            ``"stored"``; else ``"model"``). On rounded activations (int8, 4-bit runs) the
+            float32 rounding differences between reuse paths grow to logit differences of up to
+            ~0.1 in the decode steps after the first token, so the same prompt asked again (read
+            from cache the second time) can get another answer after a near tie (measured on
+            Qwen2.5-Coder-0.5B's int8 default: 5 of 8 chat prompts within 64 tokens, none on its
+            own weights); ``"model"`` gives answers that do not depend on what the cache held,
+            which is why ``"stored"`` is not the embedded model's default.
             Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
             Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),

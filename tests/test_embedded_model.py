@@ -10,16 +10,14 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from kvboost_rag import KVBoost, KVBoostSettings
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.diagnosis.correctness import first_token_kl
-from kvboost_rag.hf.four_bit_groups import four_bit_available
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def own_weights_engine():
-    """The embedded model decoding on its own float32 weights (``decode_weights="model"``; its
-    default reads the GGUF's 4-bit runs as stored)."""
-    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n", decode_weights="model")
+def stored_engine():
+    """The embedded model decoding on its GGUF's 4-bit runs as stored (``decode_weights="stored"``)."""
+    return KVBoost.from_pretrained(show_progress=False, warm_prefix=SYSTEM_PROMPT + "\n\n", decode_weights="stored")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +56,8 @@ def test_repairs_beat_no_repair_on_shuffled_documents(embedded_engine, corpus):
     assert statistics.mean(kl["attention"]) < statistics.mean(kl["cacheblend"])
 
 
-def test_prefix_hit_is_exact_on_the_embedded_model(own_weights_engine, corpus):
-    """On the model's own weights every step of a prefix hit gives full prefill's logits (with
-    decode on rounded activations, the default's 4-bit runs, only the first token is held to
-    this: the next test)."""
-    engine = own_weights_engine
+def test_prefix_hit_is_exact_on_the_embedded_model(embedded_engine, corpus):
+    engine = embedded_engine
     prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[:2]) + "\n\n"
     engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
@@ -73,11 +68,9 @@ def test_prefix_hit_is_exact_on_the_embedded_model(own_weights_engine, corpus):
         assert hit.prefix_hit_tokens >= engine.count_tokens(prefix) - 1
 
 
-def test_a_prefix_hits_first_token_is_exact_while_decode_reads_four_bit_runs(embedded_engine, corpus):
+def test_a_prefix_hits_first_token_is_exact_while_decode_reads_four_bit_runs(stored_engine, corpus):
     """Prompt work beside decode rows (the tokens after a prefix hit) reads the model's own
     weights whatever decode reads: the first token's logits are full prefill's."""
-    stored_engine = embedded_engine  # the default reads the 4-bit runs as stored
-    assert stored_engine.four_bit_layers > 0 or not four_bit_available()
     prefix = SYSTEM_PROMPT + "\n\n" + "\n\n".join(corpus[2:4]) + "\n\n"
     stored_engine.warm(prefix)
     prompt = prefix + "Question: what is described?\nAnswer:"
@@ -116,15 +109,16 @@ def test_attention_repair_beats_no_repair_and_improves_with_budget(embedded_engi
     assert means == sorted(means, reverse=True), means
 
 
-def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do(embedded_engine, own_weights_engine):
-    """The embedded model's GGUF stores its 210 projection layers as Q4_1: by default decode
-    reads them as stored, and its greedy answer is the float32 weights' up to their first near
-    tie (a top-1 margin under 0.5, the bar ``bench/int8_quality.py`` measures)."""
+def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do(embedded_engine, stored_engine):
+    """The embedded model's GGUF stores its 210 projection layers as Q4_1: decode reads them as
+    stored, and its greedy answer is the float32 weights' up to their first near tie (a top-1
+    margin under 0.5, the bar ``bench/int8_quality.py`` measures)."""
+    from kvboost_rag.hf.four_bit_groups import four_bit_available
+
     if not four_bit_available():
         pytest.skip("no CPU 4-bit kernel in this torch build")
-    stored_engine = embedded_engine  # the default
     assert stored_engine.four_bit_layers == 210
-    own = own_weights_engine
+    own = embedded_engine  # the default: its own float32 weights
     assert own.four_bit_layers == 0
     topics = python_reference_documents(max_chars=700)[:3]
     prompt = own.apply_chat_template(

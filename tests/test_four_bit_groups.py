@@ -144,23 +144,6 @@ def test_the_engine_reads_four_bit_runs_as_stored_only_where_decode_weights_says
 
 
 @needs_kernel
-def test_auto_reads_four_bit_runs_as_stored_on_the_models_measured_for_it(monkeypatch):
-    """``"auto"`` reads a model's 4-bit runs as stored where its answers on them were measured
-    (:data:`~kvboost_rag.hf.small_rows.FOUR_BIT_BY_DEFAULT`, the embedded model), its other
-    layers on its own weights; ``"model"`` never does."""
-    from kvboost_rag.hf import small_rows
-
-    model = make_four_bit(tiny_model("llama"))
-    monkeypatch.setattr(small_rows, "FOUR_BIT_BY_DEFAULT", frozenset({small_rows.model_key(model)}))
-    auto = choose_kernel(model, "off", 0, decode_weights="auto")
-    assert auto.four_bit and auto.kernel == "off" and auto.routed
-    auto.restore()
-    own = choose_kernel(model, "off", 0, decode_weights="model")
-    assert not own.four_bit and not own.routed
-    own.restore()
-
-
-@needs_kernel
 def test_an_engine_decodes_on_four_bit_runs_with_the_first_token_from_its_own_weights():
     tokenizer = tiny_tokenizer()
     prompt = "The cache keeps the keys and values of every document it has read. " * 6

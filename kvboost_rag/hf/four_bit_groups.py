@@ -17,8 +17,7 @@ rounding of each run's step and offset (2**-9 relative); the activations and sum
 bfloat16 too. Measured (docs/benchmarks.md): the embedded model's 210 projection layers, one-row
 step over 2.4k keys 62.1 -> 43.7 ms on a 2-core Intel Xeon; next-token KL against the model's own
 weights median 1.06e-4, answers equal up to the first near tie on 12 of 12 prompts. Read with
-``decode_weights="stored"``, wherever decode reads int8, and with ``"auto"`` on the models
-measured for it (:data:`~kvboost_rag.hf.small_rows.FOUR_BIT_BY_DEFAULT`: the embedded model). The kernel computes each row on its own (bitwise the
+``decode_weights="stored"`` and wherever decode reads int8. The kernel computes each row on its own (bitwise the
 same alone or among others), so a verify step's tokens get a one-token step's results.
 
 The layers that read one input (query/key/value, gate/up) are multiplied as one when all of

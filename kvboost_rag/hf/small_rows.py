@@ -23,14 +23,13 @@ what decode should read (``decode_weights``) and then, for the model's own float
 - ``"onednn"``: oneDNN over the model's own weights (no copy, less fast);
 - ``"off"``: ``F.linear``, as the model itself runs.
 
-Apart from that kernel, with ``decode_weights="stored"``, wherever decode reads int8, and with
-``"auto"`` on the models of :data:`FOUR_BIT_BY_DEFAULT` (the embedded model), the layers whose
-float32 weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at every row count
-(:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others are); the
-kernel above is chosen for the rest. Decode steps on rounded activations (int8 or 4-bit) turn
-the float32 rounding differences between reuse paths (a prefix hit's tail against full prefill)
-into logit differences of up to ~0.1 after the first token; ``"model"`` keeps every step exact.
-Every kernel here
+Apart from that kernel, with ``decode_weights="stored"``, and wherever decode reads int8, the
+layers whose float32 weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at
+every row count (:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others
+are); the kernel above is chosen for the rest. Not by default on other models: decode steps on
+rounded activations turn the float32 rounding differences between reuse paths (a prefix hit's
+tail against full prefill) into logit differences of ~0.1, so the embedded model's decode steps
+would no longer match full prefill's to 1e-3. Every kernel here
 computes each row on its own and the short rows' attention
 (:func:`~kvboost_rag.hf.ragged_attention.last_tokens_attention`) each token as it would alone,
 so a verify step's tokens get the logits one-token steps would give (bitwise where every layer
@@ -111,11 +110,6 @@ AGREEMENT_ROWS = 512
 #: to the first near tie on at least 95% of the quality bench's prompts with a median per-step
 #: next-token KL of at most 0.001 (``bench/int8_quality.py``; docs/benchmarks.md).
 INT8_BY_DEFAULT: frozenset[tuple[str, int, int, int]] = frozenset({("qwen2", 896, 24, 151936)})
-#: The models whose layers stored as 4-bit runs ``decode_weights="auto"`` reads as stored while
-#: the others read the model's own weights (the models of :data:`INT8_BY_DEFAULT` read them
-#: wherever decode reads int8): their answers on the runs passed the same bar (the embedded
-#: SmolLM2-135M-Instruct: 12 of 12 prompts, KL median 1.06e-4; docs/benchmarks.md).
-FOUR_BIT_BY_DEFAULT: frozenset[tuple[str, int, int, int]] = frozenset({("llama", 576, 30, 49152)})
 #: Marks a ``forward`` this module installed (a second engine on the same model re-routes it).
 ROUTED = "_kvboost_small_rows"
 _state = threading.local()
@@ -283,15 +277,6 @@ def decode_reads(model: torch.nn.Module, decode_weights: DecodeWeights) -> Liter
     return "int8"
 
 
-def reads_four_bit_runs(model: torch.nn.Module, decode_weights: DecodeWeights, reads: Literal["model", "int8"]) -> bool:
-    """Whether decode reads the layers stored as 4-bit runs as stored: with ``"stored"``,
-    wherever it reads int8 (``reads``), and with ``"auto"`` on the models of
-    :data:`FOUR_BIT_BY_DEFAULT`."""
-    if decode_weights == "stored" or reads == "int8":
-        return True
-    return decode_weights == "auto" and model_key(model) in FOUR_BIT_BY_DEFAULT
-
-
 def choose_kernel(
     model: torch.nn.Module,
     setting: Literal["auto", "packed", "onednn", "off"],
@@ -321,7 +306,7 @@ def choose_kernel(
     for module in eligible:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
     reads = decode_reads(model, decode_weights)
-    four_bit = _four_bit_copies(model, eligible) if reads_four_bit_runs(model, decode_weights, reads) else {}
+    four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
     rest = [module for module in eligible if module not in four_bit]
     chosen = _rest_kernel(model, rest, setting, packed_bytes, reads) if rest else SmallRowLinears()
     chosen.four_bit = four_bit
