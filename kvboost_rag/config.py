@@ -207,11 +207,16 @@ class KVBoostSettings(BaseModel):
             measured to equal their own, see docs/benchmarks.md, with their 4-bit runs as
             ``"stored"``; else ``"model"``). On rounded activations (int8, 4-bit runs) the
             float32 rounding differences between reuse paths grow to logit differences of up to
-            ~0.1 in the decode steps after the first token, so the same prompt asked again (read
-            from cache the second time) can get another answer after a near tie (measured on
-            Qwen2.5-Coder-0.5B's int8 default: 5 of 8 chat prompts within 64 tokens, none on its
-            own weights); ``"model"`` gives answers that do not depend on what the cache held,
-            which is why ``"stored"`` is not the embedded model's default.
+            ~0.1 in the decode steps after the first token, enough to change an answer after a
+            near tie. So where decode rounds activations, a prompt without documents runs its
+            last token in a pass of its own, as the same prompt asked again (read from cache but
+            for that token) does: the second answer is bitwise the first (measured on
+            Qwen2.5-Coder-0.5B's int8 default: 5 of 8 chat prompts answered differently within
+            64 tokens before, 0 of 8 after), for one more read of the float32 weights in the
+            first call (its first token 1.30x later after a prefix hit with a 20-token
+            question). Other pairs of paths (prefix hits of other lengths, the repair) can still
+            part after a near tie, which is why ``"stored"`` is not the embedded model's
+            default; ``"model"`` gives answers that do not depend on what the cache held.
             Where the int8 kernel does not apply (CUDA,
             16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
             Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),

@@ -258,3 +258,20 @@ def test_on_int8_a_verify_steps_logits_are_bitwise_those_of_one_token_steps(make
     for length in (len(ids), 40):  # a long row, and one whose tokens attend one by one
         verify, steps = verify_and_one_token_logits(engine, ids[:length], drafted)
         assert torch.equal(verify, steps), length
+
+
+@needs_int8
+def test_on_int8_the_same_prompt_asked_again_gets_bitwise_the_same_answer(make_engine):
+    """Decode rounds activations, so float32 rounding differences in the prompt's K/V could
+    grow into another answer: the first call runs the last prompt token in a pass of its own,
+    as the second call (a prefix hit of every other token, the first call's K/V) does, so every
+    step's logits are the first call's."""
+    engine = make_engine("qwen2", decode_weights="int8")
+    prompt = "The cache keeps the keys and values of every document it has read, and reads them again. " * 10
+    first = engine.generate(prompt, max_new_tokens=16, return_logits=True)
+    engine.flush()
+    again = engine.generate(prompt, max_new_tokens=16, return_logits=True)
+    assert again.prefix_hit_tokens == first.prompt_tokens - 1 > 100
+    assert again.token_ids == first.token_ids
+    assert len(again.step_logits) == len(first.step_logits) == 16
+    assert all(torch.equal(a, b) for a, b in zip(first.step_logits, again.step_logits))

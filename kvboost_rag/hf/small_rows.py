@@ -179,6 +179,13 @@ class SmallRowLinears:
         """Whether any layer runs a kernel of its own in decode and verify steps."""
         return self.kernel != "off" or bool(self.four_bit)
 
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether decode and verify steps round activations (8-bit int8 rows, bfloat16 4-bit
+        runs): float32 rounding differences in their inputs can then flip a rounding step and
+        grow to logit differences of ~0.1."""
+        return self.kernel == "int8" or bool(self.four_bit)
+
     def product(self, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """The kernel's product for one of the layers (``x -> x @ W.T + b``)."""
         weight = self.weights[module]

@@ -221,7 +221,14 @@ class Prefiller:
         prefix_keys: tuple[str, ...],
         slot: Slot | None,
     ) -> PassSteps[PrefillOutcome]:
-        """Prefill the tokens after the prefix hit on top of it (same logits as full prefill)."""
+        """Prefill the tokens after the prefix hit on top of it (same logits as full prefill).
+
+        Where decode rounds activations (int8 rows, 4-bit runs), the last token runs in a pass
+        of its own (:meth:`_last_token_alone`): the same prompt asked again hits a prefix of
+        all but its last token (this call's K/V, stored) and runs that token alone, so it gets
+        bitwise this call's logits and K/V, and its answer this call's tokens (computed among
+        the other tokens, the last token's rows round another way: ~1e-7, which rounded
+        activations grow to a different answer after a near tie)."""
         ids = plan.tokens.ids
         n = len(ids)
         logits = (yield from self._captured_pass(slot, ids[h:], range(h, n))) if h else None
@@ -229,7 +236,10 @@ class Prefiller:
             kv = self.adapter.cache_over(keys, values, n)
         else:
             kv = self.adapter.cache_over(keys, values, h)
-            computed: PassResult = yield TokenPass(plan.tokens.id_tensor[h:], torch.arange(h, n), kv, logits=True)
+            last = n - 1 if self._last_token_alone(plan, h) else h
+            if last > h:
+                yield TokenPass(plan.tokens.id_tensor[h:last], torch.arange(h, last), kv)
+            computed: PassResult = yield TokenPass(plan.tokens.id_tensor[last:], torch.arange(last, n), kv, logits=True)
             logits = computed.logits
         return PrefillOutcome(
             logits=logits,
@@ -241,6 +251,15 @@ class Prefiller:
             live_tokens=n - h,
             strategy="exact" if h else "full",
         )
+
+    def _last_token_alone(self, plan: PromptPlan, h: int) -> bool:
+        """Whether :meth:`_exact` runs the prompt's last token in a pass of its own: decode
+        rounds activations, more than that token is computed, and the same prompt asked again
+        would hit every token but the last (the whole prompt is stored as prefix chunks: no
+        document found in it; not a warm, whose every token is looked up)."""
+        n = plan.num_tokens
+        repeat_hits = plan.lookup_limit == n - 1 and plan.shared_end >= n - 1
+        return repeat_hits and n - h > 1 and self.adapter.small_rows.rounds_activations
 
     # ------------------------------------------------------------------ document hits
     def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> ContentHits:
