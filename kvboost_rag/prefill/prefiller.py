@@ -236,7 +236,7 @@ class Prefiller:
             kv = self.adapter.cache_over(keys, values, n)
         else:
             kv = self.adapter.cache_over(keys, values, h)
-            last = n - 1 if self._last_token_alone(plan, h) else h
+            last = n - 1 if self._last_token_alone(plan) else h  # h <= n - 1 here
             if last > h:
                 yield TokenPass(plan.tokens.id_tensor[h:last], torch.arange(h, last), kv)
             computed: PassResult = yield TokenPass(plan.tokens.id_tensor[last:], torch.arange(last, n), kv, logits=True)
@@ -252,14 +252,14 @@ class Prefiller:
             strategy="exact" if h else "full",
         )
 
-    def _last_token_alone(self, plan: PromptPlan, h: int) -> bool:
-        """Whether :meth:`_exact` runs the prompt's last token in a pass of its own: decode
-        rounds activations, more than that token is computed, and the same prompt asked again
-        would hit every token but the last (the whole prompt is stored as prefix chunks: no
-        document found in it; not a warm, whose every token is looked up)."""
+    def _last_token_alone(self, plan: PromptPlan) -> bool:
+        """Whether :meth:`_exact` runs the prompt's last token in a pass of its own (when more
+        than it is computed): decode rounds activations, and the same prompt asked again would
+        hit every token but the last (the whole prompt is stored as prefix chunks: no document
+        found in it; not a warm, whose every token is looked up)."""
         n = plan.num_tokens
         repeat_hits = plan.lookup_limit == n - 1 and plan.shared_end >= n - 1
-        return repeat_hits and n - h > 1 and self.adapter.small_rows.rounds_activations
+        return repeat_hits and self.adapter.small_rows.rounds_activations
 
     # ------------------------------------------------------------------ document hits
     def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> ContentHits:
