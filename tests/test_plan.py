@@ -91,6 +91,18 @@ def test_chunk_span_needs_every_token_of_the_chunk_in_a_row(tokenizer, docs):
     assert cut.documents[0].chunk_span(len(document.record.chunk_keys) - 1) is None
 
 
+def test_a_repeat_hits_all_but_the_last_token_only_of_a_prompt_stored_whole_and_not_warmed(tokenizer, docs):
+    """A prompt without documents is stored whole and looked up to its last token: asked again
+    it hits all but that token. A document in it, or a warm's lookup of every token, does not."""
+    plain = _tokens(tokenizer, SYSTEM_PROMPT * 6)
+    assert build_plan(plain, root=ROOT, chunk_size=16, registry=None).repeat_hits_all_but_last
+    warm = build_plan(plain, root=ROOT, chunk_size=16, registry=None, lookup_limit=len(plain))
+    assert not warm.repeat_hits_all_but_last
+    registry = _registry(tokenizer, docs[:2], chunk_size=16)
+    with_documents = build_plan(_tokens(tokenizer, rag_prompt(docs[:2])), root=ROOT, chunk_size=16, registry=registry)
+    assert with_documents.documents and not with_documents.repeat_hits_all_but_last
+
+
 def test_no_document_search_without_content_reuse(tokenizer, docs):
     registry = _registry(tokenizer, docs[:2], chunk_size=16)
     tokens = _tokens(tokenizer, rag_prompt(docs[:2]))

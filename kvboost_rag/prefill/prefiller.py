@@ -223,12 +223,12 @@ class Prefiller:
     ) -> PassSteps[PrefillOutcome]:
         """Prefill the tokens after the prefix hit on top of it (same logits as full prefill).
 
-        Where decode rounds activations (int8 rows, 4-bit runs), the last token runs in a pass
-        of its own (:meth:`_last_token_alone`): the same prompt asked again hits a prefix of
-        all but its last token (this call's K/V, stored) and runs that token alone, so it gets
-        bitwise this call's logits and K/V, and its answer this call's tokens (computed among
-        the other tokens, the last token's rows round another way: ~1e-7, which rounded
-        activations grow to a different answer after a near tie)."""
+        Where decode rounds activations (int8 rows, 4-bit runs) and the same prompt asked again
+        would hit a prefix of all but its last token (:attr:`PromptPlan.repeat_hits_all_but_last`:
+        this call's K/V, stored), the last token runs in a pass of its own, as the repeat runs
+        it: the repeat gets bitwise this call's logits and K/V, and its answer this call's
+        tokens (computed among the other tokens, the last token's rows round another way:
+        ~1e-7, which rounded activations grow to a different answer after a near tie)."""
         ids = plan.tokens.ids
         n = len(ids)
         logits = (yield from self._captured_pass(slot, ids[h:], range(h, n))) if h else None
@@ -236,7 +236,8 @@ class Prefiller:
             kv = self.adapter.cache_over(keys, values, n)
         else:
             kv = self.adapter.cache_over(keys, values, h)
-            last = n - 1 if self._last_token_alone(plan) else h  # h <= n - 1 here
+            alone = plan.repeat_hits_all_but_last and self.adapter.small_rows.rounds_activations
+            last = n - 1 if alone else h  # h <= n - 1 here
             if last > h:
                 yield TokenPass(plan.tokens.id_tensor[h:last], torch.arange(h, last), kv)
             computed: PassResult = yield TokenPass(plan.tokens.id_tensor[last:], torch.arange(last, n), kv, logits=True)
@@ -251,15 +252,6 @@ class Prefiller:
             live_tokens=n - h,
             strategy="exact" if h else "full",
         )
-
-    def _last_token_alone(self, plan: PromptPlan) -> bool:
-        """Whether :meth:`_exact` runs the prompt's last token in a pass of its own (when more
-        than it is computed): decode rounds activations, and the same prompt asked again would
-        hit every token but the last (the whole prompt is stored as prefix chunks: no document
-        found in it; not a warm, whose every token is looked up)."""
-        n = plan.num_tokens
-        repeat_hits = plan.lookup_limit == n - 1 and plan.shared_end >= n - 1
-        return repeat_hits and self.adapter.small_rows.rounds_activations
 
     # ------------------------------------------------------------------ document hits
     def _content_hits(self, plan: PromptPlan, documents: list[PlacedDocument], h: int) -> ContentHits:

@@ -210,6 +210,15 @@ class PromptPlan:
         """Tokens in the prompt."""
         return len(self.tokens.ids)
 
+    @property
+    def repeat_hits_all_but_last(self) -> bool:
+        """Whether the same prompt asked again, after this one is stored, hits a prefix of every
+        token but its last: the whole prompt is stored as prefix chunks (no document found in
+        it) and a lookup stops one token short of its end (not a warm, whose every token is
+        looked up)."""
+        n = self.num_tokens
+        return self.lookup_limit == n - 1 and self.shared_end >= n - 1
+
     def documents_after(self, position: int) -> list[PlacedDocument]:
         """Documents a prefix hit ending at ``position`` does not wholly cover: those that start
         at or after it, and those it covers in part (a stored beginning that shares a
