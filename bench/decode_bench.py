@@ -408,6 +408,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     with the engine's small-row kernel and with ``F.linear``: median ms and ratio to 1 token."""
     from kvboost_rag.hf.caches import truncate_cache
     from kvboost_rag.hf.packed import Segment
+    from kvboost_rag.hf.decode_pass import DecodePass
     from kvboost_rag.hf.small_rows import SmallRowLinears
 
     adapter = engine._adapter
@@ -415,11 +416,14 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     cache = adapter.new_cache(len(ids) + max(WIDTHS))
     adapter.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
     chosen, plain = adapter.small_rows, SmallRowLinears()  # an "off" instance routes nothing
+    # The direct decode pass holds its layers' products: one over F.linear for the plain rounds.
+    chosen_pass = adapter.decode_pass
+    plain_pass = None if chosen_pass is None else DecodePass(adapter.model, plain)
     seconds: dict[tuple[str, int], list[float]] = {}
     try:
         for rep in range(reps + 1):  # the first round warms up
-            for name, kernel in (("kernel", chosen), ("F.linear", plain)):
-                adapter.small_rows = kernel
+            for name, kernel, decode_pass in (("kernel", chosen, chosen_pass), ("F.linear", plain, plain_pass)):
+                adapter.small_rows, adapter.decode_pass = kernel, decode_pass
                 for width in WIDTHS:
                     start = time.perf_counter()
                     row = Segment(torch.tensor(ids[-width:]), torch.arange(len(ids), len(ids) + width), cache, logits=width, decode=True)
@@ -428,7 +432,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
                         seconds.setdefault((name, width), []).append(time.perf_counter() - start)
                     truncate_cache(cache, len(ids))
     finally:
-        adapter.small_rows = chosen
+        adapter.small_rows, adapter.decode_pass = chosen, chosen_pass
     ms = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
     lines = [
         f"Verify cost per row count over a {len(ids)}-token cache (median of {reps}; small-row kernel: "

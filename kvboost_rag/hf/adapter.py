@@ -22,6 +22,7 @@ from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.cache.quant import unquantized_kv_bytes_per_token
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hf.attention_switch import AttentionSwitch
+from kvboost_rag.hf.decode_pass import DecodePass
 from kvboost_rag.hf.caches import (
     BufferedCache,
     ModelCache,
@@ -88,16 +89,22 @@ class ModelAdapter:
         #: What this model supports, probed once; each fallback is named there.
         #: The linear layers' kernel in decode and verify steps (:meth:`choose_small_row_kernel`).
         self.small_rows = SmallRowLinears()
+        #: Decode-only packed passes outside the model's module stack, where checked equal
+        #: (:meth:`choose_small_row_kernel`; ``None``: the model's own pass).
+        self.decode_pass: DecodePass | None = None
         self.features: ModelFeatures = probe_features(self)
         if not self.features.batched_decoding:
             logger.warning("%s; concurrent requests decode one sequence per forward pass", self.features.batched_decoding_reason)
 
     def choose_small_row_kernel(self, setting: str, packed_bytes: int, decode_weights: str = "model") -> None:
         """Choose, and install, the kernel of the linear layers in decode and verify steps
-        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load). The bytes of the weight
-        copy it holds: ``self.small_rows.copy_bytes``."""
+        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load), and with it the direct
+        pass of decode steps (:meth:`~kvboost_rag.hf.decode_pass.DecodePass.checked`). The bytes
+        of the weight copy it holds: ``self.small_rows.copy_bytes``."""
+        self.decode_pass = None
         self.small_rows.restore()
         self.small_rows = choose_kernel(self.model, setting, packed_bytes, decode_weights)  # type: ignore[arg-type]
+        self.decode_pass = DecodePass.checked(self)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -206,7 +213,15 @@ class ModelAdapter:
     @torch.inference_mode()
     def forward_packed(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
         """:meth:`forward_segments` as one packed pass, whatever the probe found (the probe
-        itself calls it). The decode segments go first, so their rows lead every layer's input
+        itself calls it): a pass of decode and verify rows only through :attr:`decode_pass`
+        where there is one (bitwise the same logits), else :meth:`forward_packed_by_model`."""
+        if self.decode_pass is not None and self.decode_pass.takes(segments):
+            return self.decode_pass.run(segments)
+        return self.forward_packed_by_model(segments)
+
+    @torch.inference_mode()
+    def forward_packed_by_model(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
+        """The packed pass through the model's own modules. The decode segments go first, so their rows lead every layer's input
         (and the output layer's, all their tokens' logits being kept): the small-row kernel
         takes those rows, the prompt work after them reads the model's own weights."""
         order = sorted(range(len(segments)), key=lambda i: not segments[i].decode)

@@ -92,7 +92,7 @@ class SegmentOutput:
 
 
 @dataclass(eq=False)
-class _Run:
+class Run:
     """A segment's place in the pass and its positions in every form the layers read."""
 
     segment: Segment
@@ -106,7 +106,7 @@ class _Run:
     recorded: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def of(cls, segment: Segment, start: int, device: torch.device) -> _Run:
+    def of(cls, segment: Segment, start: int, device: torch.device) -> Run:
         positions = QueryPositions.of(segment.positions, device)
         first, last = positions.listed[0], positions.listed[-1]
         contiguous = last - first == len(positions.listed) - 1
@@ -114,7 +114,7 @@ class _Run:
         return cls(segment, start, start + len(segment), positions, first, last, contiguous, index)
 
 
-def packed_layout(segments: Sequence[Segment], device: torch.device) -> list[_Run]:
+def packed_layout(segments: Sequence[Segment], device: torch.device) -> list[Run]:
     """Each segment's span of the pass's ``T`` tokens and its positions on ``device``.
 
     Raises:
@@ -124,12 +124,12 @@ def packed_layout(segments: Sequence[Segment], device: torch.device) -> list[_Ru
     for segment in segments:
         if not len(segment):
             raise ValueError("a packed pass segment needs at least one token")
-        runs.append(_Run.of(segment, start, device))
+        runs.append(Run.of(segment, start, device))
         start += len(segment)
     return runs
 
 
-def logits_index(runs: Sequence[_Run]) -> int | torch.Tensor:
+def logits_index(runs: Sequence[Run]) -> int | torch.Tensor:
     """What the model's ``logits_to_keep`` takes for every token whose logits are wanted: how
     many of the pass's last tokens, when they are those (a slice), else ``[k]`` host indexes
     into the pass's tokens."""
@@ -140,7 +140,7 @@ def logits_index(runs: Sequence[_Run]) -> int | torch.Tensor:
     return torch.tensor(wanted, dtype=torch.long)
 
 
-def split_outputs(runs: Sequence[_Run], logits: torch.Tensor) -> list[SegmentOutput]:
+def split_outputs(runs: Sequence[Run], logits: torch.Tensor) -> list[SegmentOutput]:
     """The pass's ``[k, vocab]`` logits (of :func:`logits_index`'s tokens) and recorded
     attention, per segment."""
     outputs, offset = [], 0
@@ -160,7 +160,7 @@ class PackedLayer(DynamicLayer):
         runs: The segments of the pass, in order.
     """
 
-    def __init__(self, index: int, runs: Sequence[_Run]) -> None:
+    def __init__(self, index: int, runs: Sequence[Run]) -> None:
         super().__init__()
         self.index = index
         self.runs = list(runs)
@@ -173,14 +173,7 @@ class PackedLayer(DynamicLayer):
         """Write each segment's slice of ``[1, kv_heads, T, dim]`` at its positions; the
         segments' whole K/V go to :func:`packed_attention`, the new states come back as they
         are."""
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for run, row in zip(self.runs, self.rows):
-            k, v = row.put(
-                key_states[:, :, run.start : run.stop], value_states[:, :, run.start : run.stop], run.first, run.last, run.index
-            )
-            keys.append(k)
-            values.append(v)
+        keys, values = write_runs(self.runs, self.rows, key_states, value_states)
         _state.rows = (self.index, keys, values, self.runs)
         return key_states, value_states
 
@@ -199,7 +192,7 @@ class PackedCache(DynamicCache):
             number of layers.
     """
 
-    def __init__(self, runs: Sequence[_Run]) -> None:
+    def __init__(self, runs: Sequence[Run]) -> None:
         super().__init__()
         self.layer_class_to_replicate = None  # the layers are set here, not grown by update()
         layers = len(runs[0].segment.cache.layers)
@@ -241,6 +234,38 @@ def packed_attention(
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return attend_runs(layer, query, keys, values, runs, scale, window, softcap).transpose(1, 2).contiguous(), None
+
+
+def write_runs(
+    runs: Sequence[Run], rows: Sequence[BufferedLayer], key_states: torch.Tensor, value_states: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Write each run's slice of ``[1, kv_heads, T, dim]`` new K/V at its positions in its
+    cache layer (``rows``, in the runs' order); every run's whole K/V, as the layers hold it."""
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for run, row in zip(runs, rows):
+        k, v = row.put(
+            key_states[:, :, run.start : run.stop], value_states[:, :, run.start : run.stop], run.first, run.last, run.index
+        )
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+def attend_runs(
+    layer: int,
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    runs: Sequence[Run],
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Each run's queries (its span of ``query`` ``[1, heads, T, dim]``) over its own K/V,
+    causal by position, recording what a run asks to record in layer ``layer``; ``[1, heads,
+    T, dim]``."""
     out = torch.empty_like(query)
     done = _short_rows_together(query, keys, values, runs, scale, window, softcap, out)
     for i, (run, k, v) in enumerate(zip(runs, keys, values)):
@@ -251,14 +276,14 @@ def packed_attention(
             run.recorded.append(last_queries_weights(q[:, :, -count:], k, run.positions, count, scale, window, softcap))
         if i not in done:
             out[:, :, run.start : run.stop] = _segment_attention(q, k, v, run, scale, window, softcap)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _segment_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    run: _Run,
+    run: Run,
     scale: float,
     window: int | None,
     softcap: float | None,
@@ -284,7 +309,7 @@ def _short_rows_together(
     query: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    runs: Sequence[_Run],
+    runs: Sequence[Run],
     scale: float,
     window: int | None,
     softcap: float | None,
@@ -322,12 +347,12 @@ def _short_rows_together(
     return set(short)
 
 
-def packed_positions(runs: Sequence[_Run]) -> torch.Tensor:
+def packed_positions(runs: Sequence[Run]) -> torch.Tensor:
     """``[1, T]`` host positions of the pass's tokens."""
     return torch.cat([run.segment.positions.view(-1) for run in runs]).view(1, -1)
 
 
-def packed_ids(runs: Sequence[_Run]) -> torch.Tensor:
+def packed_ids(runs: Sequence[Run]) -> torch.Tensor:
     """``[1, T]`` host token ids of the pass."""
     return torch.cat([run.segment.ids.view(-1) for run in runs]).view(1, -1)
 
