@@ -14,7 +14,6 @@ import torch
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import decode_pass as decode_pass_module
-from kvboost_rag.hf.caches import cache_tensors, truncate_cache
 from kvboost_rag.hf.decode_pass import DecodePass, unsupported_reason
 from kvboost_rag.hf.int8_rows import int8_available
 from kvboost_rag.hf.packed import Segment
@@ -41,13 +40,9 @@ def _steps(adapter, ids: list[int]) -> tuple[list[Segment], list[int]]:
 
 
 def _outputs(run, segments: list[Segment], lengths: list[int]) -> list[torch.Tensor]:
-    outputs = run(segments)
-    written = []
-    for segment, length in zip(segments, lengths):
-        keys, values = cache_tensors(segment.cache)
-        written += [keys[:, :, length:].clone(), values[:, :, length:].clone()]
-        truncate_cache(segment.cache, length)
-    return [output.logits for output in outputs] + written
+    """The logits ``run`` gives ``segments`` and the K/V it writes (the caches truncated back)."""
+    assert [segment.cache.get_seq_length() for segment in segments] == lengths
+    return decode_pass_module._logits_and_kv(run, segments)
 
 
 @torch.inference_mode()
