@@ -88,6 +88,27 @@ def test_a_hooked_model_keeps_the_models_pass():
     assert "hooks" in unsupported_reason(model)
 
 
+@torch.inference_mode()
+def test_a_hook_registered_after_load_is_called_in_decode_steps(tokenizer, docs):
+    engine = _engine(tokenizer, "llama")
+    adapter = engine._adapter
+    ids = engine.tokenizer(rag_prompt(docs[:3], "Summarize.")).input_ids
+    segments, lengths = _steps(adapter, ids)
+    assert adapter.decode_pass.takes(segments)
+    calls = []
+    handle = engine.model.model.layers[2].self_attn.k_proj.register_forward_hook(lambda *args: calls.append(1))
+    assert not adapter.decode_pass.takes(segments)
+    _outputs(adapter.forward_packed, segments, lengths)
+    assert calls == [1]
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: calls.append(2))
+    try:
+        assert not adapter.decode_pass.takes(segments)
+    finally:
+        handle.remove()
+    assert adapter.decode_pass.takes(segments)
+
+
 def test_the_check_at_load_refuses_a_pass_that_computes_otherwise(tokenizer, monkeypatch):
     """Granite's layers have the Llama form's modules, but its model scales the embeddings,
     each residual branch and the logits in its own forward; let through the family filter,
