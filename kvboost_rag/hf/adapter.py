@@ -221,8 +221,9 @@ class ModelAdapter:
 
     @torch.inference_mode()
     def forward_packed_by_model(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
-        """The packed pass through the model's own modules. The decode segments go first, so their rows lead every layer's input
-        (and the output layer's, all their tokens' logits being kept): the small-row kernel
+        """The packed pass through the model's own modules. The decode segments go first, so
+        their rows lead every layer's input (and the output layer's, all their tokens' logits
+        being kept): the small-row kernel
         takes those rows, the prompt work after them reads the model's own weights."""
         order = sorted(range(len(segments)), key=lambda i: not segments[i].decode)
         runs = packed_layout([segments[i] for i in order], self.device)

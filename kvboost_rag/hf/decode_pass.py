@@ -54,7 +54,7 @@ from kvboost_rag.hf.packed import (
     split_outputs,
     write_runs,
 )
-from kvboost_rag.hf.small_rows import MAX_ROWS, SmallRowLinears
+from kvboost_rag.hf.small_rows import MAX_ROWS, SmallRowLinears, kernel_takes
 
 if TYPE_CHECKING:
     from kvboost_rag.hf.adapter import ModelAdapter
@@ -67,23 +67,23 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LinearProduct:
-    """One linear layer's product in a decode step: the small-row kernel's where its routed
-    ``forward`` would run it for the step's rows, else ``F.linear`` over its own weights.
+    """One linear layer's product in a decode step: its routed product where the routed
+    ``forward`` would run it for the step's rows (:func:`~kvboost_rag.hf.small_rows.kernel_takes`),
+    else ``F.linear`` over its own weights.
 
     Args:
         module: The layer.
-        kernel: The kernel's product for it (``None``: the layer is not routed).
-        min_rows: Fewest rows the kernel takes.
+        route: Its product and the fewest rows that take it
+            (:meth:`~kvboost_rag.hf.small_rows.SmallRowLinears.routes`); ``None``: not routed.
     """
 
-    def __init__(self, module: torch.nn.Linear, kernel: Product | None, min_rows: int) -> None:
-        self.module, self.kernel, self.min_rows = module, kernel, min_rows
+    def __init__(self, module: torch.nn.Linear, route: tuple[Product, int] | None) -> None:
+        self.module = module
+        self.kernel, self.min_rows = route if route is not None else (None, 1)
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether the kernel takes ``x`` (as the routed ``forward`` decides)."""
-        if self.kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return False
-        return self.min_rows <= x.numel() // self.module.in_features <= MAX_ROWS
+        """Whether the routed product takes ``x``."""
+        return self.kernel is not None and kernel_takes(x, x.numel() // self.module.in_features, self.min_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes(x):
@@ -108,7 +108,7 @@ class ProductGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fused is not None and self.members[0].takes(x):
-            return list(self.fused.fused(x).split(self.fused.widths, dim=-1))
+            return self.fused.outputs(x)
         return [member(x) for member in self.members]
 
 
@@ -132,14 +132,8 @@ class DecoderParts:
 
 
 def _products(small_rows: SmallRowLinears) -> Callable[[torch.nn.Linear], LinearProduct]:
-    def product(module: torch.nn.Linear) -> LinearProduct:
-        if module in small_rows.four_bit:
-            return LinearProduct(module, small_rows.four_bit[module], 1)
-        if module in small_rows.weights and small_rows.routed:
-            return LinearProduct(module, small_rows.product(module), small_rows.min_rows)
-        return LinearProduct(module, None, 1)
-
-    return product
+    routes = small_rows.routes()
+    return lambda module: LinearProduct(module, routes.get(module))
 
 
 def _layer_parts(layer: torch.nn.Module, product: Callable[[torch.nn.Linear], LinearProduct]) -> DecoderParts:
@@ -185,7 +179,8 @@ def unsupported_reason(model: torch.nn.Module) -> str:
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, name) for name in needed) or not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         return "the model lacks the modules of the Llama form"
-    if hooked(list(model.modules())) or any(hasattr(module, "_hf_hook") for module in model.modules()):
+    modules = list(model.modules())
+    if hooked(modules) or any(hasattr(module, "_hf_hook") for module in modules):
         return "the model has forward hooks"
     if any(getattr(layer.mlp, "act_fn", None) is None or not hasattr(layer.self_attn, "o_proj") for layer in inner.layers):
         return "a decoder layer lacks the modules of the Llama form"
@@ -262,7 +257,7 @@ class DecodePass:
         query, key = parts.rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         keys, values = write_runs(runs, cache_layers, key, value.transpose(1, 2))
         out = attend_runs(i, query, keys, values, runs, parts.scale, parts.window, None)
-        return parts.output(out.transpose(1, 2).contiguous().reshape(1, tokens, -1).contiguous())
+        return parts.output(out.transpose(1, 2).reshape(1, tokens, -1))
 
     @classmethod
     def checked(cls, adapter: ModelAdapter) -> DecodePass | None:

@@ -103,11 +103,15 @@ class SharedInput:
         if held is None or held[0] is not x or held[1][index] is None:
             # A one-row step's columns are contiguous already (no copy); a verify step's are
             # copied, as model code may view them with dimensions merged.
-            parts = [part.contiguous() for part in self.fused(x).split(self.widths, dim=-1)]
-            held = (x, parts)
+            held = (x, [part.contiguous() for part in self.outputs(x)])
         taken, held[1][index] = held[1][index], None
         self._held.value = None if all(part is None for part in held[1]) else held
         return taken
+
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every layer's output for ``x`` from one product, as views of its columns (callers
+        that hand them to model code make them contiguous)."""
+        return list(self.fused(x).split(self.widths, dim=-1))
 
     def forget(self) -> None:
         """Drop this thread's held outputs (and the input they hold)."""

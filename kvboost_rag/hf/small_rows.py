@@ -193,11 +193,18 @@ class SmallRowLinears:
             return weight
         return _product(weight, module.bias)
 
+    def routes(self) -> dict[torch.nn.Linear, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+        """Each routed layer's product and the fewest rows it takes (none when nothing is
+        routed): the kernel's from :attr:`min_rows`, the 4-bit runs' from one row."""
+        if not self.routed:
+            return {}
+        routes = {module: (self.product(module), self.min_rows) for module in self.weights}
+        routes.update((module, (product, 1)) for module, product in self.four_bit.items())
+        return routes
+
     def install(self) -> None:
         """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
-        routes = [(module, self.product(module), self.min_rows) for module in self.weights]
-        routes += [(module, product, 1) for module, product in self.four_bit.items()]
-        for module, product, min_rows in routes:
+        for module, (product, min_rows) in self.routes().items():
             routed = types.MethodType(_routed_forward(product, min_rows), module)
             setattr(routed.__func__, ROUTED, True)
             module.forward = routed
@@ -232,12 +239,12 @@ def _routed_forward(
     run: Callable[[torch.Tensor], torch.Tensor], min_rows: int
 ) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not getattr(_state, "on", False) or x.dtype != torch.float32 or x.device.type != "cpu":
+        if not getattr(_state, "on", False):
             return F.linear(x, module.weight, module.bias)
         rows = x.numel() // module.in_features
         decode = getattr(_state, "rows", None)
         decode = rows if decode is None else min(decode, rows)
-        if not min_rows <= decode <= MAX_ROWS:
+        if not kernel_takes(x, decode, min_rows):
             return F.linear(x, module.weight, module.bias)
         if decode == rows:
             return run(x)
@@ -247,6 +254,12 @@ def _routed_forward(
         return torch.cat([head, tail]).view(*x.shape[:-1], module.out_features)
 
     return forward
+
+
+def kernel_takes(x: torch.Tensor, rows: int, min_rows: int) -> bool:
+    """Whether a routed layer's kernel takes ``rows`` decode rows of ``x``: float32 on the CPU,
+    from ``min_rows`` to :data:`MAX_ROWS` rows (else the layer's own ``F.linear``)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and min_rows <= rows <= MAX_ROWS
 
 
 def _decode_head(x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
