@@ -217,8 +217,13 @@ class KVBoostSettings(BaseModel):
             question). Other pairs of paths (prefix hits of other lengths, the repair) can still
             part after a near tie, which is why ``"stored"`` is not the embedded model's
             default; ``"model"`` gives answers that do not depend on what the cache held.
+            A model quantized through torchao (transformers' ``TorchAoConfig`` with
+            ``Int8WeightOnlyConfig`` or ``Int8DynamicActivationInt8WeightConfig``) has no
+            float32 weights: where decode reads int8 its int8 layers are read from their stored
+            values and scales (no requantization; kvboost_rag/hf/stored_int8.py), else through
+            their own ``forward`` (torchao's, which widens the values to float32 every call).
             Where the int8 kernel does not apply (CUDA,
-            16-bit or quantized weights, a CPU without AVX2) decode reads the model's own.
+            16-bit or other quantized weights, a CPU without AVX2) decode reads the model's own.
             Prompt work (prefill, the tokens after a prefix hit, the repair's passes, warming),
             even in a step beside decode rows, and calls of the model outside the engine, always
             read the model's own weights, so the first token of every reuse path is unchanged. Not used with captured steps.

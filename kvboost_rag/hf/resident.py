@@ -26,6 +26,7 @@ import mmap
 import sys
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,19 @@ def page_out_input_embeddings(model: torch.nn.Module) -> int:
     """
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
-    if not isinstance(weight, torch.Tensor):
+    if not _plain(weight):  # absent, or a quantized table (torchao) whose values are its inner tensors
         return 0
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     output_weight = getattr(output, "weight", None)
-    if isinstance(output_weight, torch.Tensor) and output_weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+    if _plain(output_weight) and output_weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
         return 0
     with torch.no_grad():
         return page_out(weight.detach())
+
+
+def _plain(tensor: object) -> bool:
+    """Whether ``tensor`` is a tensor with storage of its own (not a subclass wrapping others)."""
+    return isinstance(tensor, torch.Tensor) and not is_traceable_wrapper_subclass(tensor)
 
 
 def trim_heap() -> bool:

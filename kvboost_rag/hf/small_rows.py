@@ -83,6 +83,7 @@ import torch.nn.functional as F
 from kvboost_rag.hf.four_bit_groups import FourBitLinear, four_bit_linears
 from kvboost_rag.hf.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
 from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
+from kvboost_rag.hf.stored_int8 import stored_int8_linears
 from kvboost_rag.hf.sparse_attention import thread_setting
 
 logger = logging.getLogger(__name__)
@@ -317,21 +318,31 @@ def choose_kernel(
             ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`),
             ``"stored"`` (the layers whose weights are 4-bit runs read as stored,
             :mod:`kvboost_rag.hf.four_bit_groups`, the others as ``"model"``); wherever decode
-            reads int8, the 4-bit runs are read as stored too.
+            reads int8, the 4-bit runs are read as stored too, and the layers a model already
+            holds as int8 (:mod:`kvboost_rag.hf.stored_int8`) are read from their own values.
 
     Returns:
         The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
     """
     eligible = eligible_linears(model)
-    for module in eligible:  # routed by an earlier engine on this model: decided anew
+    stored = stored_int8_linears(model)
+    for module in [*eligible, *stored]:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
     reads = decode_reads(model, decode_weights)
     four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
     rest = [module for module in eligible if module not in four_bit]
-    chosen = _rest_kernel(model, rest, setting, packed_bytes, reads) if rest else SmallRowLinears()
+    if stored and reads != "int8":
+        logger.info(
+            "%d layers are stored as int8 (torchao); decode runs their own forward (decode_weights='int8' reads their values "
+            "through the int8 kernel)",
+            len(stored),
+        )
+    chosen = _int8_linears(model, [*rest, *stored], stored) if reads == "int8" and stored else SmallRowLinears()
+    if chosen.kernel != "int8" and rest:
+        chosen = _rest_kernel(model, rest, setting, packed_bytes, reads)
     chosen.four_bit = four_bit
     chosen.copy_bytes += sum(copy.nbytes for copy in four_bit.values())
-    return _installed(chosen, len(eligible))
+    return _installed(chosen, len(eligible) + len(stored))
 
 
 def _four_bit_copies(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) -> dict[torch.nn.Linear, FourBitLinear | SiblingProduct]:
@@ -414,17 +425,29 @@ def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
 
 
 @torch.no_grad()
-def _int8_linears(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) -> SmallRowLinears:
+def _int8_linears(
+    model: torch.nn.Module, modules: Sequence[torch.nn.Linear], stored: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> SmallRowLinears:
     """Int8 copies of the layers' weights, the layers that read one input fused
     (:mod:`kvboost_rag.hf.int8_siblings`), if the kernel computes what they should (checked on
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
-    float32 temporaries)."""
+    float32 temporaries). A layer in ``stored`` (:func:`~kvboost_rag.hf.stored_int8.stored_int8_linears`)
+    gives its own int8 values and scales; the others' float32 weights are quantized."""
+    stored = stored or {}
+
+    def int8_values(module: torch.nn.Linear, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if module in stored:
+            q, scales = stored[module]
+            return q[:rows], scales[:rows]
+        return quantize_rows(module.weight[:rows])  # rows quantize alone
+
     probed = _probed_layers(modules)
-    fused = {layer: product for group in sibling_groups(model, modules) for layer, product in zip(group, fused_int8(group))}
+    groups = sibling_groups(model, modules)
+    fused = {layer: product for group in groups for layer, product in zip(group, fused_int8(group, int8_values))}
     weights: dict[torch.nn.Linear, torch.Tensor | Int8Linear | SiblingProduct] = {
-        module: fused.get(module) or int8_linear(*quantize_rows(module.weight), module.bias) for module in modules
+        module: fused.get(module) or int8_linear(*int8_values(module), module.bias) for module in modules
     }
-    checked = {module: dequantize_rows(*quantize_rows(module.weight[:AGREEMENT_ROWS])) for module in probed}  # rows quantize alone
+    checked = {module: dequantize_rows(*int8_values(module, AGREEMENT_ROWS)) for module in probed}
     linears = SmallRowLinears("int8", weights, sum(w.nbytes for w in weights.values()))  # type: ignore[union-attr]
     agrees = _kernel_agrees(modules, partial(_int8_agrees_on, linears, checked), "the int8 kernel")
     _forget_probe_outputs(weights, probed)
@@ -440,7 +463,7 @@ def _forget_probe_outputs(copies: dict, probed: Sequence[torch.nn.Linear]) -> No
 
 def _probed_layers(modules: Sequence[torch.nn.Linear]) -> list[torch.nn.Linear]:
     """The layers a kernel is checked on: the first and the largest, in that order."""
-    largest = max(modules, key=lambda m: m.weight.numel())
+    largest = max(modules, key=lambda m: m.in_features * m.out_features)
     return [modules[0]] if largest is modules[0] else [modules[0], largest]
 
 
