@@ -78,6 +78,9 @@ def test_weights_of_another_form_are_not_read_as_int8():
     grouped = torch.nn.Linear(64, 32)
     quantize_(grouped, WEIGHT_ONLY(granularity=torchao_quantization.PerGroup(32)))  # two scales per channel: not the kernels' form
     assert type(grouped.weight).__name__ == "Int8Tensor" and stored_int8(grouped.weight) is None
+    half = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    quantize_(half, WEIGHT_ONLY())  # a bfloat16 layer: the kernels take float32 activations
+    assert type(half.weight).__name__ == "Int8Tensor" and stored_int8(half.weight) is None
     model = quantized_model("llama")
     found = stored_int8_linears(model)
     assert list(found) == [m for m in model.modules() if type(m) is torch.nn.Linear] and len(found) > 0
@@ -90,6 +93,7 @@ def test_the_fingerprint_reads_the_stored_values():
     assert weights_digest(a) == weights_digest(quantized_model(seed=0))
     assert weights_digest(a) != weights_digest(b)
     assert weights_digest(a) != weights_digest(tiny_model("qwen2", seed=0))
+    assert weights_digest(a) != weights_digest(quantized_model(config=DYNAMIC()))  # same values, other product
     layer = next(iter(stored_int8_linears(a)))
     before = weights_digest(a)
     with torch.no_grad():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Iterable
 
@@ -104,12 +105,17 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     return sample.numpy().tobytes() + tail + struct.pack("<ii", int(total), int(squares))
 
 
+#: A default ``repr``'s memory address (`` at 0x7f...``), which differs from process to process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _wrapper_digest(tensor: torch.Tensor) -> bytes:
     """Bytes that identify a tensor subclass that wraps others (torchao's quantized weights:
     int8 or 4-bit values and their scales): its type, what it flattens to besides tensors (block
     sizes, layouts), then each inner tensor's name, shape, dtype and :func:`tensor_digest`."""
     names, context = tensor.__tensor_flatten__()
-    parts = [f"{type(tensor).__qualname__}\0{context!r}".encode()]
+    described = _ADDRESS.sub("", repr(context))  # an object's default repr names its address
+    parts = [f"{type(tensor).__qualname__}\0{described}".encode()]
     for name in names:
         inner = getattr(tensor, name)
         parts += [_describe("inner", name, inner), tensor_digest(inner)]
