@@ -331,7 +331,7 @@ def choose_kernel(
     reads = decode_reads(model, decode_weights)
     four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
     rest = [module for module in eligible if module not in four_bit]
-    if stored and reads != "int8":
+    if stored and reads != "int8" and int8_available():
         logger.info(
             "%d layers are stored as int8 (torchao); decode runs their own forward (decode_weights='int8' reads their values "
             "through the int8 kernel)",
