@@ -407,8 +407,8 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     """One forward of 1-16 tokens over ``prompt``'s cache, as decode and verify steps run it,
     with the engine's small-row kernel and with ``F.linear``: median ms and ratio to 1 token."""
     from kvboost_rag.hf.caches import truncate_cache
-    from kvboost_rag.hf.packed import Segment
     from kvboost_rag.hf.decode_pass import DecodePass
+    from kvboost_rag.hf.packed import Segment
     from kvboost_rag.hf.small_rows import SmallRowLinears
 
     adapter = engine._adapter

@@ -34,11 +34,6 @@ logger = logging.getLogger("stored_int8_bench")
 ROWS = ("float32 engine", "torchao, own forward", "torchao, stored int8", "torchao generate")
 
 
-def per_token(run: Run) -> float:
-    """Decode ms per token after the first."""
-    return (run.total_ms - run.ttft_ms) / max(1, len(run.tokens) - 1)
-
-
 def quantized_engine(path: str, decode_weights: str) -> KVBoost:
     """An engine over the model at ``path`` quantized by torchao's int8 weight-only config."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -63,7 +58,7 @@ def report(results: list[tuple[str, list[Run]]], header: str) -> list[str]:
     lines.append("|" + "---:|" * 3 + "---:|" * len(ROWS) + "---:|---:|---:|---|")
     ratios: list[tuple[float, float, float]] = []
     for i, (kind, runs) in enumerate(results):
-        ms = [per_token(run) for run in runs]
+        ms = [1000 / run.decode_rate for run in runs]  # decode ms per token after the first
         ratio = (ms[1] / ms[2], ms[3] / ms[2], ms[0] / ms[2])
         ratios.append(ratio)
         cells = " | ".join(f"{m:.1f}" for m in ms)

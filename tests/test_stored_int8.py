@@ -21,6 +21,7 @@ from kvboost_rag.dev.testing import save_tiny_model, tiny_model  # noqa: E402
 from kvboost_rag.hf.fingerprint import weights_digest  # noqa: E402
 from kvboost_rag.hf.int8_rows import int8_available  # noqa: E402
 from kvboost_rag.hf.resident import page_out_input_embeddings  # noqa: E402
+from kvboost_rag.hf.small_rows import plain_linears  # noqa: E402
 from kvboost_rag.hf.stored_int8 import stored_int8, stored_int8_linears  # noqa: E402
 from rag_prompts import rag_prompt  # noqa: E402
 
@@ -82,7 +83,7 @@ def test_weights_of_another_form_are_not_read_as_int8():
     quantize_(half, WEIGHT_ONLY())  # a bfloat16 layer: the kernels take float32 activations
     assert type(half.weight).__name__ == "Int8Tensor" and stored_int8(half.weight) is None
     model = quantized_model("llama")
-    found = stored_int8_linears(model)
+    found = stored_int8_linears(plain_linears(model))
     assert list(found) == [m for m in model.modules() if type(m) is torch.nn.Linear] and len(found) > 0
 
 
@@ -94,7 +95,7 @@ def test_the_fingerprint_reads_the_stored_values():
     assert weights_digest(a) != weights_digest(b)
     assert weights_digest(a) != weights_digest(tiny_model("qwen2", seed=0))
     assert weights_digest(a) != weights_digest(quantized_model(config=DYNAMIC()))  # same values, other product
-    layer = next(iter(stored_int8_linears(a)))
+    layer = next(iter(stored_int8_linears(plain_linears(a))))
     before = weights_digest(a)
     with torch.no_grad():
         layer.weight.qdata[0, 0] += 1  # one stored value moved
@@ -129,7 +130,7 @@ def test_an_engine_over_a_torchao_model_answers_as_the_model_does(tokenizer, doc
 @needs_int8
 def test_decode_on_int8_reads_the_stored_values_and_leaves_other_calls_to_the_layers(tokenizer, docs):
     model = quantized_model()
-    stored = stored_int8_linears(model)
+    stored = stored_int8_linears(plain_linears(model))
     engine = engine_over(model, tokenizer, decode_weights="int8")
     linears = engine._adapter.small_rows
     assert engine.small_row_kernel == "int8" and set(linears.weights) == set(stored)
@@ -156,6 +157,6 @@ def test_a_saved_torchao_checkpoint_loads_and_answers(tmp_path, tokenizer):
     model.save_pretrained(tmp_path / "int8")
     tokenizer.save_pretrained(tmp_path / "int8")
     engine = KVBoost.from_pretrained(str(tmp_path / "int8"), show_progress=False, decode_weights="model", draft_tokens=0)
-    assert len(stored_int8_linears(engine.model)) > 0
+    assert len(stored_int8_linears(plain_linears(engine.model))) > 0
     ids = tokenizer("The cache reads each document once.").input_ids
     assert engine.generate("The cache reads each document once.", max_new_tokens=6).token_ids == greedy(engine.model, ids, 6)

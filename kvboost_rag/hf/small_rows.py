@@ -123,9 +123,9 @@ def _product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     return run
 
 
-def eligible_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The model's layers a small-row kernel can take: plain ``nn.Linear`` (no subclass, no
-    hook that replaced its ``forward``) with float32 dense weights on the CPU."""
+def plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's plain ``nn.Linear`` layers: no subclass, no accelerate hook, no ``forward``
+    another library put in place of theirs (one this module routed counts as theirs)."""
     found = []
     for module in model.modules():
         own = module.__dict__.get("forward")
@@ -133,6 +133,15 @@ def eligible_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
             continue
         if own is not None and not getattr(own, ROUTED, False):  # another library's forward
             continue
+        found.append(module)
+    return found
+
+
+def eligible_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's layers a small-row kernel can take: :func:`plain_linears` with float32 dense
+    weights on the CPU."""
+    found = []
+    for module in plain_linears(model):
         weight = module.weight
         if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue
@@ -325,21 +334,19 @@ def choose_kernel(
         The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
     """
     eligible = eligible_linears(model)
-    stored = stored_int8_linears(model)
+    stored = stored_int8_linears(plain_linears(model))
     for module in [*eligible, *stored]:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
     reads = decode_reads(model, decode_weights)
-    four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
-    rest = [module for module in eligible if module not in four_bit]
     if stored and reads != "int8" and int8_available():
         logger.info(
             "%d layers are stored as int8 (torchao); decode runs their own forward (decode_weights='int8' reads their values "
             "through the int8 kernel)",
             len(stored),
         )
-    chosen = _int8_linears(model, [*rest, *stored], stored) if reads == "int8" and stored else SmallRowLinears()
-    if chosen.kernel != "int8" and rest:
-        chosen = _rest_kernel(model, rest, setting, packed_bytes, reads)
+    four_bit = _four_bit_copies(model, eligible) if decode_weights == "stored" or reads == "int8" else {}
+    rest = [module for module in eligible if module not in four_bit]
+    chosen = _rest_kernel(model, rest, stored, setting, packed_bytes, reads)
     chosen.four_bit = four_bit
     chosen.copy_bytes += sum(copy.nbytes for copy in four_bit.values())
     return _installed(chosen, len(eligible) + len(stored))
@@ -362,14 +369,20 @@ def _four_bit_copies(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]
 
 
 def _rest_kernel(
-    model: torch.nn.Module, modules: list[torch.nn.Linear], setting: str, packed_bytes: int, reads: Literal["model", "int8"]
+    model: torch.nn.Module,
+    modules: list[torch.nn.Linear],
+    stored: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]],
+    setting: str,
+    packed_bytes: int,
+    reads: Literal["model", "int8"],
 ) -> SmallRowLinears:
-    """The kernel of the layers not read as 4-bit runs (not installed)."""
-    if reads == "int8":
-        chosen = _int8_linears(model, modules)
+    """The kernel of the layers not read as 4-bit runs (not installed): ``modules`` (float32
+    weights) and ``stored`` (int8 already, which only the int8 kernel reads)."""
+    if reads == "int8" and (modules or stored):
+        chosen = _int8_linears(model, [*modules, *stored], stored)
         if chosen.kernel == "int8" or not onednn_available() or setting == "off":
             return chosen
-    if setting == "off" or not onednn_available():
+    if not modules or setting == "off" or not onednn_available():
         return SmallRowLinears()
     weight_bytes = sum(m.weight.numel() * 4 for m in modules)
     name: SmallRowKernel = setting  # type: ignore[assignment]

@@ -13,7 +13,7 @@ own layers, 77-86 ms with decode reading the stored values (its float32 original
 70-83 ms), its tokens the same on 3 of 3 prompts.
 
 :func:`stored_int8_linears` finds the layers whose stored values the engine's int8 kernel reads
-as they are: a plain ``nn.Linear`` on the CPU whose weight is an ``Int8Tensor`` of 2-D int8
+as they are: a plain ``nn.Linear`` (as the small-row kernels take them) on the CPU whose weight is an ``Int8Tensor`` of 2-D int8
 values with one scale per output channel, symmetric (zero points absent or zero), without an
 activation pre-scale, in a float32 model (the int8 kernels take float32 activations). Where decode reads int8 (``decode_weights="int8"``, or ``"auto"`` for the models
 measured, :data:`~kvboost_rag.hf.small_rows.INT8_BY_DEFAULT`), decode and verify steps read
@@ -24,6 +24,8 @@ its type's name and the tensors it flattens to.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -60,13 +62,11 @@ def stored_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return q, scale.reshape(-1).to(torch.float32)
 
 
-def stored_int8_linears(model: torch.nn.Module) -> dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]]:
-    """The model's plain ``nn.Linear`` layers whose weights are stored int8 (:func:`stored_int8`),
-    with their values and scales, in module order."""
+def stored_int8_linears(modules: Iterable[torch.nn.Linear]) -> dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]]:
+    """Those of ``modules`` (plain linear layers, :func:`~kvboost_rag.hf.small_rows.plain_linears`)
+    whose weights are stored int8 (:func:`stored_int8`), with their values and scales, in order."""
     found = {}
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
-            continue
+    for module in modules:
         stored = stored_int8(module.weight)
         bias = module.bias
         if stored is not None and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")):
