@@ -52,13 +52,16 @@ engine without drafts against ``generate``, decode ms per token.
 
 Run: ``python bench/decode_bench.py --threads 2`` (``--prompts 9``, ``--new-tokens 96``,
 ``--docs 6``, ``--doc-chars 1600``, ``--plain``, ``--model PATH``, ``--tiny-host``,
-``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--kv-cache-bits 8|4`` (documents and
+``--cost-reps 7``, ``--decode-weights auto|model|int8``, ``--captured-steps auto|on|off``, ``--kv-cache-bits 8|4`` (documents and
 prefixes stored quantized: they are dequantized into the prompt's float32 K/V when loaded, so
 decode reads float32 K/V either way), ``--out FILE`` for the markdown report,
 ``--llamacpp [GGUF]`` for the llama.cpp row: the GGUF may be left out for the embedded model
 and for ``bench/qwen_model.py``'s folder; needs ``pip install -e ".[llamacpp]"``).
 The header gives the small-row kernel the engine chose, its weight copy's bytes, and resident
-memory right after loading (before warming) against the parameters' bytes, and with ``--llamacpp`` the
+memory right after loading (before warming) against the parameters' bytes, whether decode and
+verify steps run captured (``--captured-steps on``: compiled graphs, built before the prompts,
+the load's seconds with their build; the verify-cost table, which times eager steps, is then
+left out and the report ends with the count of captured steps run), and with ``--llamacpp`` the
 llama-cpp-python version and the GGUF's quantization. An instruct model of another family:
 ``--model "$(python bench/qwen_model.py)"``.
 """
@@ -511,6 +514,14 @@ def _llamacpp_row(gguf: Path | None, threads: int, new_tokens: int, tokenizer, p
     return open_llamacpp(gguf, threads, max(8192, 2 * longest + new_tokens))
 
 
+def _captured_note(engine: KVBoost, load_s: float) -> str:
+    """What the header says of captured steps: off, or the buckets built before the prompts
+    and the load's seconds (their compile included)."""
+    if engine.captured_steps_run is None:
+        return "captured steps off"
+    return f"captured steps on, buckets {list(engine._captured.ready_buckets)}, load with their build {load_s:.0f} s"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -532,6 +543,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the engine's kv_cache_bits: documents and prefixes stored quantized (default: the model's dtype)",
     )
     parser.add_argument(
+        "--captured-steps", choices=("auto", "on", "off"), default="auto",
+        help="the engine's captured_steps (on: decode and verify steps as compiled graphs, built before the prompts)",
+    )
+    parser.add_argument(
         "--llamacpp", nargs="?", const="", default=None, metavar="GGUF",
         help="add the llama.cpp row on this GGUF of the same model (left out: the embedded model's, or "
         "qwen_model.py's for its folder); needs pip install -e '.[llamacpp]'",
@@ -541,9 +556,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     gguf = _llamacpp_gguf(args)
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     engine = KVBoost.from_pretrained(
-        args.model, show_progress=False, decode_weights=args.decode_weights, kv_cache_bits=args.kv_cache_bits
+        args.model, show_progress=False, decode_weights=args.decode_weights, kv_cache_bits=args.kv_cache_bits,
+        captured_steps=args.captured_steps, captured_build="at_load",
     )
+    load_s = time.perf_counter() - started
     resident = _resident_bytes()
     model, tokenizer = engine.model, engine.tokenizer
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -561,13 +579,16 @@ def main(argv: list[str] | None = None) -> None:
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
         f"torch {torch.__version__}, decode_weights={args.decode_weights}, kv_cache_bits={args.kv_cache_bits}: small-row kernel {engine.small_row_kernel}, "
         f"{engine.four_bit_layers} layers read as stored 4-bit runs (copies {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
-        f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start"
+        f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start; "
+        f"{_captured_note(engine, load_s)}"
     ) + (f"; {llama.describe()}" if llama is not None else "")
     lines = [header, ""]
-    if args.cost_reps:
+    if args.cost_reps and engine.captured_steps_run is None:  # the table times eager steps
         lines += [*verify_cost_table(engine, prompts[0][1], args.cost_reps), ""]
     lines += whole_answer_table(model, tokenizer, engine, prompts, args.new_tokens, llama)
     lines.append(f"Load average {os.getloadavg()[0]:.1f} at the end.")
+    if engine.captured_steps_run is not None:
+        lines.append(f"Captured steps run: {engine.captured_steps_run}.")
     if args.tiny_host:
         lines += ["", *tiny_host_table(64)]
     report = "\n".join(lines)

@@ -246,10 +246,15 @@ class KVBoostSettings(BaseModel):
             beyond it, ``"packed"`` is not chosen.
         captured_steps: Whether decode and draft-verify steps run as compiled graphs over a
             static K/V pool (:mod:`kvboost_rag.hf.captured`; on CUDA each step is one CUDA
-            graph launch instead of a launch per kernel): ``"auto"`` (default) on CUDA only (on
-            a CPU decoding is memory-bound and compiling gained nothing where measured,
-            docs/gpu.md), ``"on"``, ``"off"``. The graphs are built when the engine loads
-            (compiled once per token bucket, see ``captured_build``; later processes take them
+            graph launch instead of a launch per kernel): ``"auto"`` (default) on CUDA only,
+            ``"on"``, ``"off"``. On a CPU ``"on"`` is a choice for long-running processes: the
+            first load compiles for minutes (the embedded model's five buckets: 636 s on 2
+            cores, 62 s from the on-disk cache), and captured steps read the model's float32
+            weights, so they decode faster than eager steps over those weights (the embedded
+            model without drafts 1.2-1.4x, docs/benchmarks.md) but not than eager steps over the
+            int8 copies ``decode_weights`` makes (a warning says when those go unused). The
+            graphs are built when the engine loads (compiled once per token bucket, see
+            ``captured_build``; later processes take them
             from torch's on-disk compile cache). A sequence that finds no free slot, or a model
             whose steps cannot be captured, decodes on the eager path. Read by
             :func:`kvboost_rag.hf.captured.build_captured_rows` when the engine loads.

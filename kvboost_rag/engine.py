@@ -19,6 +19,7 @@ from kvboost_rag.decode.sampling import eos_token_ids
 from kvboost_rag.decode.draft_policy import DraftPolicy
 from kvboost_rag.default_model import cache_home
 from kvboost_rag.hf.captured import build_captured_rows, build_prefill_rows, captured_steps_wanted, probe_buckets
+from kvboost_rag.hf.captured.build import unread_decode_copies
 from kvboost_rag.hf.captured.graph import keep_compiled_code_in
 from kvboost_rag.diagnosis.correctness import compare_runs
 from kvboost_rag.errors import (
@@ -96,6 +97,8 @@ class KVBoost:
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes, settings.decode_weights)
             trim_heap()  # the copies' temporaries
+        elif (unread := unread_decode_copies(adapter, settings.decode_weights)) is not None:
+            logger.warning("%s", unread)
         prefiller = Prefiller(
             adapter, cache, settings, captured=self._captured_prefill, captured_probe=self._captured_probe
         )

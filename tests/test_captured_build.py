@@ -30,6 +30,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, SlotPool, build_captured_rows
 from kvboost_rag.hf.captured.attention import ROWS_ATTENTION
 from kvboost_rag.hf.captured.graph import CACHE_DIR_ENV, BucketGraph, keep_compiled_code_in
+from kvboost_rag.hf.int8_rows import int8_available
 
 SETTINGS = dict(
     show_progress=False, chunk_size=32, captured_steps="on", captured_pool_bytes=16 * 2**20,
@@ -110,6 +111,21 @@ def test_a_bucket_that_fails_leaves_the_ready_ones_in_use(tokenizer, docs, gated
     assert "buckets [1] stay in use" in caplog.text
     engine.generate(rag_prompt(docs[:2]), max_new_tokens=4)
     assert engine.captured_steps_run > 0
+
+
+@pytest.mark.skipif(not int8_available(), reason="no int8 kernel on this CPU: decode reads the model's weights either way")
+@pytest.mark.parametrize(("decode_weights", "warned"), [("int8", True), ("stored", True), ("model", False), ("auto", False)])
+def test_captured_steps_say_when_they_leave_the_decode_copies_unread(tokenizer, decode_weights, warned, caplog, monkeypatch):
+    """Captured steps read the model's own weights: a decode_weights that eager steps would
+    read as int8 or 4-bit copies is named in a warning (the tiny Llama is not an int8 default)."""
+    monkeypatch.setattr(engine_module, "build_captured_rows", functools.partial(build_captured_rows, backend=None))
+    engine = KVBoost.from_model(
+        tiny_model("llama"), tokenizer, **{**SETTINGS, "captured_build": "at_load", "decode_weights": decode_weights}
+    )
+    assert engine.captured_steps_run == 0
+    assert ("is not used" in caplog.text) is warned
+    if warned:
+        assert f"decode_weights={decode_weights!r}" in caplog.text and "captured_steps='off'" in caplog.text
 
 
 def test_probe_passes_are_used_only_once_all_their_buckets_are(tokenizer, monkeypatch):

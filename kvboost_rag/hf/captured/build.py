@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvboost_rag.hf.captured.pool import SlotPool
 from kvboost_rag.hf.captured.steps import CapturedMode, CapturedRows, captured_steps_wanted
+from kvboost_rag.hf.small_rows import DecodeWeights, decode_reads
 
 if TYPE_CHECKING:
     from kvboost_rag.hf.adapter import ModelAdapter
@@ -62,6 +63,21 @@ def build_captured_rows(
         return None
     steps = CapturedRows(adapter, pool, token_buckets, backend=backend)
     return steps if steps.prepare(background) else None
+
+
+def unread_decode_copies(adapter: ModelAdapter, decode_weights: DecodeWeights) -> str | None:
+    """Why ``decode_weights`` goes unread with captured steps, where it would not be on the
+    eager path: on a CPU, the int8 copy or the 4-bit runs eager decode steps would read
+    (captured steps read the model's own weights); ``None`` where nothing is lost."""
+    if adapter.device.type != "cpu":
+        return None
+    if decode_weights != "stored" and decode_reads(adapter.model, decode_weights) != "int8":
+        return None
+    return (
+        f"captured steps read the model's own weights: decode_weights={decode_weights!r} (int8 or 4-bit "
+        "copies in eager steps) is not used. On a CPU the eager steps over those copies decoded faster "
+        "where measured (docs/benchmarks.md); captured_steps='off' keeps them"
+    )
 
 
 #: Largest token bucket of the probe's passes (its live tokens: the question, separators, the

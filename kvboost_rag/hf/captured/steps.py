@@ -78,8 +78,8 @@ def _compiling():
 
 def captured_steps_wanted(mode: CapturedMode, device: torch.device) -> bool:
     """Whether captured steps are used: ``"on"``, ``"off"``, or ``"auto"``: on CUDA (one graph
-    launch a step instead of a launch per kernel), not on a CPU (decoding there is memory-bound
-    and compiling gained nothing where measured; docs/gpu.md)."""
+    launch a step instead of a launch per kernel), not on a CPU (the first load there compiles
+    for minutes, and eager steps over int8 copies decode faster; docs/benchmarks.md)."""
     if mode == "auto":
         return device.type == "cuda"
     return mode == "on"
