@@ -140,15 +140,14 @@ def plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 def eligible_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's layers a small-row kernel can take: :func:`plain_linears` with float32 dense
     weights on the CPU."""
-    found = []
-    for module in plain_linears(model):
-        weight = module.weight
-        if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue
-        if weight.layout != torch.strided or weight.is_quantized or not weight.is_contiguous():
-            continue
-        found.append(module)
-    return found
+    return [module for module in plain_linears(model) if _dense_float32(module.weight)]
+
+
+def _dense_float32(weight: torch.Tensor) -> bool:
+    """Whether a layer's weight is a float32 dense parameter on the CPU, contiguous."""
+    if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    return weight.layout == torch.strided and not weight.is_quantized and weight.is_contiguous()
 
 
 def onednn_available() -> bool:
@@ -333,8 +332,9 @@ def choose_kernel(
     Returns:
         The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
     """
-    eligible = eligible_linears(model)
-    stored = stored_int8_linears(plain_linears(model))
+    plain = plain_linears(model)
+    eligible = [module for module in plain if _dense_float32(module.weight)]  # eligible_linears, one walk
+    stored = stored_int8_linears(plain)
     for module in [*eligible, *stored]:  # routed by an earlier engine on this model: decided anew
         module.__dict__.pop("forward", None)
     reads = decode_reads(model, decode_weights)
@@ -439,14 +439,13 @@ def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
 
 @torch.no_grad()
 def _int8_linears(
-    model: torch.nn.Module, modules: Sequence[torch.nn.Linear], stored: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] | None = None
+    model: torch.nn.Module, modules: Sequence[torch.nn.Linear], stored: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]]
 ) -> SmallRowLinears:
     """Int8 copies of the layers' weights, the layers that read one input fused
     (:mod:`kvboost_rag.hf.int8_siblings`), if the kernel computes what they should (checked on
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
     float32 temporaries). A layer in ``stored`` (:func:`~kvboost_rag.hf.stored_int8.stored_int8_linears`)
     gives its own int8 values and scales; the others' float32 weights are quantized."""
-    stored = stored or {}
 
     def int8_values(module: torch.nn.Linear, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if module in stored:
