@@ -2,8 +2,11 @@
 # Portability checks (run by scripts/test.sh after the suites, which ran at the CPU kernel
 # level torch detects):
 # 1. the exactness tests with torch's CPU kernels capped at each lower level
-#    (ATEN_CPU_CAPABILITY=default, avx2) and oneDNN's with them (ONEDNN_MAX_CPU_ISA=SSE41,
-#    AVX2: the small-row kernels of decode and verify steps), so exact paths hold on any x86 CPU;
+#    (ATEN_CPU_CAPABILITY=default, avx2), oneDNN's with them (ONEDNN_MAX_CPU_ISA=SSE41,
+#    AVX2: the small-row kernels of decode and verify steps) and MKL on another code path
+#    (MKL_CBWR=COMPATIBLE, AVX2: MKL chooses its code by CPU vendor and instruction set, and
+#    its products of few rows round another way on some, as on an AMD EPYC; an AMD CPU honours
+#    only COMPATIBLE), so exact paths hold on any x86 CPU;
 # 2. the exactness tests and the integrations' fast tests against the lowest versions of
 #    transformers, langchain-core and llama-index-core the packages admit
 #    (scripts/lowest_versions.py installs them into .venv-lowest, put first on PYTHONPATH).
@@ -15,11 +18,12 @@ EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)
 PARALLEL=(-n "${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}" --dist loadfile)
 status=0
 
-for level in default:SSE41 avx2:AVX2; do
-  aten=${level%%:*} onednn=${level##*:}
-  echo "=== exactness tests, ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn"
+for level in default:SSE41:COMPATIBLE avx2:AVX2:AVX2; do
+  IFS=: read -r aten onednn mkl <<<"$level"
+  echo "=== exactness tests, ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn MKL_CBWR=$mkl"
   ATEN_CPU_CAPABILITY=$aten "$PY" -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability())"
-  ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings "${EXACTNESS[@]}" tests/test_small_rows.py || status=1
+  ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn MKL_CBWR=$mkl "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings \
+    "${EXACTNESS[@]}" tests/test_small_rows.py tests/test_int8_decode.py || status=1
 done
 
 echo "=== lowest admitted versions"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.dev.testing import tiny_model
-from kvboost_rag.hf import small_rows
+from kvboost_rag.hf import ragged_attention, row_rounding, small_rows
 from kvboost_rag.hf.ragged_attention import last_tokens_attention
 from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel, eligible_linears
 
@@ -141,7 +141,7 @@ def test_on_intel_the_fewest_rows_keep_the_own_product(monkeypatch, vendor):
     int8.restore()
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (6, 1)])
 @pytest.mark.parametrize("length", [20, 64, 70, 130, 2100])
 def test_a_verify_steps_tokens_attend_bitwise_as_one_token_steps(heads, kv_heads, length):
     """A token's attention output must not depend on the other tokens of its step (a float
@@ -158,3 +158,53 @@ def test_a_verify_steps_tokens_attend_bitwise_as_one_token_steps(heads, kv_heads
         seen = length - tokens + 1 + t
         alone = last_tokens_attention(query[:, :, t : t + 1], key[:, :, :seen], value[:, :, :seen], 0.3)
         assert torch.equal(together[:, :, t : t + 1], alone), t
+
+
+def test_products_padded_to_the_measured_rows_round_each_row_alike_at_any_count():
+    """The measured threshold holds on shapes it did not probe: every count of rows, padded to
+    it, at any place, rounds bitwise as the same rows of a long product; where none was found,
+    some count really rounds another way."""
+    fewest = row_rounding.rows_rounding_alike(48, 40)
+    generator = torch.Generator().manual_seed(7)
+    left, right = torch.randn(2, 70, 1500, generator=generator), torch.randn(2, 1500, 40, generator=generator)
+    whole = torch.matmul(left, right)
+    if fewest is None:  # e.g. MKL_CBWR=COMPATIBLE: rows round by their place in 4-row blocks
+        assert not all(torch.equal(torch.matmul(left[:, :m], right), whole[:, :m]) for m in range(1, 65))
+        return
+    for m in range(1, 33):
+        for offset in (0, 2, 5):
+            part = row_rounding.product(left[:, offset : offset + m], right, fewest)
+            assert part.shape == (2, m, 40) and part.is_contiguous()
+            assert torch.equal(part, whole[:, offset : offset + m]), (m, offset)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_verify_step_attends_as_one_token_steps_with_no_threshold_or_past_its_rows(monkeypatch, padded):
+    """With no threshold (each token alone), or products padded past the step's rows (from at
+    least this CPU's own threshold), the tokens still attend as masked SDPA does and bitwise as
+    one-token steps."""
+    measured = row_rounding.rows_rounding_alike(16, 16)
+    fewest = max(measured, 48) if padded and measured is not None else None
+    monkeypatch.setattr(ragged_attention, "rows_rounding_alike", lambda query_dim, value_dim: fewest)
+    torch.manual_seed(3)
+    heads, kv_heads, tokens, length, dim = 6, 2, 5, 300, 16
+    query = torch.randn(1, tokens, heads, dim).transpose(1, 2)
+    key, value = torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)
+    together = last_tokens_attention(query, key, value, 0.3)
+    allowed = torch.arange(length).view(1, -1) <= torch.arange(length - tokens, length).view(-1, 1)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+    for t in range(tokens):
+        seen = length - tokens + 1 + t
+        alone = last_tokens_attention(query[:, :, t : t + 1], key[:, :, :seen], value[:, :, :seen], 0.3)
+        assert torch.equal(together[:, :, t : t + 1], alone), t
+
+
+def test_the_threshold_is_measured_once_per_head_size_and_thread_count():
+    row_rounding._measured.cache_clear()
+    first = row_rounding.rows_rounding_alike(24, 24, threads=1)
+    assert row_rounding.rows_rounding_alike(24, 24, threads=1) == first
+    assert row_rounding._measured.cache_info().hits == 1 and row_rounding._measured.cache_info().misses == 1
+    assert first is None or first in row_rounding.PROBE_ROWS
+    row_rounding.rows_rounding_alike(24, 24, threads=2)
+    assert row_rounding._measured.cache_info().misses == 2

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from kvboost_rag.hf.row_rounding import product, rows_rounding_alike
 from kvboost_rag.hf.sparse_attention import thread_setting
 from kvboost_rag.hf.transfer import host_to_device
 
@@ -54,7 +55,8 @@ def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """
     _, heads, tokens, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    if 1 < tokens and length - tokens + 1 < TOGETHER_MIN_KEYS:  # a short row: each token alone
+    fewest_rows = rows_rounding_alike(dim, value.shape[-1])
+    if 1 < tokens and (length - tokens + 1 < TOGETHER_MIN_KEYS or fewest_rows is None):  # each token alone
         alone = []
         for t in range(tokens):
             seen = length - tokens + 1 + t
@@ -62,19 +64,21 @@ def last_tokens_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return torch.cat(alone, dim=2)
     groups = heads // kv_heads
     folded = query.reshape(kv_heads, groups * tokens, dim)  # head h = kv * groups + g: rows g * tokens + t
-    scores = torch.matmul(folded, key[0].transpose(-1, -2)).float()  # [kv_heads, groups * tokens, length]
+    fewest_rows = fewest_rows or 1
+    scores = product(folded, key[0].transpose(-1, -2), fewest_rows).float()  # [kv_heads, groups * tokens, length]
     scores.mul_(scale)
     if tokens > 1:  # token t sees the new keys up to its own: the strict upper corner is masked
         scores.view(kv_heads, groups, tokens, length)[..., length - tokens + 1 :].add_(_corner(tokens, scores.device))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = _weighted_values(probs.view(kv_heads, groups, tokens, length), value[0])
+    out = _weighted_values(probs.view(kv_heads, groups, tokens, length), value[0], fewest_rows)
     return out.view(1, heads, tokens, value.shape[-1])
 
 
 #: Fewest keys the first token of a step must see for its tokens to attend together: below it
 #: each token attends alone. Torch's CPU softmax sums a row in vector lanes (masked keys add zeros
-#: to the same lanes) and MKL's products round alike whatever the count of keys and rows, but
-#: not for rows shorter than a vector or two (16 floats with AVX-512), summed another way.
+#: to the same lanes) and MKL's products round alike whatever the count of keys (and of rows,
+#: from :func:`~kvboost_rag.hf.row_rounding.rows_rounding_alike`'s count), but not for rows
+#: shorter than a vector or two (16 floats with AVX-512), summed another way.
 TOGETHER_MIN_KEYS = 64
 
 
@@ -83,14 +87,15 @@ TOGETHER_MIN_KEYS = 64
 SPLIT_KEYS = 64
 
 
-def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, fewest_rows: int) -> torch.Tensor:
     """``probs @ values`` per token, ``[kv_heads, groups, tokens, dim]``, computed so that a
     token's result depends only on its own position, not on the other tokens of the step.
 
     A product's rounding depends on how many keys it sums (a verify step's first token, its
     later keys masked to zero, summed over more keys than the same token alone: up to 0.8 in
-    a logit after int8 activations), but not, with the same keys, on how many rows it computes
-    (checked by the tests on the running CPU). So a token that sees ``n`` keys sums the first
+    a logit after int8 activations), and on some CPUs on how many rows it computes (MKL on an
+    AMD EPYC sums 1-3 rows another way than 4 or more): products of fewer rows than
+    :func:`~kvboost_rag.hf.row_rounding.rows_rounding_alike` measures are padded to it. So a token that sees ``n`` keys sums the first
     ``a = SPLIT_KEYS * (n // SPLIT_KEYS)`` in one product over exactly ``a`` keys, shared by the
     step's tokens with the same ``a``, and adds its last ``n - a`` keys' product, one per token.
 
@@ -98,6 +103,7 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs: ``[kv_heads, groups, tokens, length]`` attention weights; token ``t`` sees keys
             up to ``length - tokens + t`` (the later ones' weights are zero).
         values: ``[kv_heads, length, dim]``.
+        fewest_rows: Rows the shared product is padded to (:func:`rows_rounding_alike`).
     """
     kv_heads, groups, tokens, length = probs.shape
     seen = [length - tokens + 1 + t for t in range(tokens)]
@@ -105,7 +111,7 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     folded = probs.view(kv_heads, groups * tokens, length)
     out = None
     for anchor in sorted(set(anchors)):  # one for a step of one; two where the tokens straddle a split
-        head = torch.matmul(folded[..., :anchor], values[:, :anchor]).view(kv_heads, groups, tokens, -1)  # zeros over no keys
+        head = product(folded[..., :anchor], values[:, :anchor], fewest_rows).view(kv_heads, groups, tokens, -1)  # zeros over no keys
         first = anchors.index(anchor)  # the tokens from here on split there
         if out is None:
             out = head
