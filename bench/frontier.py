@@ -5,7 +5,7 @@ markdown table (per run and row: speedup against full prefill, median first-toke
 identical 32-token answers, median first differing token) and a plot of median KL and
 identical answers against speedup, one panel per run.
 
-Run: ``python bench/frontier.py RUN.json [RUN.json ...] --out bench/results/repair_frontier``
+Run: ``python bench/frontier.py bench/results/repair_2threads_*.json --out bench/results/repair_frontier_2threads``
 """
 
 from __future__ import annotations
