@@ -260,3 +260,21 @@ def test_models_whose_attention_is_their_own_decode_one_row_per_pass(make_engine
     assert not engine._adapter.features.batched_decoding
     for a, b in zip(alone, engine.generate_batch(prompts, max_new_tokens=6)):
         _same(a, b)
+
+
+def test_a_batch_larger_than_the_places_of_prompts_that_end_at_their_first_token_returns(make_engine):
+    """Prompts that end at their first token give their places back only when followed: a
+    later prompt waiting for a place has the earlier ones followed to their first token
+    first, so a batch of more prompts than places finishes (it used to wait for ever)."""
+    import threading
+
+    engine = make_engine("llama", max_batch_size=4)
+    prompts = [f"Question {i}: what does the reference say about item {i}?" for i in range(11)]
+    outputs: list = []
+    thread = threading.Thread(target=lambda: outputs.extend(engine.generate_batch(prompts, max_new_tokens=1)), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate_batch of more prompts than places did not return"
+    alone = [engine.generate(prompt, max_new_tokens=1).token_ids for prompt in prompts]
+    assert [result.token_ids for result in outputs] == alone
+    assert engine._places.admitted == 0 and engine._places.held_bytes == 0

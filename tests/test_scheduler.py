@@ -218,3 +218,21 @@ async def test_async_callers_share_steps(make_engine, docs):
     results = await asyncio.gather(*(asyncio.to_thread(engine.generate, p, max_new_tokens=16) for p in prompts))
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     assert max(sizes) > 1
+
+
+def test_a_raising_on_wait_leaves_the_line_and_the_next_caller_gets_the_place():
+    places = BatchPlaces(KVBoostSettings(max_batch_size=1))
+    first = places.reserve(10)
+
+    def refuse() -> None:
+        raise KeyboardInterrupt  # e.g. Ctrl-C while a batch hands its prompts over
+
+    with pytest.raises(KeyboardInterrupt):
+        places.reserve(10, on_wait=refuse)
+    assert places.waiting == 0
+    admitted = []
+    thread = threading.Thread(target=lambda: admitted.append(places.reserve(10)), daemon=True)
+    thread.start()
+    places.release(first)
+    thread.join(timeout=10)
+    assert len(admitted) == 1 and places.admitted == 1

@@ -290,13 +290,27 @@ class Requests:
         cancellation = Cancellation()
         unfollow = cancellation.follow(ambient())
         pending: list[tuple[int, Pending]] = []
+        firsts: dict[int, Request] = {}  # reached their first token while a later prompt waited
         started: list[Request] = []
         waited = 0
+
+        def first_tokens() -> None:
+            """A later prompt waits for a place: the prompts handed over reach their first
+            token, and those that end there give their places back (nothing else would)."""
+            for i, waiting in pending:
+                if i not in firsts and outputs[i] is None:
+                    try:
+                        firsts[i] = waiting.wait(self.places)
+                    except KVBoostError as error:
+                        outputs[i] = error
+
         try:
-            pending = self._submit_batch(tokenized, resolved, start, cancellation, outputs)
+            self._submit_batch(tokenized, resolved, start, cancellation, outputs, pending, first_tokens)
             for waited, (i, waiting) in enumerate(pending, start=1):
+                if outputs[i] is not None:
+                    continue
                 try:
-                    request = waiting.wait(self.places)
+                    request = firsts.pop(i) if i in firsts else waiting.wait(self.places)
                 except KVBoostError as error:
                     outputs[i] = error
                     continue
@@ -304,9 +318,10 @@ class Requests:
                 outputs[i] = self._follow_to_end(request)
         finally:
             cancellation.cancel()  # what was not followed (an error above) stops
-            for _, waiting in pending[waited:]:
-                _drain(waiting, self.places)
-            for request in started:
+            for i, waiting in pending[waited:]:
+                if i not in firsts and outputs[i] is None:
+                    _drain(waiting, self.places)
+            for request in [*started, *firsts.values()]:
                 request.close(self.places)
                 request.release_slot()
             unfollow()
@@ -319,23 +334,28 @@ class Requests:
         start: float,
         cancellation: Cancellation,
         outputs: list[GenerationResult | Exception | None],
-    ) -> list[tuple[int, Pending]]:
+        pending: list[tuple[int, Pending]],
+        on_full: Callable[[], None],
+    ) -> None:
         """Prepare every prompt of a batch and hand them to the loop together (their passes
-        then share its steps); when a prompt has to wait for a place, those prepared so far
-        are handed over first, so places can free up. A prompt refused alone gets its error in
-        ``outputs``."""
-        pending: list[tuple[int, Pending]] = []
+        then share its steps), each appended to ``pending``; when a prompt has to wait for a
+        place, those prepared so far are handed over first and ``on_full`` runs, so places
+        can free up. A prompt refused alone gets its error in ``outputs``."""
         held: list[Pending] = []
 
         def hand_over() -> None:
             self._hand_over(held)
             held.clear()
 
+        def make_room() -> None:
+            hand_over()
+            on_full()
+
         try:
             for i, tokens in tokenized:
                 try:
                     prepared = self._prepare(
-                        tokens, options, start, cancellation=cancellation, on_wait=hand_over, until_stored=False
+                        tokens, options, start, cancellation=cancellation, on_wait=make_room, until_stored=False
                     )
                 except KVBoostError as error:
                     outputs[i] = error
@@ -344,7 +364,6 @@ class Requests:
                 pending.append((i, prepared))
         finally:
             hand_over()
-        return pending
 
     def _follow_to_end(self, request: Request) -> GenerationResult | Exception:
         """A batch prompt's result, or what ended its decoding."""
