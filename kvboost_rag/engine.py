@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvboost_rag.cache.device_memory import DeviceMemoryPlan, free_device_memory, plan_device_memory
-from kvboost_rag.cache.manager import CacheManager, queued_bytes_bound
+from kvboost_rag.cache.manager import STATS_FLUSH_SECONDS, CacheManager, queued_bytes_bound
 from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.constrained import ConstraintCompiler, OutputConstraint
@@ -439,9 +439,16 @@ class KVBoost:
         this engine started (reads key names only); returns the number now known."""
         return self._cache.index.attach_stored_documents()
 
-    def cache_stats(self) -> CacheStats:
+    def cache_stats(self, flush_timeout: float | None = STATS_FLUSH_SECONDS) -> CacheStats:
         """Counters of the cache and its tiers, and every byte held for K/V
-        (:attr:`CacheStats.memory`), once the cache writes queued so far are done."""
+        (:attr:`CacheStats.memory`), once the cache writes queued so far are done.
+
+        Args:
+            flush_timeout: Seconds to wait for those writes at most (default
+                :data:`~kvboost_rag.cache.manager.STATS_FLUSH_SECONDS`): past it the figures
+                leave out the writes a slow tier has not taken yet, and a warning says how
+                many. ``None``: wait for them all; ``0``: the figures as they stand.
+        """
         pool = self._host_buffers
         held = KVMemory(
             batch_buffers_bytes=self._places.held_bytes,
@@ -452,7 +459,7 @@ class KVBoost:
                 "packed_weights_bytes": self.settings.packed_weights_bytes,
             },
         )
-        return self._cache.stats(held)
+        return self._cache.stats(held, flush_timeout)
 
     def clear_cache(self) -> None:
         """Drop every cached entry and registered document (after the cache writes queued

@@ -254,6 +254,6 @@ def test_the_thread_ends_when_idle_and_starts_again_for_the_next_job():
     worker.submit(lambda: names.append(threading.current_thread()))
     assert worker.flush(timeout=60)
     names[0].join(60)  # it lingers, then ends
-    assert not names[0].is_alive() and not names[0].daemon
+    assert not names[0].is_alive() and names[0].daemon  # a daemon: exit waits for it only EXIT_FLUSH_SECONDS
     worker.submit(lambda: names.append(threading.current_thread()))
     assert worker.flush(timeout=60) and names[1] is not names[0] and names[1].name == THREAD_NAME

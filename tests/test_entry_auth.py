@@ -4,6 +4,7 @@ authenticated under that key are read; the others are misses and are deleted."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 
 import pytest
@@ -17,6 +18,7 @@ from kvboost_rag.cache.storage import (
     build_store,
     deserialize_entry,
     serialize_entry,
+    warn_if_shared_without_key,
 )
 from kvboost_rag.cache.storage.disk import SUFFIX
 from kvboost_rag.cache.storage.serialization import CorruptPayloadError
@@ -88,3 +90,30 @@ def test_build_store_applies_the_secret_key_to_the_disk_tier(tmp_path):
     assert deserialize_entry(data, expected_key="aa", secret_key=b"a-long-enough-secret").metadata["fingerprint"] == "fp"
     other = build_store(KVBoostSettings(disk_cache_dir=tmp_path, cache_secret_key="another-long-secret"))
     assert other.get("aa") is None and not (tmp_path / f"aa{SUFFIX}").exists()
+
+
+def _unsigned_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvboost_rag.cache.storage" and "without cache_secret_key" in r.getMessage()]
+
+
+def test_a_shared_tier_without_a_key_is_warned_about_once_per_process(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage"):
+        build_store(KVBoostSettings(disk_cache_dir=tmp_path / "a"))
+        build_store(KVBoostSettings(disk_cache_dir=tmp_path / "b"))  # a second store: no second warning
+    [message] = _unsigned_warnings(caplog)
+    assert str(tmp_path / "a") in message and "plant K/V" in message
+
+
+def test_no_warning_with_a_key_or_without_a_shared_tier(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage"):
+        build_store(KVBoostSettings(disk_cache_dir=tmp_path, cache_secret_key="a-long-enough-secret"))
+        build_store(KVBoostSettings(disk_cache_dir=None))
+        assert not warn_if_shared_without_key(KVBoostSettings(redis_url="redis://127.0.0.1:1/0",
+                                                              cache_secret_key="a-long-enough-secret"))
+    assert _unsigned_warnings(caplog) == []
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag.cache.storage"):
+        assert warn_if_shared_without_key(KVBoostSettings(redis_url="redis://127.0.0.1:1/0"))
+        assert not warn_if_shared_without_key(KVBoostSettings(redis_url="redis://127.0.0.1:1/0"))  # once
+    [message] = _unsigned_warnings(caplog)
+    assert message.startswith("Redis shared without cache_secret_key")

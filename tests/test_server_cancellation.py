@@ -122,3 +122,17 @@ def test_many_clients_hanging_up_leave_nothing_behind_and_change_no_answer(serve
     assert prefills == []
     again = [httpx.post(f"{server.url}/chat/completions", json=_chat(q, False), timeout=HUNG_SECONDS).json() for q in questions]
     assert [a["choices"][0]["message"]["content"] for a in again] == [a["choices"][0]["message"]["content"] for a in alone]
+
+
+def test_a_client_gone_during_a_warm_cancels_it(server, engine, prefills):
+    texts = [f"Document {i} of a warm nobody waits for: the while statement repeats a block." for i in range(3)]
+    with model_held(engine):
+        connection = _send_raw(server, "/documents", {"documents": texts})
+        wait_for(lambda: engine._loop.queued >= 1)  # its first prefill waits in the loop's queue
+        connection.close()
+        wait_for(lambda: _waiting_requests(engine) == 0)  # withdrawn while the model was held
+    _assert_all_back(engine, server)
+    assert prefills == []
+    assert not any(engine.is_document_warm(text) for text in texts)
+    again = httpx.post(f"{server.url}/documents", json=texts, timeout=HUNG_SECONDS).json()  # the next warm runs
+    assert again["warmed"] == 3 and all(engine.is_document_warm(text) for text in texts)

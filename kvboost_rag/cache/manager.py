@@ -53,6 +53,10 @@ _warnings = RateLimitedLogger(logger)
 INDEX_RESERVATION = "indexes"
 #: Name of the copier's thread.
 COPIER_THREAD = "kvboost-write-copies"
+#: Seconds :meth:`CacheManager.stats` waits for the writes queued before it at most: the
+#: figures then leave out what a slow tier has not taken yet (a warning says how much), so a
+#: caller asking for them (a server's ``GET /v1/documents``) never waits on a wedged tier.
+STATS_FLUSH_SECONDS = 2.0
 #: Smallest bound on the bytes of queued write-backs (``max_batch_cache_bytes`` when larger).
 MIN_QUEUED_BYTES = 256 * 1024**2
 
@@ -310,14 +314,23 @@ class CacheManager:
             }
         )
 
-    def stats(self, held: KVMemory | None = None) -> CacheStats:
-        """Counters of the cache and its tiers, once the writes queued so far are done.
+    def stats(self, held: KVMemory | None = None, flush_timeout: float | None = STATS_FLUSH_SECONDS) -> CacheStats:
+        """Counters of the cache and its tiers, once the writes queued so far are done, or
+        after ``flush_timeout`` seconds without the ones still queued then (logged).
 
         Args:
             held: What the engine's other holders hold (buffers, weight copies, limits): the
                 cache's own holders are filled in.
+            flush_timeout: Seconds to wait for the queued writes at most (``None``: no limit;
+                ``0``: the figures as they stand).
         """
-        self.flush()
+        if not self.flush(flush_timeout):
+            jobs = self.copier.pending[0] + self.writer.pending[0]
+            _warnings.warning(
+                "stats-unflushed",
+                "cache stats after %.1f s without %d cache writes still queued (a slow tier): their entries are not counted yet",
+                flush_timeout, jobs,
+            )
         memory = self._store.memory_tier
         return CacheStats(
             memory=self.memory_account(held or KVMemory()),

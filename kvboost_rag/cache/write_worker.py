@@ -14,23 +14,32 @@ the jobs only make it durable.
   room for it, and later small ones wait behind it instead of passing it for ever. One job is
   always admitted when none is queued; a job that holds no bytes never waits.
 - **Failures.** A job that raises is logged (rate-limited) and counted; the next one runs.
-- **Exit.** The thread is no daemon: it ends once the queue has been empty for
-  :data:`LINGER_SECONDS`, and starts again on the next submit, so at interpreter exit the queue
-  runs out before anything is torn down. A submit that finds no thread can be started (the
-  interpreter is finalizing) or the worker closed runs its job on the caller's thread: a call
-  that finishes while the script exits still gets its answer and its write is done.
+- **Exit.** The thread ends once the queue has been empty for :data:`LINGER_SECONDS`, and
+  starts again on the next submit. It is a daemon, so a wedged tier cannot hold the exit up for
+  ever: at interpreter exit, once the threads that are no daemons (the engine loop, the
+  requests' threads) have ended, every worker's queue is flushed within
+  :data:`EXIT_FLUSH_SECONDS` in all; what is still queued then is dropped and a warning says
+  how many writes and bytes. The worker is closed there: a submit that finds it closed, or no
+  thread can be started (the interpreter is finalizing), runs its job on the caller's thread:
+  a call that finishes while the script exits still gets its answer and its write is done.
+- **Fork.** Before a fork the queue is flushed (within :data:`FORK_FLUSH_SECONDS`); in the
+  child the worker forgets the parent's thread and lock (:mod:`kvboost_rag.forking`): a write
+  the parent's thread was running is the parent's, the rest run on a fresh thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvboost_rag import forking
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.openmp_workers import release_idle_workers
 
@@ -44,11 +53,20 @@ THREAD_NAME = "kvboost-write-back"
 #: Seconds the thread waits for a next job once the queue is empty before it ends.
 LINGER_SECONDS = 0.5
 
+#: Seconds interpreter exit waits, for every worker together, for the writes still queued
+#: (a wedged tier must not hold the exit up for ever); what is left then is dropped, with a
+#: warning that says how much.
+EXIT_FLUSH_SECONDS = 10.0
+#: Seconds a fork waits for each worker's queued writes (the child then inherits them done).
+FORK_FLUSH_SECONDS = 5.0
+
 #: Scheduling niceness of the worker thread (and the threads its torch ops start): its copies
 #: and serialization yield the cores to the engine loop's passes while both want them.
 BACKGROUND_NICENESS = 10
 
 _on_worker = threading.local()
+#: Every live worker, for the flush at exit.
+_workers: weakref.WeakSet[WriteWorker] = weakref.WeakSet()
 
 
 def _run_in_background() -> None:
@@ -93,6 +111,8 @@ class WriteWorker:
         self.errors = 0
         #: Jobs run so far (on the thread or, once closed, on their callers').
         self.completed = 0
+        _workers.add(self)
+        forking.register(self)
 
     def on_worker(self) -> bool:
         """Whether the calling thread is running a job of this worker."""
@@ -147,7 +167,7 @@ class WriteWorker:
         """Start the thread if it is not running (under the lock); whether one runs."""
         if self._thread is not None:
             return True
-        thread = threading.Thread(target=self._serve, name=self.name, daemon=False)
+        thread = threading.Thread(target=self._serve, name=self.name, daemon=True)  # bounded at exit
         try:
             thread.start()
         except RuntimeError:  # the interpreter is finalizing: no new thread
@@ -185,6 +205,38 @@ class WriteWorker:
             self._closed = True
             self._state.notify_all()
         return done
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """Jobs queued or running now, and the bytes they hold."""
+        with self._state:
+            return len(self._queue), self._queued_bytes
+
+    # ------------------------------------------------------------------ fork and exit
+    def _before_fork(self) -> None:
+        """Finish the queued writes before a fork (bounded), so the child inherits them done."""
+        if not self.flush(FORK_FLUSH_SECONDS):
+            _warnings.warning("fork-flush", "forking with cache writes still queued on %s: the child leaves them to the parent", self.name)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's thread is gone and its lock may be held. A job it
+        was running is the parent's (counted done here); the others wait for a fresh thread,
+        started at once."""
+        self._state = threading.Condition()
+        self._arrivals.clear()  # the submits waiting for room were the parent's threads
+        self._thread = None
+        if self._queue and self._queue[0].job is None:  # running in the parent when it forked
+            taken = self._queue.popleft()
+            self._queued_bytes -= taken.nbytes
+            self._done_queued += 1
+        if self._queue and not self._closed:
+            with self._state:
+                self._ensure_thread()
+
+    def flush_at_exit(self, timeout: float) -> tuple[int, int]:
+        """Flush within ``timeout`` seconds and close; the jobs and bytes left behind."""
+        done = self.close(max(0.0, timeout))
+        return (0, 0) if done else self.pending
 
     # ------------------------------------------------------------------ the thread
     def _serve(self) -> None:
@@ -224,3 +276,28 @@ class WriteWorker:
             return True
         finally:
             _on_worker.worker = None
+
+
+def flush_all_at_exit(timeout: float | None = None) -> tuple[int, int]:
+    """Flush every live worker within ``timeout`` seconds in all (``None``:
+    :data:`EXIT_FLUSH_SECONDS`) and close it; what none ran then is dropped (its threads are
+    daemons), with a warning. Runs at interpreter exit, after the threads that are no daemons
+    ended.
+
+    Returns:
+        The jobs and the bytes dropped.
+    """
+    deadline = time.monotonic() + (EXIT_FLUSH_SECONDS if timeout is None else timeout)
+    jobs = nbytes = 0
+    for worker in list(_workers):
+        left_jobs, left_bytes = worker.flush_at_exit(deadline - time.monotonic())
+        jobs, nbytes = jobs + left_jobs, nbytes + left_bytes
+    if jobs:
+        logger.warning(
+            "exiting with %d cache writes (%d bytes) not done after %.1f s: they are dropped (a slow or wedged tier)",
+            jobs, nbytes, EXIT_FLUSH_SECONDS if timeout is None else timeout,
+        )
+    return jobs, nbytes
+
+
+atexit.register(flush_all_at_exit)  # after the threads that are no daemons were joined

@@ -139,10 +139,15 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     if temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        # A temperature so small (5e-324 is 0 in float32) that the scaled logits overflow: the
+        # limit of the softmax as the temperature goes to 0, the top tokens alike.
+        probs = (logits == logits.max()).float()
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = sorted_probs.cumsum(-1)
-        keep = cumulative - sorted_probs < top_p  # always keeps the top token
+        keep = cumulative - sorted_probs < top_p
+        keep[..., 0] = True  # the top token, even for a top_p below float32's least (5e-324 is 0)
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

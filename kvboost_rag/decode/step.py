@@ -195,11 +195,15 @@ class DecodeRows:
         sequences: The sequences (not done, each with a pending ``token``).
         drafts: Each one's draft and the proposal it came from.
         slotted: Whether each one runs through the captured steps.
+        failed: Sequences whose draft planning raised (their drafter, their constraint's
+            check of a draft), with the error: they have no row in this step, and the error
+            ends them alone.
     """
 
     sequences: list[DecodeSequence]
     drafts: list[tuple[list[int], Proposal | None]]
     slotted: list[bool]
+    failed: list[tuple[DecodeSequence, Exception]] = field(default_factory=list)
 
     @classmethod
     def plan(
@@ -211,12 +215,15 @@ class DecodeRows:
     ) -> DecodeRows:
         """Each sequence's row of the next step (its draft chosen by ``policy``; ``None``: no
         drafts), at most ``row_tokens`` tokens a row (``None``: as many as the policy
-        drafts)."""
+        drafts). A sequence whose draft planning raises gets no row: it is in
+        :attr:`failed` with its error, and the others are planned as if it were not there."""
         slotted = [captured is not None and s.slot is not None for s in sequences]
         per_row = None if captured is None or not any(slotted) else max(1, captured.max_tokens // sum(slotted))
         caps = [per_row if flag else row_tokens for flag in slotted]
         drafts = _drafts(sequences, policy, caps)
-        return cls(list(sequences), drafts, slotted)
+        kept = [i for i, draft in enumerate(drafts) if not isinstance(draft, Exception)]
+        failed = [(sequences[i], draft) for i, draft in enumerate(drafts) if isinstance(draft, Exception)]
+        return cls([sequences[i] for i in kept], [drafts[i] for i in kept], [slotted[i] for i in kept], failed)  # type: ignore[misc]
 
     def subset(self, indexes: Sequence[int]) -> DecodeRows:
         """The rows of these sequences only (in order)."""
@@ -305,10 +312,11 @@ def decode_step(
     start = time.perf_counter()
     segments = rows.segments()
     outputs = adapter.forward_segments(segments) if segments else []
-    results = rows.finish(outputs, policy, captured)
-    if policy is not None:
-        policy.costs.record(len(sequences), rows.width, time.perf_counter() - start)
-    return results
+    stepped = dict(zip(map(id, rows.sequences), rows.finish(outputs, policy, captured)))
+    if policy is not None and rows.sequences:
+        policy.costs.record(len(rows.sequences), rows.width, time.perf_counter() - start)
+    stepped.update((id(sequence), StepResult(error=error)) for sequence, error in rows.failed)
+    return [stepped[id(sequence)] for sequence in sequences]
 
 
 def _with_argmax(
@@ -364,12 +372,17 @@ def _captured_rows(
 
 def _drafts(
     sequences: Sequence[DecodeSequence], policy: DraftPolicy | None, caps: Sequence[int | None]
-) -> list[tuple[list[int], Proposal | None]]:
+) -> list[tuple[list[int], Proposal | None] | Exception]:
     """Each sequence's draft for this step and the proposal it came from (``caps``: most
-    tokens a row may run in all, where a captured step or the step's budget bounds it)."""
-    drafts: list[tuple[list[int], Proposal | None]] = []
+    tokens a row may run in all, where a captured step or the step's budget bounds it), or
+    the exception its planning raised (its drafter, its constraint's check of the draft)."""
+    drafts: list[tuple[list[int], Proposal | None] | Exception] = []
     for sequence, cap in zip(sequences, caps):
-        proposal = sequence.propose() if policy is not None and policy.max_tokens and cap != 1 else None
+        try:
+            proposal = sequence.propose() if policy is not None and policy.max_tokens and cap != 1 else None
+        except Exception as error:  # noqa: BLE001 - ends this sequence only (DecodeRows.failed)
+            drafts.append(error)
+            continue
         if proposal is None:
             drafts.append(([], None))
             continue

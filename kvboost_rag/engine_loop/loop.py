@@ -24,10 +24,20 @@ work up to a token budget, one forward pass):
 5. hand each sequence its tokens (finished ones leave, their places given back) and each
    slice's result to its work, which runs its host work up to its next pass.
 
-A pass that fails is run again segment by segment, so an error ends only the work or
-sequence it belongs to. The thread starts with the first work and ends once nothing is left
-for :data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
-before the interpreter tears down).
+Faults stay with the request they belong to (as vLLM's engine core aborts one request and
+goes on): a pass that fails is run again segment by segment, so an error ends only the work or
+sequence it belongs to; so does an exception in one request's host work, its draft planning
+(its drafter, its constraint's check of a draft), the preparation of its slice, its cache's
+length read before the pass, a callback run when its place goes back, or its work's cleanup:
+that request ends with its error (its place given back, its reader told) and the others go on
+unchanged. Only a fault of the loop itself (outside any one request) ends everything it holds
+(:meth:`EngineLoop._fail_everything`): every future and every reader is settled, even when a
+cleanup raises, and work queued meanwhile goes to a fresh thread.
+
+The thread starts with the first work and ends once nothing is left for
+:data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
+before the interpreter tears down). In a process forked from this one the loop starts afresh
+with the next work (:mod:`kvboost_rag.forking`).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kvboost_rag import forking
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.draft_policy import DraftPolicy
@@ -53,9 +64,11 @@ from kvboost_rag.hf.caches import truncate_cache
 from kvboost_rag.hf.captured import CapturedRows
 from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.hf.passes import ModelCall, PassSteps, TokenPass
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.openmp_workers import release_idle_workers
 
 logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
 
 T = TypeVar("T")
 #: The loop thread's name.
@@ -102,6 +115,7 @@ class EngineLoop:
         self.steps = 0
         #: Most sequences one step has decoded.
         self.peak_batch = 0
+        forking.register(self)
 
     # ------------------------------------------------------------------ submitting work
     def submit(self, steps: PassSteps[T], cancellation: Cancellation | None = None, *, request: bool = False) -> Future:
@@ -136,8 +150,12 @@ class EngineLoop:
             self._incoming.extend(works)
             self._lock.notify()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=LOOP_THREAD, daemon=False)
-                self._thread.start()
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        """Start the loop's thread (under the lock; none runs)."""
+        self._thread = threading.Thread(target=self._run, name=LOOP_THREAD, daemon=False)
+        self._thread.start()
 
     def submit_many(self, works: Sequence[tuple[PassSteps[Any], Cancellation | None]], *, request: bool = False) -> list[Future]:
         """:meth:`submit` of several pieces of work at once: the loop sees them together, so
@@ -197,17 +215,39 @@ class EngineLoop:
             raise
 
     def _fail_everything(self, error: BaseException) -> None:
+        """End every work and sequence this thread holds with ``error`` (the loop itself
+        failed): each one is settled even when another's cleanup or release raises. The thread
+        is let go only once they all are, so a loop started again never has its own work swept
+        here; work queued meanwhile goes to a fresh thread."""
         with self._lock:
             works, self._incoming = self._works + self._incoming, []
-            self._works, self._thread = [], None
+        handles = self._running + list(self._after.values())
+        self._works, self._running, self._after = [], [], {}
         for work in works:
-            if not work.finished:
-                work.fail(error)
-        running, self._running = self._running + list(self._after.values()), []
-        self._after.clear()
-        for handle in running:
-            self._places.release(handle.reservation)
-            handle.deliver(StepResult(error=error))
+            try:
+                if not work.finished:
+                    work.fail(error)
+            except BaseException:  # noqa: BLE001 - the next ones are settled all the same
+                logger.exception("failing a work after the loop's fault raised")
+        for handle in handles:
+            try:
+                self._end(handle, StepResult(error=error))
+            except BaseException:  # noqa: BLE001 - the next ones are settled all the same
+                logger.exception("ending a sequence after the loop's fault raised")
+        with self._lock:
+            self._thread = None
+            if self._incoming:  # queued while this thread settled the rest
+                self._start_thread()
+
+    def _before_fork(self) -> None:
+        """Nothing to prepare (a fork while it runs leaves its work to the parent)."""
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's thread is gone, its lock may be held, and the
+        callers of the work it held are not here. Start afresh: the next work starts a thread."""
+        self._lock = threading.Condition()
+        self._incoming, self._works, self._running, self._after = [], [], [], {}
+        self._thread = None
 
     def _step(self) -> bool:
         """One step; ``False`` once nothing is left for :data:`LINGER_SECONDS` (the thread
@@ -249,7 +289,12 @@ class EngineLoop:
         if not self._running:
             return None
         row_tokens = self.budget.row_tokens(any(not work.finished for work in self._works))
-        return DecodeRows.plan([handle.sequence for handle in self._running], self._policy, self._captured, row_tokens)
+        rows = DecodeRows.plan([handle.sequence for handle in self._running], self._policy, self._captured, row_tokens)
+        if rows.failed:  # their draft planning raised: they leave, each with its own error
+            handles = {id(handle.sequence): handle for handle in self._running}
+            for sequence, error in rows.failed:
+                self._leave(handles[id(sequence)], StepResult(error=error))
+        return rows if rows.sequences else None
 
     # ------------------------------------------------------------------ choosing the step's work
     def _drop_cancelled(self) -> None:
@@ -259,7 +304,7 @@ class EngineLoop:
                 self._fail(work, RequestCancelled("the request was cancelled"))
         for handle in [h for h in self._running if h.cancelled]:
             self._running.remove(handle)
-            self._places.release(handle.reservation)
+            self._give_back(handle)
 
     def _model_call_due(self) -> tuple[PromptWork, ModelCall] | None:
         """The oldest started work that waits for a pass that runs whole (after the step's
@@ -282,7 +327,11 @@ class EngineLoop:
                 self._start(work)
             if work.finished or not isinstance(work.request, TokenPass):
                 continue
-            segment = work.next_slice(max(left, 1))
+            try:
+                segment = work.next_slice(max(left, 1))  # its rows prepared (zeroed) before a cut pass
+            except Exception as exc:  # noqa: BLE001 - this work's own failure
+                self._fail(work, exc)
+                continue
             slices.append((work, segment))
             left -= len(segment)
         return slices
@@ -303,26 +352,42 @@ class EngineLoop:
             if isinstance(output, BaseException):
                 self._fail(work, output)
                 continue
-            result = work.slice_ran(output)
+            try:
+                result = work.slice_ran(output)
+            except Exception as exc:  # noqa: BLE001 - this work's own failure
+                self._fail(work, exc)
+                continue
             if result is not None:
                 self._advance(work, result)
 
     def _forward(self, segments: list[Segment]) -> list[SegmentOutput | BaseException]:
         """Every segment in one pass; if the pass fails, each segment alone, so a failure
-        reaches only the segment it belongs to."""
-        lengths = [segment.cache.get_seq_length() for segment in segments]
+        reaches only the segment it belongs to (so does a cache whose length cannot be read
+        before the pass: its segment does not run)."""
+        lengths = [_held_length(segment) for segment in segments]
+        ready = [(segment, length) for segment, length in zip(segments, lengths) if not isinstance(length, Exception)]
         try:
-            return list(self._adapter.forward_segments(segments))
+            ran = list(self._adapter.forward_segments([segment for segment, _ in ready])) if ready else []
         except Exception:  # noqa: BLE001 - found out segment by segment below
             logger.debug("a packed pass failed; its segments run one by one", exc_info=True)
+            ran = self._one_by_one(ready)
+        outputs = iter(ran)
+        return [length if isinstance(length, Exception) else next(outputs) for length in lengths]
+
+    def _one_by_one(self, ready: list[tuple[Segment, Any]]) -> list[SegmentOutput | BaseException]:
+        """Each segment in a pass of its own (after a packed pass failed), from the length its
+        cache held before; a failure is that segment's output."""
         outputs: list[SegmentOutput | BaseException] = []
-        for segment, length in zip(segments, lengths):
-            _restore_length(segment, length)
+        for segment, length in ready:
             try:
+                _restore_length(segment, length)
                 outputs.append(self._adapter.forward_segments([segment])[0])
             except Exception as exc:  # noqa: BLE001 - handed to the segment's owner
-                _restore_length(segment, length)
                 outputs.append(exc)
+                try:
+                    _restore_length(segment, length)
+                except Exception:  # noqa: BLE001 - its owner already ends with ``exc``
+                    logger.debug("restoring a failed segment's cache failed", exc_info=True)
         return outputs
 
     def _finish_rows(self, rows: DecodeRows, outputs: list[SegmentOutput | BaseException]) -> None:
@@ -341,13 +406,12 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - the step failed for every sequence in it
                 finished = [StepResult(error=exc) for _ in kept]
             results.update(zip(kept, finished))
-        stepped = [(handles[id(sequence)], results[i]) for i, sequence in enumerate(rows.sequences)]
-        for handle, result in stepped:
+        for i, sequence in enumerate(rows.sequences):
+            handle, result = handles[id(sequence)], results[i]
             if handle.ends_with(result):
-                self._running.remove(handle)
-                self._places.release(handle.reservation)
-        for handle, result in stepped:
-            handle.deliver(result)
+                self._leave(handle, result)
+            else:
+                handle.deliver(result)
 
     def _run_call(self, due: tuple[PromptWork, ModelCall]) -> None:
         work, call = due
@@ -360,12 +424,20 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ work and sequences
     def _start(self, work: PromptWork) -> None:
-        """Start a work (unless it was withdrawn) and serve what it asks first."""
-        self._serve(work, work.start())
+        """Start a work (unless it was withdrawn) and serve what it asks first; whatever
+        raises there ends that work alone."""
+        try:
+            self._serve(work, work.start())
+        except Exception as exc:  # noqa: BLE001 - this work's own failure
+            self._fail(work, exc)
 
     def _advance(self, work: PromptWork, reply: Any) -> None:
-        """Send a work its reply and serve what it asks next."""
-        self._serve(work, work.advance(reply))
+        """Send a work its reply and serve what it asks next; whatever raises there ends that
+        work alone."""
+        try:
+            self._serve(work, work.advance(reply))
+        except Exception as exc:  # noqa: BLE001 - this work's own failure
+            self._fail(work, exc)
 
     def _serve(self, work: PromptWork, request: Any) -> None:
         """Serve what a work asks that is not a pass (a sequence joining the batch); a work
@@ -377,8 +449,7 @@ class EngineLoop:
             if work.future.exception() is None:
                 self._running.append(handle)
             else:
-                self._places.release(handle.reservation)
-                handle.deliver(StepResult(error=work.future.exception()))
+                self._end(handle, StepResult(error=work.future.exception()))
 
     def _join(self, request: JoinDecode) -> DecodeHandle:
         """The sequence's handle; it decodes from the next step (after its work before the
@@ -393,14 +464,52 @@ class EngineLoop:
         return handle
 
     def _fail(self, work: PromptWork, error: BaseException) -> None:
-        """End a work with ``error``; a sequence waiting for it before its first step leaves
-        too (its place given back, the error delivered)."""
-        work.fail(error)
-        handle = self._after.pop(work, None)
-        if handle is not None:
+        """End a work with ``error`` (its cleanup's own failure only logged); a sequence waiting
+        for it before its first step leaves too (its place given back, the error delivered)."""
+        try:
+            work.fail(error)
+        finally:
+            handle = self._after.pop(work, None)
+            if handle is not None and handle.cancelled:
+                self._give_back(handle)
+            elif handle is not None:
+                self._end(handle, StepResult(error=error))
+
+    def _leave(self, handle: DecodeHandle, result: StepResult) -> None:
+        """A running sequence leaves the batch with its last ``result`` (:meth:`_end`)."""
+        self._running.remove(handle)
+        self._end(handle, result)
+
+    def _end(self, handle: DecodeHandle, result: StepResult) -> None:
+        """Give a sequence's place back, then tell its request ``result``, or the error that
+        giving the place back raised when ``result`` has none. The request is told whatever
+        the release did."""
+        error: Exception | None = None
+        try:
+            error = self._give_back(handle)
+        finally:
+            if error is not None and result.error is None:
+                result = StepResult(result.pieces, error)
+            handle.deliver(result)
+
+    def _give_back(self, handle: DecodeHandle) -> Exception | None:
+        """Give a sequence's place back; the exception a release callback raised (logged,
+        rate-limited), if any: it belongs to this sequence's request alone."""
+        try:
             self._places.release(handle.reservation)
-            if not handle.cancelled:
-                handle.deliver(StepResult(error=error))
+        except Exception as error:  # noqa: BLE001 - this request's own failure
+            _warnings.warning("release-failed", "giving a request's place back failed: %s: %s", type(error).__name__, error)
+            return error
+        return None
+
+
+def _held_length(segment: Segment) -> int | Exception:
+    """The length a segment's cache holds before a pass, or the exception reading it raised
+    (the segment then does not run: the exception ends its owner alone)."""
+    try:
+        return segment.cache.get_seq_length()
+    except Exception as exc:  # noqa: BLE001 - handed to the segment's owner
+        return exc
 
 
 def _restore_length(segment: Segment, length: int) -> None:

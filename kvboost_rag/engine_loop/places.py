@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvboost_rag import forking
 from kvboost_rag.cancellation import Cancellation, wait_while
 from kvboost_rag.config import KVBoostSettings
 
@@ -37,6 +38,8 @@ class Reservation:
         bytes_released: Whether its bytes were given back.
         on_release: Called once when the place is given back (nothing steps its sequence any
             more): what the sequence's steps used may be handed on.
+        generation: The places' generation it was made in (a forked child starts a new one:
+            a reservation of the parent's counts for nothing there).
     """
 
     nbytes: int
@@ -44,6 +47,7 @@ class Reservation:
     until_stored: bool = False
     bytes_released: bool = False
     on_release: list[Callable[[], None]] = field(default_factory=list)
+    generation: int = 0
 
 
 class BatchPlaces:
@@ -60,6 +64,8 @@ class BatchPlaces:
         self._waiting: deque[Reservation] = deque()
         self._admitted = 0
         self._admitted_bytes = 0
+        self._generation = 0
+        forking.register(self)
 
     @property
     def admitted(self) -> int:
@@ -95,12 +101,18 @@ class BatchPlaces:
         Raises:
             RequestCancelled: ``cancellation`` was set before a place came.
         """
-        reservation = Reservation(nbytes)
+        reservation = Reservation(nbytes, generation=self._generation)
         with self._state:
             self._waiting.append(reservation)
             ready = self._waiting[0] is reservation and self._fits(nbytes)
         if not ready and on_wait is not None:
-            on_wait()
+            try:
+                on_wait()
+            except BaseException:  # a raising callback must not leave a dead reservation ahead of the line
+                with self._state:
+                    self._waiting.remove(reservation)
+                    self._state.notify_all()
+                raise
         with self._state:
             try:
                 wait_while(
@@ -118,18 +130,30 @@ class BatchPlaces:
 
     def release(self, reservation: Reservation) -> None:
         """Give a place back (once; later calls do nothing), with its bytes unless it was made
-        ``until_stored``; its ``on_release`` callbacks run here, outside the lock."""
+        ``until_stored``; its ``on_release`` callbacks run here, outside the lock, every one
+        of them even when one raises.
+
+        Raises:
+            Exception: The first exception a callback raised, once they all ran (the place
+                is back whatever they did).
+        """
         with self._state:
             if reservation.released:
                 return
             reservation.released = True
-            self._admitted -= 1
+            self._admitted -= reservation.generation == self._generation
             if not reservation.until_stored:
                 self._free_bytes(reservation)
             self._state.notify_all()
         callbacks, reservation.on_release = reservation.on_release, []  # no cycle left with a lease
+        first: Exception | None = None
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception as error:  # noqa: BLE001 - the others still run; the first is raised
+                first = first or error
+        if first is not None:
+            raise first
 
     def release_bytes(self, reservation: Reservation) -> None:
         """Stop counting the reservation's bytes (once; its place goes back on its own)."""
@@ -140,7 +164,19 @@ class BatchPlaces:
     def _free_bytes(self, reservation: Reservation) -> None:
         if not reservation.bytes_released:
             reservation.bytes_released = True
-            self._admitted_bytes -= reservation.nbytes
+            if reservation.generation == self._generation:
+                self._admitted_bytes -= reservation.nbytes
+
+    def _before_fork(self) -> None:
+        """Nothing to prepare."""
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: no request of the parent's runs or waits here; every place is
+        free and the parent's reservations count for nothing (a new generation)."""
+        self._state = threading.Condition()
+        self._waiting.clear()
+        self._admitted = self._admitted_bytes = 0
+        self._generation += 1
 
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:

@@ -11,6 +11,7 @@ work (between two requests) on its own thread; the caller waits on :attr:`Prompt
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from kvboost_rag.engine_loop.places import Reservation
 from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.hf.packed import Segment, SegmentOutput
 from kvboost_rag.hf.passes import ModelCall, PassResult, PassSteps, TokenPass
+from kvboost_rag.log_limits import RateLimitedLogger
+
+logger = logging.getLogger(__name__)
+_warnings = RateLimitedLogger(logger)
 
 
 @dataclass(eq=False)
@@ -75,7 +80,7 @@ class PromptWork:
         with self._claim:
             if self.started or self.future.done():
                 return
-            self.steps.close()
+            close_quietly(self.steps)
             self.future.set_exception(RequestCancelled("the request was cancelled before its prompt work started"))
 
     def start(self) -> TokenPass | ModelCall | JoinDecode | None:
@@ -136,11 +141,29 @@ class PromptWork:
 
     def fail(self, error: BaseException) -> None:
         """End the work with ``error``: its generator is closed where it waits (its cleanup
-        runs) and its future holds ``error``."""
+        runs) and its future holds ``error``. A cleanup that raises is logged (rate-limited)
+        and noted on ``error``; it never stops the caller (the loop goes on with the others)."""
         self.request = None
         try:
-            self.steps.close()
+            close_quietly(self.steps, error)
         finally:
             with self._claim:
                 if not self.future.done():
                     self.future.set_exception(error)
+
+
+def close_quietly(steps: PassSteps[Any], error: BaseException | None = None) -> None:
+    """Close a work's generator (its cleanup runs where it waits); an exception its cleanup
+    raises is logged (rate-limited) and, when ``error`` is what ended the work, noted on it.
+
+    Args:
+        steps: The generator.
+        error: What ended the work, if anything (the cleanup's failure is added as a note).
+    """
+    try:
+        steps.close()
+    except Exception as cleanup:  # noqa: BLE001 - one work's cleanup must not stop the loop
+        _warnings.warning("work-cleanup-failed", "a prompt work's cleanup failed: %s: %s", type(cleanup).__name__, cleanup)
+        logger.debug("the failed cleanup", exc_info=cleanup)
+        if error is not None and error is not cleanup:
+            error.add_note(f"its cleanup then failed too: {type(cleanup).__name__}: {cleanup}")

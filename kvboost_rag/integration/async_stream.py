@@ -12,13 +12,14 @@ engine's streams started or iterated there follow): cancelling the awaiting task
 the async iterator early, cancels it, so the engine stops that work (its queued request leaves
 the queue, its prompt work stops at the next step, its sequence leaves the batch) instead of
 running it to its end for nobody. A call still queued for a thread when its task is cancelled
-never runs.
+never runs. A forked child makes a pool of its own at its first call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +37,24 @@ _pool_lock = threading.Lock()
 
 
 def call_threads() -> ThreadPoolExecutor:
-    """The bridges' shared pool of threads (made on first use)."""
+    """The bridges' shared pool of threads (made on first use; made again in a forked child,
+    where the parent's threads do not exist)."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(MAX_CALL_THREADS, thread_name_prefix="kvboost-call")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """After ``os.fork``, in the child: the pool's threads stayed in the parent (a call given
+    to it would wait for ever), and its lock may be held; the next call makes a new pool."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 async def call_in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

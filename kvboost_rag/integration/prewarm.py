@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kvboost_rag.errors import KVBoostError, PromptTooLongError
+from kvboost_rag.cancellation import ambient
+from kvboost_rag.errors import KVBoostError, PromptTooLongError, RequestCancelled
 from kvboost_rag.warming.counts import DocumentFailure, WarmCounts
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ def _select(
             stats.duplicates += 1
             continue
         seen.add(text)
+        _stop_if_cancelled()  # each check below tokenizes the text
         if engine.is_document_warm(text):
             stats.skipped += 1
             continue
@@ -144,10 +146,20 @@ def texts_to_warm(engine: KVBoost, texts: Sequence[str], max_document_tokens: in
     return [text for _, text in chosen]
 
 
+def _stop_if_cancelled() -> None:
+    """Raise :class:`RequestCancelled` once the call's ambient cancellation (an async bridge's,
+    :mod:`kvboost_rag.integration.async_stream`) is set."""
+    cancellation = ambient()
+    if cancellation is not None:
+        cancellation.check()
+
+
 def _warm_batch(engine: KVBoost, batch: list[tuple[str, str]], stats: PrewarmStats) -> None:
     """Warm ``batch``; when the engine refuses it, warm each document alone."""
     try:
         results = engine.warm_documents([text for _, text in batch], show_progress=False)
+    except RequestCancelled:
+        raise  # the caller is gone: no document is warmed one by one
     except KVBoostError as exc:
         if len(batch) > 1:
             logger.debug("prewarm: a batch of %d failed (%s); warming its documents one by one", len(batch), exc)
@@ -222,6 +234,7 @@ def prewarm_texts(
     with tqdm(total=len(chosen), desc="warming documents", unit=progress_unit, disable=not show) as bar:
         for i in range(0, len(chosen), batch_size):
             batch = chosen[i : i + batch_size]
+            _stop_if_cancelled()
             _warm_batch(engine, batch, stats)
             bar.update(len(batch))
     stats.seconds = time.perf_counter() - started

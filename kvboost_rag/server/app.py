@@ -21,8 +21,10 @@ from fastapi.responses import JSONResponse
 from kvboost_rag import KVBoost, __version__
 from kvboost_rag.server import chat, completions, documents
 from kvboost_rag.server.admission import Admission
+from kvboost_rag.server.auth import OPEN_PATHS, ApiKeyGate
 from kvboost_rag.server.body_limit import BodyLimit
 from kvboost_rag.server.errors import install_handlers
+from kvboost_rag.server.openapi import install_schema
 from kvboost_rag.server.settings import ServerSettings
 from kvboost_rag.server.state import ServerState, require_api_key, server_state
 
@@ -74,9 +76,13 @@ def create_app(engine: KVBoost, settings: ServerSettings | None = None) -> FastA
     app = FastAPI(title="kvboost-rag", version=__version__, summary="OpenAI-compatible API with K/V reuse")
     app.state.kvboost = ServerState(engine, settings, admission, tuple(names), int(time.time()))
     install_handlers(app)
+    install_schema(app, settings, tuple(names))
     app.add_api_route("/health", health, methods=["GET"])
     for router in (chat.router, completions.router, documents.router, models):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    docs = {url for url in (app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url) if url}
+    # Added last, so outermost: a request without the key is refused before BodyLimit reads its body.
+    app.add_middleware(ApiKeyGate, api_key=settings.api_key, open_paths=OPEN_PATHS | docs)
     return app
 

@@ -29,6 +29,7 @@ from kvboost_rag.server.generation import (
     start_stream,
 )
 from kvboost_rag.server.internals import CallFormat
+from kvboost_rag.server.limits import check_chat_limits
 from kvboost_rag.server.prompts import call_format, chat_dicts, render
 from kvboost_rag.server.responses import (
     ResponseMeta,
@@ -112,5 +113,6 @@ async def chat_completions(
 ) -> Response:
     """Answer a conversation (streamed as server-sent events with ``stream=true``)."""
     state.check_model(body.model)
+    check_chat_limits(body, state.settings.limits)
     _check_chat_fields(body)
     return await state.admission.within(partial(_answer, state, body, request))

@@ -29,6 +29,7 @@ from kvboost_rag.server.generation import (
     unless_disconnected,
 )
 from kvboost_rag.server.internals import call_in_thread
+from kvboost_rag.server.limits import check_completion_limits
 from kvboost_rag.server.prompts import response_format_constraint
 from kvboost_rag.server.responses import (
     ResponseMeta,
@@ -142,5 +143,6 @@ async def _answer(state: ServerState, body: CompletionRequest, request: Request,
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)) -> Response:
     """Complete one or several text prompts (one streamed with ``stream=true``)."""
     state.check_model(body.model)
+    check_completion_limits(body, state.settings.limits)
     _check_completion_fields(body)
     return await state.admission.within(partial(_answer, state, body, request))

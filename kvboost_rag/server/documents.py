@@ -19,12 +19,15 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvboost_rag.integration import prewarm_texts
 from kvboost_rag.server.admission import Slot
 from kvboost_rag.server.errors import bad_request
+from kvboost_rag.server.generation import CLIENT_CLOSED, unless_disconnected
 from kvboost_rag.server.internals import call_in_thread
+from kvboost_rag.server.limits import check_count
 from kvboost_rag.server.schemas import WarmDocument, WarmRequest
 from kvboost_rag.server.state import ServerState, server_state
 
@@ -34,14 +37,22 @@ router = APIRouter()
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/jsonlines", "application/x-jsonlines")
 
 
-def _jsonl_documents(body: bytes, text_field: str) -> list[WarmDocument]:
-    """One document per non-empty line of a JSONL upload.
+def _check_document_count(documents: list[Any], limit: int) -> None:
+    """Refuse more than ``limit`` documents in one call (``max_warm_documents``)."""
+    check_count("documents", documents, limit, "max_warm_documents", "documents")
+
+
+def _jsonl_documents(body: bytes, text_field: str, limit: int) -> list[WarmDocument]:
+    """One document per non-empty line of a JSONL upload (at most ``limit``).
 
     Raises:
-        APIError: A line that is not a JSON object with a string ``text_field``.
+        APIError: A line that is not a JSON object with a string ``text_field``; more than
+            ``limit`` non-empty lines (refused before any is parsed).
     """
-    documents = []
-    for number, line in enumerate(body.decode("utf-8", errors="replace").splitlines(), start=1):
+    lines = body.decode("utf-8", errors="replace").splitlines()
+    _check_document_count([line for line in lines if line.strip()], limit)
+    documents: list[WarmDocument] = []
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -54,16 +65,21 @@ def _jsonl_documents(body: bytes, text_field: str) -> list[WarmDocument]:
     return documents
 
 
-def _json_documents(body: bytes) -> list[WarmDocument]:
+def _json_documents(body: bytes, limit: int) -> list[WarmDocument]:
     """The documents of a JSON body: a list of texts, or ``{"documents": [...]}``.
 
     Raises:
-        APIError: Invalid JSON, or another shape.
+        APIError: Invalid JSON, another shape, or more than ``limit`` documents.
     """
     try:
         data = json.loads(body or b"null")
     except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc.msg}") from None
+    except UnicodeDecodeError as exc:  # json.loads guesses UTF-8, -16 or -32 from the bytes
+        raise bad_request(f"the request body is not valid JSON text: {exc.reason} at byte {exc.start}") from None
+    listed = data if isinstance(data, list) else data.get("documents") if isinstance(data, dict) else None
+    if isinstance(listed, list):
+        _check_document_count(listed, limit)
     try:
         request = WarmRequest.model_validate({"documents": data} if isinstance(data, list) else data)
     except ValidationError as exc:
@@ -72,13 +88,17 @@ def _json_documents(body: bytes) -> list[WarmDocument]:
     return [d if isinstance(d, WarmDocument) else WarmDocument(text=d) for d in request.documents]
 
 
-async def read_documents(request: Request) -> list[WarmDocument]:
-    """The documents of a warm request, JSON or JSONL by its content type."""
+async def read_documents(request: Request, limit: int) -> list[WarmDocument]:
+    """The documents of a warm request, JSON or JSONL by its content type (at most ``limit``).
+
+    Raises:
+        APIError: A body that is not such a list, or more than ``limit`` documents.
+    """
     body = await request.body()
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in JSONL_TYPES:
-        return _jsonl_documents(body, request.query_params.get("text_field", "text"))
-    return _json_documents(body)
+        return _jsonl_documents(body, request.query_params.get("text_field", "text"), limit)
+    return _json_documents(body, limit)
 
 
 def _report(stats: Any) -> dict[str, Any]:
@@ -99,14 +119,19 @@ def _report(stats: Any) -> dict[str, Any]:
 
 
 @router.post("/v1/documents")
-async def warm_documents(request: Request, state: ServerState = Depends(server_state)) -> dict[str, Any]:
-    """Warm documents now; the counts come back (``warmed``, ``already_warm``, ``failed``, ...)."""
-    documents = await read_documents(request)
+async def warm_documents(request: Request, state: ServerState = Depends(server_state)) -> Response:
+    """Warm documents now; the counts come back (``warmed``, ``already_warm``, ``failed``, ...).
+
+    A client that disconnects first cancels the warm: its queued prefills leave the engine
+    loop, the one running stops at the loop's next step, and no further batch starts
+    (documents already computed stay stored).
+    """
+    documents = await read_documents(request, state.settings.limits.max_warm_documents)
     texts = [d.text for d in documents]
     labels = [d.id or f"document {i}" for i, d in enumerate(documents)]
 
     async def warm(slot: Slot) -> tuple[Any, bool]:
-        stats = await call_in_thread(
+        work = call_in_thread(
             prewarm_texts,
             state.engine,
             texts,
@@ -115,9 +140,13 @@ async def warm_documents(request: Request, state: ServerState = Depends(server_s
             batch_size=state.settings.warm_batch_size,
             show_progress=False,
         )
-        return stats, False
+        finished, stats = await unless_disconnected(work, request)
+        return (stats if finished else None), False
 
-    return _report(await state.admission.within(warm))
+    stats = await state.admission.within(warm)
+    if stats is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(_report(stats))
 
 
 @router.get("/v1/documents")

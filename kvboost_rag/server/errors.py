@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from kvboost_rag import KVBoostError, PromptTooLongError
 
@@ -130,11 +131,27 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
     return bad_request(message, param).response()
 
 
+#: The methods a 405's ``Allow`` header may list.
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` header of a 405: every method some route takes on the request's path (the
+    route that refused knows only its own, and ``/v1/documents`` has one route per method)."""
+    routes = request.app.router.routes
+    allowed = [method for method in _METHODS
+               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
+    return ", ".join(allowed)
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else None
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
+    return APIError(exc.status_code, message, code=code, headers=headers).response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -62,6 +62,17 @@ def check_supported(body: GenerationFields) -> None:
                           "logit_bias")
 
 
+def check_max_tokens(max_tokens: int | None, limit: int | None) -> None:
+    """Refuse a token budget over the server's ``max_tokens_limit``.
+
+    Raises:
+        APIError: A 400 ``integer_above_max_value`` naming ``max_tokens``.
+    """
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        raise bad_request(f"max_tokens={max_tokens} is above this server's limit ({limit}); ask for at most {limit}",
+                          "max_tokens", "integer_above_max_value")
+
+
 def engine_params(
     body: GenerationFields,
     settings: ServerSettings,
@@ -77,6 +88,7 @@ def engine_params(
         pinned: Documents named by the request's content parts (``cache_control``), after
             those of its ``documents`` field.
     """
+    check_max_tokens(max_tokens, settings.max_tokens_limit)
     documents = [*(body.documents or []), *(pinned or [])]
     overrides = {
         "max_tokens": max_tokens,

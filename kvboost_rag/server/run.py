@@ -46,10 +46,19 @@ class KVBoostServer(uvicorn.Server):
 def make_server(
     engine: KVBoost, settings: ServerSettings | None, host: str, port: int, log_level: str
 ) -> KVBoostServer:
-    """A uvicorn server of an app serving ``engine`` (not started)."""
+    """A uvicorn server of an app serving ``engine`` (not started); its connection bound and
+    keep-alive come from the server's settings (``max_connections``, ``keep_alive_seconds``)."""
+    settings = settings or ServerSettings()
     app = create_app(engine, settings)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACEFUL_SECONDS,
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=settings.keep_alive_seconds,
     )
     return KVBoostServer(config, app.state.kvboost.admission)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from kvboost_rag import KVBoost
 from kvboost_rag.server.admission import Admission
+from kvboost_rag.server.auth import bearer_key_valid, invalid_api_key
 from kvboost_rag.server.errors import APIError
 from kvboost_rag.server.settings import ServerSettings
 
@@ -55,7 +55,8 @@ def server_state(request: Request) -> ServerState:
 
 def require_api_key(request: Request) -> None:
     """Checks ``Authorization: Bearer <key>`` when the server has an API key (a FastAPI
-    dependency of every ``/v1`` route).
+    dependency of every ``/v1`` route, behind :class:`~kvboost_rag.server.auth.ApiKeyGate`,
+    which refuses such a request before its body is read).
 
     Raises:
         APIError: 401 ``invalid_api_key`` for a missing or wrong key.
@@ -63,10 +64,5 @@ def require_api_key(request: Request) -> None:
     expected = server_state(request).settings.api_key
     if expected is None:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise APIError(
-            401,
-            "missing or wrong API key: send the server's --api-key as 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-        )
+    if not bearer_key_valid(request.headers.get("authorization", ""), expected):
+        raise invalid_api_key()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from kvboost_rag.cancellation import ambient
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -118,7 +119,7 @@ class Warming:
         tokens = self.tokenizing.prompt(text, "warmed text")
         n = len(tokens)
         plan = self.planner.plan(tokens, find_documents=False, content_reuse=False, lookup_limit=n)
-        outcome = self.loop.run(self.prefiller.steps(plan, self.prefiller.lookup(plan)))
+        outcome = self.loop.run(self.prefiller.steps(plan, self.prefiller.lookup(plan)), ambient())
         self.cache.write_back(plan, outcome, store_documents=False, pin=True)
         return WarmResult(
             kind="prefix",
@@ -228,7 +229,7 @@ class Warming:
             Exception: What ended a document's prefill (after the others were stored).
         """
         works = [self.prefiller.steps(job.plan, self.prefiller.lookup(job.plan)) for job in group]
-        outcomes = self.loop.run_all(works)
+        outcomes = self.loop.run_all(works, ambient())  # a cancelled caller (an async bridge's) ends them
         stored: dict[int, int] = {}
         for job, outcome in zip(group, outcomes):
             if not isinstance(outcome, BaseException):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 
 from kvboost_rag.cache.device_memory import free_device_memory
@@ -22,6 +25,7 @@ from kvboost_rag.cache.storage.serialization import (
 )
 from kvboost_rag.cache.storage.tiered import TieredStore
 from kvboost_rag.config import KVBoostSettings
+from kvboost_rag.log_limits import RateLimitedLogger
 
 __all__ = [
     "CorruptPayloadError",
@@ -38,8 +42,14 @@ __all__ = [
     "build_store",
     "deserialize_entry",
     "serialize_entry",
+    "warn_if_shared_without_key",
 ]
 
+
+logger = logging.getLogger(__name__)
+
+#: Once per process: a tier other processes write, shared without ``cache_secret_key``.
+_unsigned_tier_warnings = RateLimitedLogger(logger, interval_seconds=math.inf)
 
 #: Share of the GPU memory free at build time that ``device_cache_bytes="auto"`` takes.
 DEVICE_CACHE_SHARE = 0.5
@@ -54,6 +64,33 @@ def device_budget(setting: int | str, device: torch.device | str) -> int:
         return int(setting)
     free = free_device_memory(torch.device(device))
     return DEVICE_CACHE_FALLBACK if free is None else int(free * DEVICE_CACHE_SHARE)
+
+
+def warn_if_shared_without_key(settings: KVBoostSettings) -> bool:
+    """Warn (once per process) when a disk folder or Redis is shared without
+    ``cache_secret_key``: its entries then carry a SHA-256 checksum only, so whoever can write
+    there can plant K/V this engine will load and serve. The ``"auto"`` disk folder (the user's
+    own spill-over) is not counted as shared.
+
+    Returns:
+        Whether the warning was logged now.
+    """
+    if settings.cache_secret_key is not None:
+        return False
+    shared = []
+    if settings.disk_cache_dir not in (None, "auto"):
+        shared.append(f"the disk folder {settings.disk_cache_dir}")
+    if settings.redis_url is not None:
+        shared.append("Redis")
+    if not shared:
+        return False
+    return _unsigned_tier_warnings.warning(
+        "shared-tier-without-key",
+        "%s shared without cache_secret_key: entries carry a checksum only, so anyone who can write "
+        "there can plant K/V this engine will serve; set cache_secret_key (kvboost-rag --secret-key-env) "
+        "on every process sharing the store",
+        " and ".join(shared),
+    )
 
 
 def build_store(
@@ -74,7 +111,9 @@ def build_store(
     Args:
         settings: Uses ``max_cache_bytes``, ``device_cache_bytes``, ``disk_cache_dir``,
             ``max_disk_bytes``, ``redis_url``, ``redis_cluster``, ``redis_ttl_seconds`` and ``cache_secret_key``
-            (which authenticates disk and Redis entries; the in-process tiers need none).
+            (which authenticates disk and Redis entries; the in-process tiers need none; a
+            disk folder or Redis without it is warned about once per process:
+            :func:`warn_if_shared_without_key`).
         device: The device the model runs on; ``None`` or a CPU device adds no device tier.
         device_tier_bytes: The device tier's budget as planned with the rest of the device's
             memory (:func:`~kvboost_rag.cache.device_memory.plan_device_memory`); ``None``:
@@ -84,6 +123,7 @@ def build_store(
         ImportError: ``redis_url`` is set but the ``redis`` package is missing.
         InvalidInputError: ``disk_cache_dir`` is an existing file.
     """
+    warn_if_shared_without_key(settings)
     secret = settings.cache_secret_key
     secret_key = secret.get_secret_value().encode("utf-8") if secret is not None else None
     accelerator = device is not None and torch.device(device).type == "cuda"
