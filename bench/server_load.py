@@ -264,10 +264,13 @@ async def warm_corpus(bench: Bench, session: httpx.AsyncClient) -> dict[str, flo
     return {"warmed": float(response.json()["warmed"])}
 
 
-def start_server(args: argparse.Namespace, cache_dir: Path) -> tuple[subprocess.Popen, str]:
-    """``kvboost-rag serve`` in a process of its own (its disk tier in ``cache_dir``)."""
+def start_server(
+    args: argparse.Namespace, cache_dir: Path, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """``kvboost-rag serve`` in a process of its own (its disk tier in ``cache_dir``);
+    ``extra``: more ``serve`` options (``--api-key KEY``, ``--threads N``)."""
     command = [sys.executable, "-c", "import sys; from kvboost_rag.cli import main; sys.exit(main())", "serve",
-               "--port", str(args.port), "--log-level", "warning"]
+               "--port", str(args.port), "--log-level", "warning", *extra]
     if args.model:
         command += ["--model", args.model]
     for setting in args.set:

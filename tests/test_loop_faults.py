@@ -227,20 +227,14 @@ def test_a_cache_whose_length_cannot_be_read_before_a_pass_fails_its_request_alo
     victim_caches: set[int] = set()
     raised: list[int] = []
 
-    def remember_caches(steps):
-        reply = None
-        while True:
-            try:
-                request = steps.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(request, TokenPass) and victim_caches == set():
-                reply = yield request
-                victim_caches.add(id(request.cache))  # armed once its first pass ran
-                continue
-            reply = yield request
+    passes: list[int] = []
 
-    _wrap_victim_work(engine, monkeypatch, remember_caches)
+    def arm(request: TokenPass) -> None:  # armed once its first pass ran
+        if passes:
+            victim_caches.add(id(request.cache))
+        passes.append(1)
+
+    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, arm))
     real_length = BufferedCache.get_seq_length
 
     def get_seq_length(self, *args, **kwargs):
@@ -254,6 +248,20 @@ def test_a_cache_whose_length_cannot_be_read_before_a_pass_fails_its_request_alo
     others, victim = _together(engine, prompts, _victim_generate(engine, docs))
     assert isinstance(victim, InjectedFault) and "length" in str(victim) and raised
     _assert_alone_and_settled(engine, others, reference, ledger)
+
+
+def _relay(steps, on_pass):
+    """A work's requests relayed to the loop as they are, ``on_pass`` called on each token
+    pass before it goes."""
+    reply = None
+    while True:
+        try:
+            request = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(request, TokenPass):
+            on_pass(request)
+        reply = yield request
 
 
 def _called_from_the_loops_forward() -> bool:
@@ -282,19 +290,11 @@ def test_a_slice_whose_rows_cannot_be_prepared_fails_its_work_alone(make_engine,
             raise InjectedFault("its rows could not be zeroed")
         real(self, first_stop)
 
-    def mark(steps):
-        reply = None
-        while True:
-            try:
-                request = steps.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(request, TokenPass):
-                request.victim = True
-            reply = yield request
+    def mark(request: TokenPass) -> None:
+        request.victim = True
 
     monkeypatch.setattr(TokenPass, "before_slices", before_slices)
-    _wrap_victim_work(engine, monkeypatch, mark)
+    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, mark))
     ledger = Ledger(engine)
     others, victim = _together(engine, prompts, _victim_generate(engine, docs))
     assert isinstance(victim, InjectedFault) and "zeroed" in str(victim) and raised
