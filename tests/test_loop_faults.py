@@ -227,14 +227,10 @@ def test_a_cache_whose_length_cannot_be_read_before_a_pass_fails_its_request_alo
     victim_caches: set[int] = set()
     raised: list[int] = []
 
-    passes: list[int] = []
-
     def arm(request: TokenPass) -> None:  # armed once its first pass ran
-        if passes:
-            victim_caches.add(id(request.cache))
-        passes.append(1)
+        victim_caches.add(id(request.cache))
 
-    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, arm))
+    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, after=arm))
     real_length = BufferedCache.get_seq_length
 
     def get_seq_length(self, *args, **kwargs):
@@ -250,18 +246,21 @@ def test_a_cache_whose_length_cannot_be_read_before_a_pass_fails_its_request_alo
     _assert_alone_and_settled(engine, others, reference, ledger)
 
 
-def _relay(steps, on_pass):
-    """A work's requests relayed to the loop as they are, ``on_pass`` called on each token
-    pass before it goes."""
+def _relay(steps, before=None, after=None):
+    """A work's requests relayed to the loop as they are; ``before`` is called on each token
+    pass before it goes, ``after`` once it ran."""
     reply = None
     while True:
         try:
             request = steps.send(reply)
         except StopIteration as stop:
             return stop.value
-        if isinstance(request, TokenPass):
-            on_pass(request)
+        token_pass = isinstance(request, TokenPass)
+        if token_pass and before is not None:
+            before(request)
         reply = yield request
+        if token_pass and after is not None:
+            after(request)
 
 
 def _called_from_the_loops_forward() -> bool:
@@ -294,7 +293,7 @@ def test_a_slice_whose_rows_cannot_be_prepared_fails_its_work_alone(make_engine,
         request.victim = True
 
     monkeypatch.setattr(TokenPass, "before_slices", before_slices)
-    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, mark))
+    _wrap_victim_work(engine, monkeypatch, lambda steps: _relay(steps, before=mark))
     ledger = Ledger(engine)
     others, victim = _together(engine, prompts, _victim_generate(engine, docs))
     assert isinstance(victim, InjectedFault) and "zeroed" in str(victim) and raised
