@@ -252,6 +252,8 @@ def test_empty_warm_prefix_warms_documents_alone(make_engine, docs, device):
         ({"temperature": float("inf")}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed"),  # beyond torch's generators: named before any prefill
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"max_new_tokens": True}, "max_new_tokens"),
         ({"top_p": float("nan")}, "top_p"),
         ({"reuse": "yes"}, "reuse"),
@@ -261,6 +263,12 @@ def test_empty_warm_prefix_warms_documents_alone(make_engine, docs, device):
 def test_bad_option_values_are_named_not_coerced(engine, kwargs, match):
     with pytest.raises(InvalidInputError, match=match):
         engine.generate("Hello there", **kwargs)
+
+
+def test_the_seed_range_is_what_torch_takes(engine):
+    for seed in (2**64 - 1, -(2**63)):
+        result = engine.generate("Hello there", max_new_tokens=2, temperature=1.0, seed=seed)
+        assert len(result.token_ids) == 2
 
 
 def test_one_stop_string_is_one_stop_string(engine, device):

@@ -26,7 +26,8 @@ class GenerationOptions(BaseModel):
         repetition_penalty: Above 1, lowers the logits of tokens this call already generated
             (the transformers rule; prompt tokens are not penalized, so answers may quote the
             documents). Small models loop less inside constrained strings with about 1.2.
-        seed: Seed of the sampling generator (reproducible sampling).
+        seed: Seed of the sampling generator (reproducible sampling), in the range torch's
+            generators take (-2**63 to 2**64 - 1).
         stop: Strings that end the output; it is cut before the first one. A single string
             is one stop string.
         reuse: ``False`` runs full prefill through the same code path (the baseline) and
@@ -51,7 +52,7 @@ class GenerationOptions(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, ge=1.0, allow_inf_nan=False)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: tuple[str, ...] = ()
     reuse: bool = True
     documents: tuple[str, ...] = ()
