@@ -9,7 +9,7 @@ would wait for ever), and a lock or a condition one of those threads held stays 
 Each object that starts threads registers here (:func:`register`); around every ``os.fork``
 (``os.register_at_fork``):
 
-- before the fork, in the parent: each registered object's ``_before_fork()`` runs (the
+- before the fork, in the parent: each registered object's ``_before_fork()``, where it has one, runs (the
   write-back's workers finish the writes queued so far, within
   :data:`~kvboost_rag.cache.write_worker.FORK_FLUSH_SECONDS`, so the child inherits them done
   and no tier lock held by a write in progress);
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 class ForkAware(Protocol):
     """An object that starts threads and is reset in a forked child."""
 
-    def _before_fork(self) -> None:
-        """Called in the parent just before a fork (quick: a fork waits for it)."""
 
     def _after_fork_in_child(self) -> None:
         """Called in the child just after a fork: forget the parent's threads and locks."""
@@ -61,8 +59,11 @@ def registered() -> list[ForkAware]:
 
 def _before_fork() -> None:
     for obj in registered():
+        prepare = getattr(obj, "_before_fork", None)  # optional: most objects have nothing to prepare
+        if prepare is None:
+            continue
         try:
-            obj._before_fork()
+            prepare()
         except Exception:  # noqa: BLE001 - a fork must go on; the child resets what it can
             logger.warning("preparing %s for a fork failed", type(obj).__name__, exc_info=True)
 

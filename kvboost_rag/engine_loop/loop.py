@@ -239,9 +239,6 @@ class EngineLoop:
             if self._incoming:  # queued while this thread settled the rest
                 self._start_thread()
 
-    def _before_fork(self) -> None:
-        """Nothing to prepare (a fork while it runs leaves its work to the parent)."""
-
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's thread is gone, its lock may be held, and the
         callers of the work it held are not here. Start afresh: the next work starts a thread."""

@@ -167,9 +167,6 @@ class BatchPlaces:
             if reservation.generation == self._generation:
                 self._admitted_bytes -= reservation.nbytes
 
-    def _before_fork(self) -> None:
-        """Nothing to prepare."""
-
     def _after_fork_in_child(self) -> None:
         """In a forked child: no request of the parent's runs or waits here; every place is
         free and the parent's reservations count for nothing (a new generation)."""
