@@ -156,6 +156,15 @@ class KVBoostSettings(BaseModel):
             position-independent reuse would be wrong.
         store_generated_documents: After a generate, store documents that were not cached yet
             so the next prompt hits without an explicit warm.
+        store_prompt_blocks: Also store, as documents, the blocks of a prompt's text that no
+            one named: pieces of at least 128 characters set off by blank lines, separator
+            lines (``---``) or the chat template's special tokens, after the prompt's opening
+            and before its last piece (see :mod:`kvboost_rag.request.blocks`). Stuff-documents
+            prompts join retrieved documents that way, so a plain prompt's documents are found
+            in any order next time without ``documents=`` or a warm. A block seen for the
+            first time does not end the prompt's stored prefix, so the same prompt asked
+            again, or a conversation that continues it, still hits exactly. ``False``: only
+            named and warmed documents are stored.
         show_progress: Show progress bars on long work (``warm_documents``).
         warm_batch_tokens: ``warm_documents`` hands the engine loop several documents at once,
             up to this many tokens (their K/V buffers are held together), and the loop packs
@@ -324,6 +333,7 @@ class KVBoostSettings(BaseModel):
     keep_document_start: int = Field(0, ge=0)
     strict: bool = False
     store_generated_documents: bool = True
+    store_prompt_blocks: bool = True
     show_progress: bool = True
     warm_batch_tokens: int = Field(4096, ge=0)
     max_batch_size: int = Field(16, ge=1, le=1024)

@@ -71,7 +71,8 @@ class GenerationResult(BaseModel):
         live_tokens: Prompt tokens computed because nothing was cached for them.
         boundary_merged_tokens: Document tokens that the tokenizer merged across a document
             boundary in this prompt (computed live).
-        documents_found: Document occurrences located in the prompt.
+        documents_found: Document occurrences located in the prompt (warmed, named, or stored
+            from an earlier prompt; not the blocks of this prompt seen for the first time).
         kv_reuse_ratio: ``cached_tokens / prompt_tokens``.
         strategy: Repair strategy used (``"exact"`` when only prefix hits were used).
         first_token_logits: Logits of the first generated position (``return_logits=True``).

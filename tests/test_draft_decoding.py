@@ -82,6 +82,9 @@ def _repetitive_prompt(docs: list[str]) -> str:
 
 
 def _engine(make_engine, family: str, docs: list[str], **settings) -> KVBoost:
+    # Every run of a prompt sees the cache its reference saw: a prompt's own blocks, stored by
+    # one run, would be served by content (approximately) to the next.
+    settings.setdefault("store_prompt_blocks", False)
     engine = make_engine(family, **settings)
     engine.warm(SYSTEM_PROMPT)
     engine.warm_documents(docs[:2])

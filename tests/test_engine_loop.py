@@ -52,6 +52,26 @@ def test_beside_rows_a_step_starts_at_the_prior_then_follows_its_target():
     assert budget.prompt_tokens(4, 4) == 512  # never past the chunk
 
 
+def test_slices_beside_rows_grow_past_the_sizes_measured_dear_against_the_idle_cost():
+    """Idle: 512 tokens in 512 ms (1 ms a token). Beside rows whose usual step is 100 ms, a
+    32-token slice adding 64 ms costs 2 ms a token (dear): slices start at 64 from then on,
+    however small the pause target makes them; a 64-token slice adding 70 ms is fine."""
+    budget = _budget()
+    for _ in range(3):
+        budget.record(4, 0, 0.100)
+    assert budget.costs.floor(512) == MIN_SLICE  # nothing measured idle yet
+    budget.record(0, 512, 0.512)
+    budget.record(4, 32, 0.164)
+    assert budget.costs.floor(512) == 64
+    budget.record(4, 64, 0.170)
+    assert budget.costs.floor(512) == 64  # 64 is efficient: the floor stays
+    budget.record(4, 10, 0.800)  # a pause far over its target shrinks the slice...
+    assert budget.prompt_tokens(4, 4) == 64  # ...but not below the floor
+    budget.record(0, 100, 10.0)  # a short idle step says nothing of the idle cost
+    assert budget.costs.floor(512) == 64
+    assert budget.costs.floor(48) == 48  # never past the chunk
+
+
 def test_more_requests_waiting_than_rows_decoding_stretch_the_target():
     alone, burst = _budget(), _budget()
     for budget in (alone, burst):

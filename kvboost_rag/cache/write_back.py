@@ -192,7 +192,7 @@ class WriteBack:
         job = self._job(outcome, on_read)
         try:
             self._plan_prefix(plan, outcome, pin, job)
-            tokens = sum(self._plan_document(d, outcome, job) for d in outcome.documents) if store_documents else 0
+            tokens = sum(self._plan_document(d, outcome, job, d.record.digest in plan.tokens.blocks) for d in outcome.documents) if store_documents else 0
             job.source = None  # from here on, only the chunks' views hold the buffers
             self._stage(job)
             if self._copies.frees_buffers_at_once or not job.chunks:
@@ -242,7 +242,7 @@ class WriteBack:
         ids = plan.tokens.ids
         if pin:
             job.pins.extend(outcome.prefix_keys)  # the chunks that hit
-        for chunk in plan.stored_prefix:
+        for chunk in plan.stored_prefix_after(outcome.prefix_tokens):
             if chunk.stop <= outcome.prefix_tokens:
                 continue  # served by the chunks that hit
             rows = slice(chunk.start, chunk.stop)
@@ -253,23 +253,27 @@ class WriteBack:
             if pin:
                 job.pins.append(chunk.key)
 
-    def _plan_document(self, document: PlacedDocument, outcome: Prefilled, job: WriteJob) -> int:
+    def _plan_document(self, document: PlacedDocument, outcome: Prefilled, job: WriteJob, whole: bool = False) -> int:
         """The chunks of ``document`` that sit whole in the prompt and that no tier holds (then
-        its record is registered); returns their tokens."""
+        its record is registered); returns their tokens. With ``whole`` (a block of the
+        prompt's text), nothing unless every chunk it lacks can be cut from this prompt."""
         record = document.record
-        self._index.note_document(record)
         planned = {chunk.key for chunk in job.chunks}
-        tokens = 0
+        writes: list[ChunkWrite] = []
         for index, key in enumerate(record.chunk_keys):
             if key in outcome.loaded_chunks or key in planned or self._store.contains(key):
                 continue
             first = document.chunk_span(index)
-            if first is None:
-                continue  # not wholly in this prompt, or split by a boundary merge
+            if first is None:  # not wholly in this prompt, or split by a boundary merge
+                if whole:
+                    return 0
+                continue
             lo, length = index * record.chunk_size, record.chunk_length(index)
-            job.chunks.append(self._chunk(key, job, slice(first, first + length), record.token_ids[lo : lo + length], first))
+            writes.append(self._chunk(key, job, slice(first, first + length), record.token_ids[lo : lo + length], first))
             planned.add(key)
-            tokens += length
+        self._index.note_document(record)
+        job.chunks.extend(writes)
+        tokens = sum(len(write.token_ids) for write in writes)
         if tokens:
             self._index.register(record)
         return tokens

@@ -54,6 +54,51 @@ SAME_ROWS = 3
 ROW_TOKENS_BESIDE_PROMPTS = 4
 #: Most the slice changes after one step (by this factor, or its inverse).
 MAX_CHANGE = 2.0
+#: A slice beside decode rows is efficient while its prompt tokens cost at most this many
+#: times what a prompt token costs in a step with no decode row.
+EFFICIENT_COST = 1.3
+#: Recent measurements kept per slice size (and of the idle cost per token).
+COST_WINDOW = 9
+
+
+class SliceCosts:
+    """What a prompt token costs by the size of its slice, measured (CPU).
+
+    A step with no decode row sets the idle cost of a prompt token (its time over its
+    tokens, from steps of at least half the largest slice). A step beside decode rows adds
+    its slice's time beyond the rows' usual step, per prompt token, to the slices of its size
+    class (powers of two from :data:`MIN_SLICE`). :meth:`floor` is the smallest size class
+    above every class measured costlier than :data:`EFFICIENT_COST` times the idle cost: slices
+    start small and grow past the sizes that prove dear, so the prompts' work costs about what
+    it costs alone while streams decode beside it.
+    """
+
+    def __init__(self) -> None:
+        self._idle: deque[float] = deque(maxlen=COST_WINDOW)
+        self._by_size: dict[int, deque[float]] = {}
+
+    @staticmethod
+    def size_class(tokens: int) -> int:
+        """The power of two (at least :data:`MIN_SLICE`) at or below ``tokens``."""
+        return max(MIN_SLICE, 1 << (max(tokens, 1).bit_length() - 1))
+
+    def record_idle(self, tokens: int, seconds: float, limit: int) -> None:
+        """A step of ``tokens`` prompt tokens and no decode row took ``seconds``."""
+        if tokens * 2 >= limit and seconds > 0:
+            self._idle.append(seconds / tokens)
+
+    def record_beside(self, tokens: int, extra_seconds: float) -> None:
+        """A slice of ``tokens`` beside decode rows added ``extra_seconds`` to their step."""
+        if tokens >= MIN_SLICE:
+            self._by_size.setdefault(self.size_class(tokens), deque(maxlen=COST_WINDOW)).append(max(extra_seconds, 0.0) / tokens)
+
+    def floor(self, limit: int) -> int:
+        """Fewest prompt tokens a slice beside decode rows should carry (see the class)."""
+        if not self._idle:
+            return MIN_SLICE
+        dear = EFFICIENT_COST * statistics.median(self._idle)
+        measured = [size for size, costs in self._by_size.items() if statistics.median(costs) > dear]
+        return min(limit, 2 * max(measured)) if measured else MIN_SLICE
 
 
 def usual_step(steps: list[tuple[int, float]], rows: int) -> float | None:
@@ -94,6 +139,7 @@ class StepBudget:
         self._device_type = device_type
         self._decode_only: deque[tuple[int, float]] = deque(maxlen=USUAL_WINDOW)
         self._slice = float(PRIOR_TOKENS)
+        self.costs = SliceCosts()
         self._lock = threading.Lock()
 
     def usual_step(self, rows: int) -> float | None:
@@ -116,12 +162,16 @@ class StepBudget:
         if self._device_type == "cuda":
             return max(MIN_SLICE, limit - decode_tokens)
         with self._lock:
-            return max(MIN_SLICE, min(limit, round(self._slice)))
+            return max(self.costs.floor(limit), min(limit, round(self._slice)))
 
     def record(self, rows: int, prompt_tokens: int, seconds: float, requests_waiting: int = 1) -> None:
         """Account for one step: its decode rows, the prompt tokens it carried, its wall time,
         and the requests waiting for their first token meanwhile."""
+        limit = self._settings.prefill_chunk_for(self._device_type)
         if not rows:
+            if prompt_tokens:
+                with self._lock:
+                    self.costs.record_idle(prompt_tokens, seconds, limit)
             return
         with self._lock:
             if not prompt_tokens:
@@ -130,13 +180,13 @@ class StepBudget:
             usual = usual_step(list(self._decode_only), rows)
             if usual is None or seconds <= 0:
                 return
+            self.costs.record_beside(prompt_tokens, seconds - usual)
             target = (1 + self._settings.max_decode_wait * max(1.0, requests_waiting / rows)) * usual
             change = min(MAX_CHANGE, max(1 / MAX_CHANGE, target / seconds))
             scaled = prompt_tokens * change
             # A step whose work ran short of the slice shows no reason to shrink it, unless even
             # its shorter slice took too long.
             scaled = max(self._slice, scaled) if change >= 1 else min(self._slice, scaled)
-            limit = self._settings.prefill_chunk_for(self._device_type)
             self._slice = min(float(limit), max(float(MIN_SLICE), scaled))
         logger.debug(
             "step of %d rows and %d prompt tokens: %.0f ms (target %.0f ms); next slice %.0f",

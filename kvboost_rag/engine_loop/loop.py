@@ -269,9 +269,9 @@ class EngineLoop:
             self._run_call(call)
         self.steps += 1
         self._works = [work for work in self._works if not work.finished]
-        if rows is not None and call is None:
+        if call is None:
             prompt_tokens = sum(len(segment) for _, segment in slices)
-            self.budget.record(rows.packed_rows, prompt_tokens, self._clock() - start, requests)
+            self.budget.record(rows.packed_rows if rows is not None else 0, prompt_tokens, self._clock() - start, requests)
         return True
 
     def _prompt_budget(self, rows: DecodeRows | None) -> int:

@@ -542,7 +542,7 @@ class Requests:
             recompute_ratio=outcome.recompute_ratio,
             live_tokens=outcome.live_tokens,
             boundary_merged_tokens=outcome.merged_tokens,
-            documents_found=len(outcome.documents),
+            documents_found=sum(1 for d in outcome.documents if d.record.digest not in plan.tokens.blocks),
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
@@ -590,7 +590,8 @@ class Requests:
         if not options.reuse:
             return self.tokenizing.prompt(prompt, what)
         records = [self.parts.document_record(d) for d in options.documents]
-        return self.tokenizing.prompt(prompt, what, find=True, explicit=records)
+        blocks = self.parts.new_blocks(prompt, records) if self._stores_blocks else []
+        return self.tokenizing.prompt(prompt, what, find=True, explicit=records, blocks=blocks)
 
     def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
         """The prompt's plan, with the documents found while tokenizing (when content reuse is
@@ -619,7 +620,8 @@ class Requests:
             )
             return
         documents = self.cache.index.document_count
-        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+        known = [d for d in plan.documents if d.record.digest not in plan.tokens.blocks]  # not blocks seen first here
+        if known or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
             return
         _warnings.warning(
             "no-documents-found",
@@ -633,6 +635,10 @@ class Requests:
     @property
     def _stores_documents(self) -> bool:
         return self.settings.store_generated_documents and self.adapter.position_independent
+
+    @property
+    def _stores_blocks(self) -> bool:
+        return self.settings.store_prompt_blocks and self._stores_documents
 
     def _content_reuse_allowed(self, total_tokens: int) -> bool:
         if not self.adapter.position_independent:

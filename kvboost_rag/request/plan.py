@@ -46,7 +46,14 @@ class PromptTokens:
         offsets: Character span of each token in ``text``.
         found: Documents found in ``text`` while it was tokenized (``None``: not looked for),
             in order, not overlapping; planning reads them instead of looking again.
+
+    Attributes:
+        blocks: Digests of the documents among ``found`` that are blocks of the text seen for
+            the first time (:mod:`kvboost_rag.request.blocks`): stored by content, they do not
+            end the prompt's stored prefix.
     """
+
+    blocks: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -219,6 +226,22 @@ class PromptPlan:
         n = self.num_tokens
         return self.lookup_limit == n - 1 and self.shared_end >= n - 1
 
+    def stored_prefix_after(self, prefix_tokens: int) -> tuple[PrefixChunk, ...]:
+        """The prefix chunks to store once a hit served ``prefix_tokens``: :attr:`stored_prefix`,
+        or the grid over the whole prompt when the hit passed every known document (a
+        conversation going on from an earlier prompt stored whole: its next turn hits this one
+        whole, as a prompt with no documents would)."""
+        if prefix_tokens <= self.shared_end:
+            return self.stored_prefix
+        if any(d.record.digest not in self.tokens.blocks for d in self.documents_after(prefix_tokens)):
+            return self.stored_prefix
+        chunks = list(self.prefix_chunks)
+        start, parent = (chunks[-1].stop, chunks[-1].key) if chunks else (0, self.root)
+        n = self.num_tokens
+        if start < n:
+            chunks.append(PrefixChunk(prefix_hash(parent, self.tokens.id_array[start:n]), parent, start, n))
+        return tuple(chunks)
+
     def documents_after(self, position: int) -> list[PlacedDocument]:
         """Documents a prefix hit ending at ``position`` does not wholly cover: those that start
         at or after it, and those it covers in part (a stored beginning that shares a
@@ -268,7 +291,7 @@ def build_plan(
     else:
         occurrences = []
     documents = _place(occurrences, tokens)
-    shared_end = min((d.first_token for d in documents), default=n)
+    shared_end = min((d.first_token for d in documents if d.record.digest not in tokens.blocks), default=n)
     lookup, tail, stored = _prefix_grid(tokens.id_array, root, chunk_size, limit, shared_end)
     return PromptPlan(
         tokens=tokens,

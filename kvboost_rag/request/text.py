@@ -18,6 +18,7 @@ from typing import Any
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
 from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.request.blocks import prompt_blocks
 from kvboost_rag.request.documents import DocumentOccurrence, DocumentRecord, DocumentRegistry, make_record
 from kvboost_rag.request.inputs import check_text
 from kvboost_rag.request.plan import PromptTokens
@@ -72,6 +73,14 @@ class CheckedRecords:
         return starts if same else None
 
 
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of a tokenizer's special tokens: its named ones and its added tokens marked
+    special (a chat template's role markers are often only the latter)."""
+    named = [str(token) for token in getattr(tokenizer, "all_special_tokens", ())]
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return tuple(dict.fromkeys([*named, *(t.content for t in added.values() if getattr(t, "special", False))]))
+
+
 class Tokenizing:
     """Tokenizes text for the engine, the way full prefill sees it.
 
@@ -87,6 +96,8 @@ class Tokenizing:
         self.tokenizer = tokenizer
         self._model = model
         self._documents = documents
+        #: The texts of the tokenizer's special tokens (a prompt's blocks end at them).
+        self.special_tokens = _special_texts(tokenizer)
         self._support, reason = splice_support(tokenizer)
         if self._support is None:
             logger.info("prompts are tokenized whole, documents included: %s", reason)
@@ -109,6 +120,23 @@ class Tokenizing:
         self.checked.add(record, starts)
         return record
 
+    def new_blocks(
+        self, text: str, named: Sequence[DocumentRecord], fingerprint: str, chunk_size: int
+    ) -> list[DocumentRecord]:
+        """Records of the blocks of a prompt (:func:`~kvboost_rag.request.blocks.prompt_blocks`)
+        that are neither known documents nor ``named``: tokenized here, not registered (the
+        write-back registers each once its chunks are stored)."""
+        registry = self._documents() if self._documents is not None else DocumentRegistry()
+        named_texts = {record.text for record in named}
+        records: list[DocumentRecord] = []
+        for block in prompt_blocks(text, self.special_tokens):
+            if block in named_texts or registry.lookup(block) is not None:
+                continue
+            record = self.record(block, fingerprint, chunk_size)
+            record.ngrams  # noqa: B018 - indexed once, when the block is read: decoding drafts from it
+            records.append(record)
+        return records
+
     def _alone(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
         """``(ids, spans, word starts)`` of ``text`` tokenized alone (no special tokens)."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -116,7 +144,13 @@ class Tokenizing:
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], starts
 
     def prompt(
-        self, text: str, what: str = "prompt", *, find: bool = False, explicit: Sequence[DocumentRecord] = ()
+        self,
+        text: str,
+        what: str = "prompt",
+        *,
+        find: bool = False,
+        explicit: Sequence[DocumentRecord] = (),
+        blocks: Sequence[DocumentRecord] = (),
     ) -> PromptTokens:
         """A prompt's tokens exactly as full prefill sees them (special tokens included).
 
@@ -126,6 +160,8 @@ class Tokenizing:
             find: Find known documents (and ``explicit`` ones) in it first: their stored
                 tokens are spliced in, and planning reads them from ``found``.
             explicit: Documents the caller says are in the prompt.
+            blocks: Blocks of the text seen for the first time, found as ``explicit`` ones
+                are (see :attr:`~kvboost_rag.request.plan.PromptTokens.blocks`).
 
         Raises:
             InvalidInputError: Blank or unreadable text, or no tokens.
@@ -136,9 +172,11 @@ class Tokenizing:
         if find:
             with stage("find"):
                 registry = self._documents() if self._documents is not None else DocumentRegistry()
-                found = registry.find(text, explicit)
+                found = registry.find(text, [*explicit, *blocks])
         with stage("tokenize"):
             tokens = self._tokens(text, found)
+        if blocks:
+            tokens.blocks = frozenset(record.digest for record in blocks)
         n = len(tokens)
         if not n:
             raise InvalidInputError(f"{what} has no tokens")

@@ -16,6 +16,7 @@ from langchain_core.tools import BaseTool, create_retriever_tool
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_kvboost import ChatKVBoost, KVBoostPrewarmer
 
+from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents, python_reference_topics
 
 pytest.importorskip("llguidance", reason="tool calling needs kvboost-rag[constrained]")
@@ -32,7 +33,8 @@ K = 2
 
 @pytest.fixture(scope="module")
 def chat() -> ChatKVBoost:
-    return ChatKVBoost(max_new_tokens=48, repetition_penalty=1.2)
+    # An engine of its own: what earlier tests' prompts stored (their blocks) stays out of it.
+    return ChatKVBoost(engine=KVBoost.from_pretrained(show_progress=False), max_new_tokens=48, repetition_penalty=1.2)
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,9 @@ def test_retrieved_documents_are_warmed_after_the_chain_ends(engine: Any, embedd
 
     warmer = KVBoostRetrievalWarmer(llm)
     probe = StateAtLLMStart(engine, warmer)
+    stored = engine.cache_stats().documents  # the first look's own blocks
     chain.invoke(question, config={"callbacks": [warmer, probe]})
-    assert probe.seen == (0, 0), "warming must not run before the answer"
+    assert probe.seen == (0, stored), "warming must not run before the answer"
     assert warmer.wait_idle(timeout=30)
     assert all(engine.is_document_warm(t) for t in retrieved)
     assert warmer.warmed_documents == 2

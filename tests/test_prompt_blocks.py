@@ -1,0 +1,116 @@
+"""A plain prompt's documents, never named or warmed, are found by content next time: the
+blocks of its text (blank lines, separator lines, special tokens) are stored as documents."""
+
+from __future__ import annotations
+
+import torch
+
+from kvboost_rag.request.blocks import MIN_BLOCK_CHARS, prompt_blocks
+
+SYSTEM = "You are a careful assistant. Answer only from the documents below."
+DOCS = [
+    "The river carries boats past the old mill and the bridge near the northern town, where the "
+    "ferrymen wait each morning for the grain barges to come down from the upland farms.",
+    "Quiet meadows stretch beyond the hills where shepherds rest their flocks at noon, and the "
+    "stone walls that divide them were built by hand over three centuries of patient work.",
+    "Lanterns were lit along the harbour wall every evening before the fishing fleet returned, "
+    "so the boats could find the narrow channel between the rocks even in the winter fog.",
+    "The library on the square lends maps of the coast, tide tables for every month of the year, "
+    "and a ledger in which the lighthouse keepers wrote down each ship that passed the point.",
+]
+
+
+def chat(docs: list[str], question: str) -> str:
+    """A chat-rendered RAG prompt: documents in the system message, joined by blank lines."""
+    system = SYSTEM + "\n\n" + "\n\n".join(docs)
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+def test_blocks_are_the_documents_between_the_opening_and_the_end() -> None:
+    blocks = prompt_blocks(chat(DOCS[:3], "Where do the boats wait?"), SPECIALS)
+    # the last document ends at a special token, not a blank line; closing marks are left out
+    assert blocks == [d.removesuffix(".") for d in DOCS[:3]]
+
+
+def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
+    long_opening = "An opening paragraph long enough to be a block if it were not the opening. " * 3
+    question = "A question long enough to be a block if it were not at the end of the prompt. " * 3
+    text = long_opening + "\n\n" + DOCS[0] + "\n\nshort piece\n\n" + DOCS[0] + "\n\n" + question
+    assert prompt_blocks(text) == [DOCS[0][:-1]]
+
+
+def test_separator_lines_end_blocks_and_blocks_are_stripped() -> None:
+    text = "Context information is below.\n---------------------\n  " + DOCS[1] + "  \n\n" + DOCS[2]
+    text += "\n---------------------\nGiven the context, answer the query.\nQuery: where?\nAnswer: "
+    assert prompt_blocks(text) == [DOCS[1][:-1], DOCS[2][:-1]]
+    assert all(block in text for block in prompt_blocks(text))
+
+
+def test_min_chars_is_counted_without_the_surrounding_whitespace() -> None:
+    block, end = "x" * (MIN_BLOCK_CHARS - 1), "Question: what does the block say?"
+    assert prompt_blocks(f"opening\n\n   {block}   \n\n{end}") == []
+    assert prompt_blocks(f"opening\n\n{block}y\n\n{end}") == [block + "y"]
+    assert prompt_blocks(f"opening\n\n{block}y).\n\n{end}") == [block + "y"]  # closing marks left out
+
+
+def test_the_closing_question_of_a_chat_prompt_is_no_block() -> None:
+    """Documents and a long question in the last user message, set off by separator lines:
+    the question is followed by nothing but the generation prompt."""
+    question = "Given the context information and not prior knowledge, answer the query in one short sentence, quoting the document it comes from. Query: where?"
+    user = "Context information is below.\n-----\n" + DOCS[0] + "\n\n" + DOCS[1] + "\n-----\n" + question
+    text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    assert len(question) >= MIN_BLOCK_CHARS
+    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
+
+
+def test_a_plain_prompts_documents_are_found_in_another_order_next_time(make_engine) -> None:
+    engine = make_engine("llama")
+    engine.generate(chat(DOCS[:3], "Where do the boats wait?"), max_new_tokens=2)
+
+    again = engine.generate(chat([DOCS[2], DOCS[0], DOCS[1]], "What lights the wall?"), max_new_tokens=2)
+
+    assert again.documents_found == 3
+    doc_tokens = sum(engine.count_tokens(d) for d in DOCS[:3])
+    assert again.content_hit_tokens >= doc_tokens - 3 * 4  # all but boundary merges
+
+
+def test_with_blocks_off_a_plain_prompt_stores_no_document(make_engine) -> None:
+    engine = make_engine("llama", store_prompt_blocks=False)
+    engine.generate(chat(DOCS[:3], "Where do the boats wait?"), max_new_tokens=2)
+
+    again = engine.generate(chat([DOCS[2], DOCS[0], DOCS[1]], "What lights the wall?"), max_new_tokens=2)
+
+    assert again.documents_found == 0 and again.content_hit_tokens == 0
+    assert engine.cache_stats().documents == 0
+
+
+def test_the_same_plain_prompt_again_hits_whole_and_exactly(make_engine) -> None:
+    engine = make_engine("llama")
+    prompt = chat(DOCS[:3], "Where do the boats wait?")
+    engine.generate(prompt, max_new_tokens=1)
+
+    again = engine.generate(prompt, max_new_tokens=1, return_logits=True)
+    full = engine.generate(prompt, max_new_tokens=1, return_logits=True, reuse=False)
+
+    assert again.prefix_hit_tokens == again.prompt_tokens - 1
+    assert again.content_hit_tokens == 0 and again.recomputed_tokens == 0
+    torch.testing.assert_close(again.first_token_logits, full.first_token_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_conversation_going_on_hits_each_earlier_turn_whole(make_engine) -> None:
+    """Turn 2 finds turn 1's blocks as known documents; as its prefix hit passed them all, it
+    is stored whole too, so turn 3 hits all of turn 2 (not only turn 1)."""
+    engine = make_engine("llama", chunk_size=16)
+    turn1 = chat(DOCS[:3], "Where do the boats wait?")
+    turn2 = turn1 + "By the mill.<|im_end|>\n<|im_start|>user\nAnd the maps?<|im_end|>\n<|im_start|>assistant\n"
+    turn3 = turn2 + "In the library.<|im_end|>\n<|im_start|>user\nWho wrote the ledger?<|im_end|>\n<|im_start|>assistant\n"
+    engine.generate(turn1, max_new_tokens=1)
+    second = engine.generate(turn2, max_new_tokens=1)
+    third = engine.generate(turn3, max_new_tokens=1)
+
+    assert second.prefix_hit_tokens >= engine.count_tokens(turn1) - 16
+    assert third.prefix_hit_tokens >= engine.count_tokens(turn2) - 16
+    assert third.content_hit_tokens == 0 and third.recomputed_tokens == 0
