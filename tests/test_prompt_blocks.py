@@ -35,6 +35,15 @@ def test_blocks_are_the_documents_between_the_opening_and_the_end() -> None:
     assert blocks == [d.removesuffix(".") for d in DOCS[:3]]
 
 
+def test_a_document_right_after_a_role_marker_is_a_block_and_the_system_prompt_is_not() -> None:
+    """Documents in the user message, the first one right after its role marker."""
+    user = "\n\n".join(DOCS[:2]) + "\n\nQuestion: where do the boats wait?"
+    system = "You are a careful assistant who answers from the documents in the user's message only."
+    text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    assert len(system) >= MIN_BLOCK_CHARS
+    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
+
+
 def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
     long_opening = "An opening paragraph long enough to be a block if it were not the opening. " * 3
     question = "A question long enough to be a block if it were not at the end of the prompt. " * 3

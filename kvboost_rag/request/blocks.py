@@ -7,11 +7,10 @@ on those boundaries and returns the pieces long enough to be worth storing. The 
 each as a document, by content, so the next prompt that holds it, at any place and in any
 order, finds it as it finds a warmed or named document (``store_prompt_blocks``).
 
-What is never a block: a piece that does not follow a blank or separator line (the prompt's
-opening, the template's start and the system prompt, which exact prefix reuse serves; the
-start of a message after its role marker), the closing question (the last piece when only a
-generation prompt follows it), the text after the prompt's last boundary, pieces shorter than
-:data:`MIN_BLOCK_CHARS`, and any piece holding a special token.
+What is never a block: the prompt's opening (its first piece with text: the system prompt,
+which exact prefix reuse serves), the closing question (the last piece when only a
+generation prompt follows it), the text after the prompt's last cut, pieces shorter than
+:data:`MIN_BLOCK_CHARS`, a message's role marker, and any piece holding a special token.
 
 Pure: standard library only.
 """
@@ -22,7 +21,9 @@ import re
 from collections.abc import Sequence
 
 #: Fewest characters (whitespace around a block not counted) a block has to be stored.
-MIN_BLOCK_CHARS = 128
+MIN_BLOCK_CHARS = 64
+#: Longest first line after a special token that is read as a role marker (``user``).
+ROLE_CHARS = 24
 
 #: A closing piece followed by fewer characters than this (besides special tokens and
 #: whitespace: a generation prompt such as ``assistant``) is the prompt's question, no block.
@@ -37,6 +38,7 @@ _LINE_BOUNDARY = r"\n[ \t\r]*\n|\n[ \t]*[-=*_#~]{3,}[ \t\r]*(?=\n)"
 #: would differ in the prompt and its last chunk could not be cut from the prompt's K/V.
 _TRAILING_MARKS = re.compile(r"[^\w\s]+$")
 _SPACE = re.compile(r"\s+")
+_ROLE_LINE = re.compile(r"\A[ \t]*[^\s]{1,%d}[ \t]*\n" % ROLE_CHARS)
 
 
 def _boundary_pattern(special_tokens: Sequence[str]) -> re.Pattern[str]:
@@ -48,11 +50,13 @@ def _boundary_pattern(special_tokens: Sequence[str]) -> re.Pattern[str]:
 def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int = MIN_BLOCK_CHARS) -> list[str]:
     """The blocks of ``text`` worth storing as documents, in order, each once.
 
-    A block is a piece right after a blank or separator line that ends at the next boundary
-    (a blank or separator line, or a special token), of at least ``min_chars`` characters.
-    The last such piece is left out when nothing but a generation prompt follows it (fewer
-    than :data:`CLOSING_CHARS` characters besides special tokens and whitespace): it is the
-    closing question or instruction, new in every prompt.
+    The text is cut at blank lines, separator lines and special tokens. A piece after a
+    special token loses its first line when that line is a role marker (``user``,
+    ``assistant``: at most :data:`ROLE_CHARS` characters, no space). The first piece with text
+    (the prompt's opening) is no block, nor is the text after the last cut, nor the last
+    piece when nothing but a generation prompt follows it (fewer than :data:`CLOSING_CHARS`
+    characters besides special tokens and whitespace: the closing question). The others of at
+    least ``min_chars`` characters are blocks.
 
     Args:
         text: The prompt, as the model reads it (chat template applied).
@@ -65,13 +69,15 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         is found in the prompt as it stands there, and ends where the prompt's tokens do).
     """
     pattern = _boundary_pattern(special_tokens)
-    pieces: list[tuple[str, int]] = []  # (text, where it ends) of the pieces after a line boundary
-    start, after_line = 0, False
+    pieces: list[tuple[str, int]] = []  # (text, where it ends), the opening left out
+    start, after_special, opened = 0, False, False
     for match in pattern.finditer(text):
-        if after_line:
-            pieces.append((text[start : match.start()], match.start()))
-        after_line, start = match.group(0).startswith("\n"), match.end()
-    long = [(piece.strip(), end) for piece, end in pieces if len(piece.strip()) >= min_chars]
+        piece = _ROLE_LINE.sub("", text[start : match.start()], count=1) if after_special else text[start : match.start()]
+        if opened:
+            pieces.append((piece.strip(), match.start()))
+        opened = opened or bool(piece.strip())
+        after_special, start = not match.group(0).startswith("\n"), match.end()
+    long = [(piece, end) for piece, end in pieces if len(piece) >= min_chars]
     if long and len(_SPACE.sub("", pattern.sub("", text[long[-1][1] :]))) < CLOSING_CHARS:
         long.pop()  # the prompt's closing question: only a generation prompt follows it
     blocks: list[str] = []
