@@ -190,7 +190,10 @@ class KVBoostSettings(BaseModel):
             ``1 + max_decode_wait`` decode-only steps: a stream's gap between two pieces while
             another request prefills. Lower favours the streams, higher the requests
             prefilling beside them (a prompt gets about ``max_decode_wait / (1 +
-            max_decode_wait)`` of the machine's time while answers decode).
+            max_decode_wait)`` of the machine's time while answers decode). The slice never
+            drops below the smallest one measured to cost about what its tokens cost with no
+            stream beside them, so however low the bound, concurrent requests finish sooner
+            than one after another (the measured trade-off: docs/server.md).
         draft_tokens: Most tokens a decode step drafts from the prompt's documents, its other
             text and the answer so far, and verifies in the same forward pass (greedy output
             stays what plain decoding gives, whatever ``decode_weights``: a verify step computes

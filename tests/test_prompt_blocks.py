@@ -3,8 +3,12 @@ blocks of its text (blank lines, separator lines, special tokens) are stored as 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+import kvboost_rag.generation.lifecycle as lifecycle
+from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.request.blocks import MIN_BLOCK_CHARS, prompt_blocks
 
 SYSTEM = "You are a careful assistant. Answer only from the documents below."
@@ -54,7 +58,8 @@ def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
 def test_separator_lines_end_blocks_and_blocks_are_stripped() -> None:
     text = "Context information is below.\n---------------------\n  " + DOCS[1] + "  \n\n" + DOCS[2]
     text += "\n---------------------\nGiven the context, answer the query.\nQuery: where?\nAnswer: "
-    assert prompt_blocks(text) == [DOCS[1][:-1], DOCS[2][:-1]]
+    # the space before an indented first word stays (see the indented block's test)
+    assert prompt_blocks(text) == [" " + DOCS[1][:-1], DOCS[2][:-1]]
     assert all(block in text for block in prompt_blocks(text))
 
 
@@ -123,3 +128,21 @@ def test_a_conversation_going_on_hits_each_earlier_turn_whole(make_engine) -> No
     assert second.prefix_hit_tokens >= engine.count_tokens(turn1) - 16
     assert third.prefix_hit_tokens >= engine.count_tokens(turn2) - 16
     assert third.content_hit_tokens == 0 and third.recomputed_tokens == 0
+
+
+def test_a_prompt_of_new_blocks_is_not_reported_as_missing_stored_documents(make_engine, caplog, monkeypatch) -> None:
+    """Blocks stored from one prompt are not "prewarmed documents" the next prompt of other,
+    new documents missed: no warning (its own blocks are stored in turn)."""
+    monkeypatch.setattr(lifecycle, "_warnings", RateLimitedLogger(lifecycle.logger))  # not limited by earlier tests
+    engine = make_engine("llama")
+    engine.generate(chat(DOCS[:2], "Where do the boats wait?"), max_new_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="kvboost_rag"):
+        engine.generate(chat(DOCS[2:], "What does the library lend?"), max_new_tokens=1)
+    assert not [r for r in caplog.records if "none was found" in r.getMessage()]
+    assert engine.cache_stats().documents == 4
+
+
+def test_an_indented_block_keeps_the_space_its_first_word_is_read_with() -> None:
+    code = "   if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text')"
+    text = "opening\n\n" + code + "\n\nQuestion: what does the assert statement do, in one sentence?"
+    assert prompt_blocks(text) == [" if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text"]

@@ -620,8 +620,8 @@ class Requests:
             )
             return
         documents = self.cache.index.document_count
-        known = [d for d in plan.documents if d.record.digest not in plan.tokens.blocks]  # not blocks seen first here
-        if known or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+        # A prompt whose documents are all new holds them as blocks (plan.documents): no warning.
+        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
             return
         _warnings.warning(
             "no-documents-found",

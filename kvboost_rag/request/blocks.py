@@ -65,8 +65,9 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         min_chars: Fewest characters a block has, its surrounding whitespace not counted.
 
     Returns:
-        Each block's text, stripped of surrounding whitespace and closing punctuation (so it
-        is found in the prompt as it stands there, and ends where the prompt's tokens do).
+        Each block's text, stripped of surrounding whitespace (but the space before an indented
+        first word) and closing punctuation, so it is found in the prompt as it stands there
+        and starts and ends where the prompt's tokens do.
     """
     pattern = _boundary_pattern(special_tokens)
     pieces: list[tuple[str, int]] = []  # (text, where it ends), the opening left out
@@ -74,15 +75,24 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
     for match in pattern.finditer(text):
         piece = _ROLE_LINE.sub("", text[start : match.start()], count=1) if after_special else text[start : match.start()]
         if opened:
-            pieces.append((piece.strip(), match.start()))
+            pieces.append((piece, match.start()))
         opened = opened or bool(piece.strip())
         after_special, start = not match.group(0).startswith("\n"), match.end()
-    long = [(piece, end) for piece, end in pieces if len(piece) >= min_chars]
+    long = [(piece, end) for piece, end in pieces if len(piece.strip()) >= min_chars]
     if long and len(_SPACE.sub("", pattern.sub("", text[long[-1][1] :]))) < CLOSING_CHARS:
         long.pop()  # the prompt's closing question: only a generation prompt follows it
     blocks: list[str] = []
     for piece, _ in long:
-        block = _TRAILING_MARKS.sub("", piece)
-        if block and block not in blocks:
+        block = _TRAILING_MARKS.sub("", _trimmed(piece))
+        if block.strip() and block not in blocks:
             blocks.append(block)
     return blocks
+
+
+def _trimmed(piece: str) -> str:
+    """``piece`` without its surrounding whitespace, but for the space before an indented first
+    word: byte-level tokenizers (GPT-2's, Qwen's, Llama 3's) read ``"   if"`` as ``"  "`` and
+    ``" if"``, so a block that starts at ``" if"`` tokenizes alone as it does in the prompt."""
+    body = piece.lstrip("\r\n").rstrip()
+    word = body.lstrip(" \t")
+    return word if len(word) == len(body) or body[len(body) - len(word) - 1] != " " else " " + word
