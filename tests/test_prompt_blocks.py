@@ -48,11 +48,11 @@ def test_a_document_right_after_a_role_marker_is_a_block_and_the_system_prompt_i
     assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
-def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
+def test_the_opening_the_end_and_repeats_are_no_blocks_and_short_pieces_travel_with_the_next() -> None:
     long_opening = "An opening paragraph long enough to be a block if it were not the opening. " * 3
     question = "A question long enough to be a block if it were not at the end of the prompt. " * 3
-    text = long_opening + "\n\n" + DOCS[0] + "\n\nshort piece\n\n" + DOCS[0] + "\n\n" + question
-    assert prompt_blocks(text) == [DOCS[0][:-1]]
+    text = long_opening + "\n\n" + DOCS[0] + "\n\n" + DOCS[0] + "\n\nA heading\n*********\n\n" + DOCS[1] + "\n\n" + question
+    assert prompt_blocks(text) == [DOCS[0][:-1], "A heading\n*********\n\n" + DOCS[1][:-1]]
 
 
 def test_separator_lines_end_blocks_and_blocks_are_stripped() -> None:

@@ -557,6 +557,7 @@ class Requests:
         try:
             if request.options.reuse:
                 self.cache.record(plan, outcome)
+                self._warn_if_documents_missed(plan, outcome)  # before its blocks are stored
                 # The buffers go back when the write-back read them (it calls this whatever
                 # happens); the request lets go of them now.
                 on_read, request.lease = request.release_slot_later(), None
@@ -567,7 +568,6 @@ class Requests:
                         "write-back-refused", "storing a prompt's K/V failed (%s: %s); its answer stands",
                         type(error).__name__, str(error),
                     )
-                self._warn_if_documents_missed(plan, outcome)
         finally:
             request.release_slot()
 

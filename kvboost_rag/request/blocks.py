@@ -38,7 +38,7 @@ _LINE_BOUNDARY = r"\n[ \t\r]*\n|\n[ \t]*[-=*_#~]{3,}[ \t\r]*(?=\n)"
 #: would differ in the prompt and its last chunk could not be cut from the prompt's K/V.
 _TRAILING_MARKS = re.compile(r"[^\w\s]+$")
 _SPACE = re.compile(r"\s+")
-_ROLE_LINE = re.compile(r"\A[ \t]*[^\s]{1,%d}[ \t]*\n" % ROLE_CHARS)
+_ROLE_LINE = re.compile(r"[ \t]*[^\s]{1,%d}[ \t]*\n" % ROLE_CHARS)
 
 
 def _boundary_pattern(special_tokens: Sequence[str]) -> re.Pattern[str]:
@@ -56,7 +56,8 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
     (the prompt's opening) is no block, nor is the text after the last cut, nor the last
     piece when nothing but a generation prompt follows it (fewer than :data:`CLOSING_CHARS`
     characters besides special tokens and whitespace: the closing question). The others of at
-    least ``min_chars`` characters are blocks.
+    least ``min_chars`` characters are blocks, each with the shorter pieces right before it in
+    the same message (a heading, its underline, a label) glued on.
 
     Args:
         text: The prompt, as the model reads it (chat template applied).
@@ -70,15 +71,7 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         and starts and ends where the prompt's tokens do.
     """
     pattern = _boundary_pattern(special_tokens)
-    pieces: list[tuple[str, int]] = []  # (text, where it ends), the opening left out
-    start, after_special, opened = 0, False, False
-    for match in pattern.finditer(text):
-        piece = _ROLE_LINE.sub("", text[start : match.start()], count=1) if after_special else text[start : match.start()]
-        if opened:
-            pieces.append((piece, match.start()))
-        opened = opened or bool(piece.strip())
-        after_special, start = not match.group(0).startswith("\n"), match.end()
-    long = [(piece, end) for piece, end in pieces if len(piece.strip()) >= min_chars]
+    long = [(text[start:end], end) for start, end in _glued(_pieces(text, pattern), text, min_chars)]
     if long and len(_SPACE.sub("", pattern.sub("", text[long[-1][1] :]))) < CLOSING_CHARS:
         long.pop()  # the prompt's closing question: only a generation prompt follows it
     blocks: list[str] = []
@@ -87,6 +80,40 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         if block.strip() and block not in blocks:
             blocks.append(block)
     return blocks
+
+
+def _pieces(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int, bool]]:
+    """``(start, end, after a special token)`` of each piece between two cuts, the prompt's
+    opening (its first piece with text) left out, a role marker line left out of a piece."""
+    pieces: list[tuple[int, int, bool]] = []
+    start, after_special, opened = 0, False, False
+    for match in pattern.finditer(text):
+        if after_special:
+            role = _ROLE_LINE.match(text, start, match.start())
+            start = role.end() if role else start
+        if opened:
+            pieces.append((start, match.start(), after_special))
+        opened = opened or bool(text[start : match.start()].strip())
+        after_special, start = not match.group(0).startswith("\n"), match.end()
+    return pieces
+
+
+def _glued(pieces: list[tuple[int, int, bool]], text: str, min_chars: int) -> list[tuple[int, int]]:
+    """Spans of the pieces of at least ``min_chars`` characters, each with the short pieces
+    right before it in the same message glued on (a heading and its underline, a label): they
+    travel with the paragraph they introduce, so they are stored and found with it."""
+    spans: list[tuple[int, int]] = []
+    glued_from: int | None = None
+    for start, end, after_special in pieces:
+        if after_special:
+            glued_from = None  # never across messages
+        size = len(text[start:end].strip())
+        if size >= min_chars:
+            spans.append((start if glued_from is None else glued_from, end))
+            glued_from = None
+        elif size and not after_special:  # a message's first line is its label ("Context:"), not a heading
+            glued_from = start if glued_from is None else glued_from
+    return spans
 
 
 def _trimmed(piece: str) -> str:
