@@ -48,11 +48,11 @@ def test_a_document_right_after_a_role_marker_is_a_block_and_the_system_prompt_i
     assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
-def test_the_opening_the_end_and_repeats_are_no_blocks_and_short_pieces_travel_with_the_next() -> None:
+def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
     long_opening = "An opening paragraph long enough to be a block if it were not the opening. " * 3
     question = "A question long enough to be a block if it were not at the end of the prompt. " * 3
     text = long_opening + "\n\n" + DOCS[0] + "\n\n" + DOCS[0] + "\n\nA heading\n*********\n\n" + DOCS[1] + "\n\n" + question
-    assert prompt_blocks(text) == [DOCS[0][:-1], "A heading\n*********\n\n" + DOCS[1][:-1]]
+    assert prompt_blocks(text) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
 def test_separator_lines_end_blocks_and_blocks_are_stripped() -> None:
@@ -146,3 +146,11 @@ def test_an_indented_block_keeps_the_space_its_first_word_is_read_with() -> None
     code = "   if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text')"
     text = "opening\n\n" + code + "\n\nQuestion: what does the assert statement do, in one sentence?"
     assert prompt_blocks(text) == [" if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text"]
+
+
+def test_a_role_marker_alone_before_a_blank_line_is_not_the_opening() -> None:
+    """LlamaIndex's chat engines start the system message with a newline: the role marker then
+    stands alone before a blank line, and the system prompt after it is still the opening."""
+    system = "\n  The following is a friendly conversation between a user and an AI assistant, who answers in detail."
+    text = f"<|im_start|>system\n{system}\n\n{DOCS[0]}<|im_end|>\n<|im_start|>user\nWhere do the boats wait?<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1]]

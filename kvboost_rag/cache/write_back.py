@@ -46,6 +46,7 @@ from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import StoredEntry, TieredStore
 from kvboost_rag.cache.storage.base import TierWriteError
 from kvboost_rag.cache.write_worker import WriteWorker
+from kvboost_rag.request.documents import DocumentRecord
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class WriteJob:
         indexed_prefixes: Prefix chunks indexed when staged: dropped from the index again when
             no tier kept them.
         pins: Keys to pin in every tier once stored.
+        records: Document records to register once the job is handed to the copier (not
+            before: a job refused at submit leaves no record behind).
         release: Hands back lent buffers no watched alias views (on CUDA, once the chunks are
             gathered into device copies; called once); lent host buffers go back when the last
             view of their watched aliases is gone.
@@ -106,6 +109,7 @@ class WriteJob:
     chunks: list[ChunkWrite] = field(default_factory=list)
     indexed_prefixes: list[str] = field(default_factory=list)
     pins: list[str] = field(default_factory=list)
+    records: list[DocumentRecord] = field(default_factory=list)
     release: Callable[[], None] | None = None
     owned: list[StoredEntry] = field(default_factory=list)
     source: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -204,6 +208,8 @@ class WriteBack:
         except BaseException:
             self._drop(job)
             raise
+        for record in job.records:
+            self._index.register(record)
         return tokens
 
     def _job(self, outcome: Prefilled, on_read: Callable[[], None] | None) -> WriteJob:
@@ -275,7 +281,7 @@ class WriteBack:
         job.chunks.extend(writes)
         tokens = sum(len(write.token_ids) for write in writes)
         if tokens:
-            self._index.register(record)
+            job.records.append(record)
         return tokens
 
     @staticmethod

@@ -32,6 +32,7 @@ from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.engine_loop import BatchPlaces, Reservation
 from kvboost_rag.errors import InvalidInputError, KVBoostError, RequestCancelled, UnsupportedModelError
 from kvboost_rag.generation.missed_documents import (
+    escaped_documents,
     explain_evicted_documents,
     explain_missed_documents,
 )
@@ -590,8 +591,8 @@ class Requests:
         if not options.reuse:
             return self.tokenizing.prompt(prompt, what)
         records = [self.parts.document_record(d) for d in options.documents]
-        blocks = self.parts.new_blocks(prompt, records) if self._stores_blocks else []
-        return self.tokenizing.prompt(prompt, what, find=True, explicit=records, blocks=blocks)
+        blocks_as = (self.cache.fingerprint, self.settings.chunk_size) if self._stores_blocks else None
+        return self.tokenizing.prompt(prompt, what, find=True, explicit=records, blocks_as=blocks_as)
 
     def _plan_generation(self, tokens: PromptTokens, options: GenerationOptions, budget: int) -> PromptPlan:
         """The prompt's plan, with the documents found while tokenizing (when content reuse is
@@ -620,8 +621,12 @@ class Requests:
             )
             return
         documents = self.cache.index.document_count
-        # A prompt whose documents are all new holds them as blocks (plan.documents): no warning.
-        if plan.documents or not plan.content_reuse or not documents or outcome.live_tokens < self.settings.chunk_size:
+        if not documents or outcome.live_tokens < self.settings.chunk_size:
+            return
+        known = [d for d in plan.documents if d.record.digest not in plan.tokens.blocks]
+        # A prompt whose documents are all new holds them as blocks: no warning, unless known
+        # documents hide in it behind escapes (then its blocks would never hit again).
+        if known or (plan.tokens.blocks and not escaped_documents(plan.tokens.text, self.cache.index.known_documents())):
             return
         _warnings.warning(
             "no-documents-found",

@@ -28,6 +28,13 @@ def unescape(text: str) -> str:
     return text
 
 
+def escaped_documents(prompt: str, registry: DocumentRegistry) -> int:
+    """How many registered documents appear in ``prompt`` once ``repr`` escapes are undone
+    (0 when undoing them changes nothing)."""
+    plain = unescape(prompt)
+    return len(registry.find(plain)) if plain != prompt else 0
+
+
 def explain_missed_documents(prompt: str, registry: DocumentRegistry) -> str:
     """The reason no registered document was found in ``prompt``, and the fix.
 
@@ -39,16 +46,14 @@ def explain_missed_documents(prompt: str, registry: DocumentRegistry) -> str:
         One sentence for the log: escaped document text when undoing ``repr`` escapes makes
         registered documents appear, else a template mismatch.
     """
-    plain = unescape(prompt)
-    if plain != prompt:
-        found = registry.find(plain)
-        if found:
-            return (
-                f"{len(found)} prewarmed document(s) appear in it with escaped characters (newlines "
-                "written as \\n, as when a list of texts is formatted into the prompt, e.g. "
-                "LlamaIndex response_mode='simple_summarize'); put document text in the prompt "
-                "as plain text (response_mode='compact' makes the same single call)"
-            )
+    found = escaped_documents(prompt, registry)
+    if found:
+        return (
+            f"{found} prewarmed document(s) appear in it with escaped characters (newlines "
+            "written as \\n, as when a list of texts is formatted into the prompt, e.g. "
+            "LlamaIndex response_mode='simple_summarize'); put document text in the prompt "
+            "as plain text (response_mode='compact' makes the same single call)"
+        )
     return (
         "documents are found only where the prompt holds the warmed text exactly; warm each "
         "document as the prompt renders it (same document template and metadata: "

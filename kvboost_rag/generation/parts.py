@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvboost_rag.cache.manager import CacheManager
@@ -48,8 +47,3 @@ class EngineParts:
             if register:
                 self.cache.index.register(record)
         return record
-
-    def new_blocks(self, prompt: str, named: Sequence[DocumentRecord] = ()) -> list[DocumentRecord]:
-        """Records of the blocks of ``prompt`` that are neither known documents nor ``named``
-        (see :meth:`~kvboost_rag.request.text.Tokenizing.new_blocks`)."""
-        return self.tokenizing.new_blocks(prompt, named, self.cache.fingerprint, self.settings.chunk_size)

@@ -38,6 +38,7 @@ _LINE_BOUNDARY = r"\n[ \t\r]*\n|\n[ \t]*[-=*_#~]{3,}[ \t\r]*(?=\n)"
 #: would differ in the prompt and its last chunk could not be cut from the prompt's K/V.
 _TRAILING_MARKS = re.compile(r"[^\w\s]+$")
 _SPACE = re.compile(r"\s+")
+_ROLE_ONLY = re.compile(r"\s*[^\s]{1,%d}\s*" % ROLE_CHARS)
 _ROLE_LINE = re.compile(r"[ \t]*[^\s]{1,%d}[ \t]*\n" % ROLE_CHARS)
 
 
@@ -56,8 +57,7 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
     (the prompt's opening) is no block, nor is the text after the last cut, nor the last
     piece when nothing but a generation prompt follows it (fewer than :data:`CLOSING_CHARS`
     characters besides special tokens and whitespace: the closing question). The others of at
-    least ``min_chars`` characters are blocks, each with the shorter pieces right before it in
-    the same message (a heading, its underline, a label) glued on.
+    least ``min_chars`` characters are blocks.
 
     Args:
         text: The prompt, as the model reads it (chat template applied).
@@ -71,7 +71,7 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         and starts and ends where the prompt's tokens do.
     """
     pattern = _boundary_pattern(special_tokens)
-    long = [(text[start:end], end) for start, end in _glued(_pieces(text, pattern), text, min_chars)]
+    long = [(text[start:end], end) for start, end in _long(_pieces(text, pattern), text, min_chars)]
     if long and len(_SPACE.sub("", pattern.sub("", text[long[-1][1] :]))) < CLOSING_CHARS:
         long.pop()  # the prompt's closing question: only a generation prompt follows it
     blocks: list[str] = []
@@ -91,29 +91,22 @@ def _pieces(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int, bool]]:
         if after_special:
             role = _ROLE_LINE.match(text, start, match.start())
             start = role.end() if role else start
+        body = text[start : match.start()]
+        if after_special and _ROLE_ONLY.fullmatch(body):
+            body = ""  # a role marker between two special tokens, or before a blank line
         if opened:
             pieces.append((start, match.start(), after_special))
-        opened = opened or bool(text[start : match.start()].strip())
+        opened = opened or bool(body.strip())
         after_special, start = not match.group(0).startswith("\n"), match.end()
     return pieces
 
 
-def _glued(pieces: list[tuple[int, int, bool]], text: str, min_chars: int) -> list[tuple[int, int]]:
-    """Spans of the pieces of at least ``min_chars`` characters, each with the short pieces
-    right before it in the same message glued on (a heading and its underline, a label): they
-    travel with the paragraph they introduce, so they are stored and found with it."""
-    spans: list[tuple[int, int]] = []
-    glued_from: int | None = None
-    for start, end, after_special in pieces:
-        if after_special:
-            glued_from = None  # never across messages
-        size = len(text[start:end].strip())
-        if size >= min_chars:
-            spans.append((start if glued_from is None else glued_from, end))
-            glued_from = None
-        elif size and not after_special:  # a message's first line is its label ("Context:"), not a heading
-            glued_from = start if glued_from is None else glued_from
-    return spans
+def _long(pieces: list[tuple[int, int, bool]], text: str, min_chars: int) -> list[tuple[int, int]]:
+    """Spans of the pieces of at least ``min_chars`` characters. Shorter pieces (a heading, a
+    label) are left to be computed: glued onto their neighbour they would tie it to whatever
+    came before it in this prompt (the last document, a template's label), and such a block
+    would be new, and stored, in every prompt."""
+    return [(start, end) for start, end, _ in pieces if len(text[start:end].strip()) >= min_chars]
 
 
 def _trimmed(piece: str) -> str:

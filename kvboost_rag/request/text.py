@@ -121,21 +121,24 @@ class Tokenizing:
         return record
 
     def new_blocks(
-        self, text: str, named: Sequence[DocumentRecord], fingerprint: str, chunk_size: int
-    ) -> list[DocumentRecord]:
-        """Records of the blocks of a prompt (:func:`~kvboost_rag.request.blocks.prompt_blocks`)
-        that are neither known documents nor ``named``: tokenized here, not registered (the
-        write-back registers each once its chunks are stored)."""
-        registry = self._documents() if self._documents is not None else DocumentRegistry()
-        named_texts = {record.text for record in named}
-        records: list[DocumentRecord] = []
+        self, text: str, found: Sequence[DocumentOccurrence], registry: DocumentRegistry, fingerprint: str, chunk_size: int
+    ) -> list[DocumentOccurrence]:
+        """Where the blocks of a prompt (:func:`~kvboost_rag.request.blocks.prompt_blocks`) that
+        no known or named document ``found`` covers sit, with their records: tokenized here,
+        not registered (the write-back registers each once its chunks are stored). A known
+        document wins over a block that overlaps it: it is read from cache."""
+        taken = [(o.char_start, o.char_start + o.matched_chars) for o in found]
+        added: list[DocumentOccurrence] = []
         for block in prompt_blocks(text, self.special_tokens):
-            if block in named_texts or registry.lookup(block) is not None:
+            start = text.find(block)
+            end = start + len(block)
+            if start < 0 or any(start < stop and begin < end for begin, stop in taken) or registry.lookup(block) is not None:
                 continue
             record = self.record(block, fingerprint, chunk_size)
             record.ngrams  # noqa: B018 - indexed once, when the block is read: decoding drafts from it
-            records.append(record)
-        return records
+            added.append(DocumentOccurrence(record, start, len(block)))
+            taken.append((start, end))
+        return added
 
     def _alone(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
         """``(ids, spans, word starts)`` of ``text`` tokenized alone (no special tokens)."""
@@ -150,7 +153,7 @@ class Tokenizing:
         *,
         find: bool = False,
         explicit: Sequence[DocumentRecord] = (),
-        blocks: Sequence[DocumentRecord] = (),
+        blocks_as: tuple[str, int] | None = None,
     ) -> PromptTokens:
         """A prompt's tokens exactly as full prefill sees them (special tokens included).
 
@@ -160,23 +163,26 @@ class Tokenizing:
             find: Find known documents (and ``explicit`` ones) in it first: their stored
                 tokens are spliced in, and planning reads them from ``found``.
             explicit: Documents the caller says are in the prompt.
-            blocks: Blocks of the text seen for the first time, found as ``explicit`` ones
-                are (see :attr:`~kvboost_rag.request.plan.PromptTokens.blocks`).
+            blocks_as: ``(fingerprint, chunk_size)`` to find the text's blocks seen for the
+                first time (:meth:`new_blocks`) as ``explicit`` documents are (see
+                :attr:`~kvboost_rag.request.plan.PromptTokens.blocks`); ``None``: none.
 
         Raises:
             InvalidInputError: Blank or unreadable text, or no tokens.
             PromptTooLongError: It does not fit the context window.
         """
         check_text(text, what)
-        found = None
+        found, blocks = None, []
         if find:
             with stage("find"):
                 registry = self._documents() if self._documents is not None else DocumentRegistry()
-                found = registry.find(text, [*explicit, *blocks])
+                found = registry.find(text, explicit)
+                blocks = self.new_blocks(text, found, registry, *blocks_as) if blocks_as is not None else []
+                found = sorted([*found, *blocks], key=lambda o: o.char_start) if blocks else found
         with stage("tokenize"):
             tokens = self._tokens(text, found)
-        if blocks:
-            tokens.blocks = frozenset(record.digest for record in blocks)
+        if find and blocks:
+            tokens.blocks = frozenset(o.record.digest for o in blocks)
         n = len(tokens)
         if not n:
             raise InvalidInputError(f"{what} has no tokens")

@@ -55,7 +55,8 @@ def _run(agent: Any, question: str) -> Any:
 def _answer_read_the_documents_from_cache(calls: list[dict[str, Any]]) -> None:
     """The agent's LLM calls were a search, then an answer whose documents came from cache."""
     search, answer = calls
-    assert answer["raw"]["documents_found"] == K
+    # the K retrieved documents, and any block of the first turn's text it stored
+    assert answer["raw"]["documents_found"] >= K
     assert answer["raw"]["content_hit_tokens"] > 0
     assert answer["raw"]["prefix_hit_tokens"] >= search["raw"]["prompt_tokens"] // 2
     assert answer["raw"]["cached_tokens"] > answer["raw"]["prompt_tokens"] // 2

@@ -70,7 +70,8 @@ def _check_layout(llm: KVBoostLLM, texts: list[str], recorder: Any, ask: Callabl
             tokens = sum(engine.count_tokens(t) for t in present)
             document_tokens += tokens
             hits += raw["content_hit_tokens"]
-            assert raw["documents_found"] == len(present)
+            # the retrieved nodes, and blocks of the template's own text stored by an earlier call
+            assert raw["documents_found"] >= len(present)
             assert raw["cached_tokens"] == raw["prefix_hit_tokens"] + raw["content_hit_tokens"] - raw["recomputed_tokens"] < raw["prompt_tokens"]
             non_document_tokens += max(0, raw["prompt_tokens"] - tokens)
         assert document_tokens > 0, "no retrieved node reached a prompt"
