@@ -157,14 +157,15 @@ class KVBoostSettings(BaseModel):
         store_generated_documents: After a generate, store documents that were not cached yet
             so the next prompt hits without an explicit warm.
         store_prompt_blocks: Also store, as documents, the blocks of a prompt's text that no
-            one named: pieces of at least 128 characters set off by blank lines, separator
-            lines (``---``) or the chat template's special tokens, after the prompt's opening
-            and before its last piece (see :mod:`kvboost_rag.request.blocks`). Stuff-documents
-            prompts join retrieved documents that way, so a plain prompt's documents are found
-            in any order next time without ``documents=`` or a warm. A block seen for the
-            first time does not end the prompt's stored prefix, so the same prompt asked
-            again, or a conversation that continues it, still hits exactly. ``False``: only
-            named and warmed documents are stored.
+            one named: pieces of at least 64 characters set off by blank lines, separator
+            lines (``---``) or the chat template's special tokens, but the prompt's opening
+            (the system prompt, an exact prefix) and its closing question (see
+            :mod:`kvboost_rag.request.blocks`). Stuff-documents prompts join retrieved
+            documents that way, so a plain prompt's documents are found in any order next time
+            without ``documents=`` or a warm. A block seen for the first time does not end the
+            prompt's stored prefix, so the same prompt asked again, or a conversation that
+            continues it, still hits exactly. ``False``: only named and warmed documents are
+            stored.
         show_progress: Show progress bars on long work (``warm_documents``).
         warm_batch_tokens: ``warm_documents`` hands the engine loop several documents at once,
             up to this many tokens (their K/V buffers are held together), and the loop packs

@@ -82,7 +82,7 @@ def test_react_agent_searches_then_answers_from_cached_documents(
     # Second turn: the retrieved documents, warmed at ingest, are read from cache by content
     # hash, and the first turn's prompt (system message with the tool) by prefix.
     meta = answer.response_metadata
-    assert meta["documents_found"] == K
+    assert meta["documents_found"] >= K  # the K retrieved documents, and any block of the first turn it stored
     documents_tokens = sum(engine.count_tokens(text) for text in result.content.split("\n\n"))
     assert meta["content_hit_tokens"] >= documents_tokens // 2
     assert meta["prefix_hit_tokens"] >= call.usage_metadata["input_tokens"] // 2
