@@ -335,3 +335,25 @@ def test_a_document_split_between_memory_and_disk_is_kept_in_both(make_engine, t
     assert index.kept_in(record) == ["memory", "disk"]
     disk.delete(record.chunk_keys[-1])
     assert index.kept_in(record) == []
+
+
+def test_a_chunk_evicted_before_its_record_is_registered_takes_the_record_along(make_engine, monkeypatch):
+    """The copier may store a document's chunks, and the memory tier evict one, before the
+    request's thread registers the record: the record is dropped then, not kept without it."""
+    engine = make_engine("llama", disk_cache_dir=None)
+    index, store = engine._cache.index, engine._cache._store
+    register, evicted = index.register, []
+
+    def register_after_an_eviction(record):
+        engine.flush()  # the chunks reached the tiers first
+        if not evicted:
+            evicted.append(record.chunk_keys[-1])
+            store.delete(record.chunk_keys[-1])  # no record to take along yet
+        register(record)
+
+    monkeypatch.setattr(index, "register", register_after_an_eviction)
+    results = engine.warm_documents(DOCS[2:5])
+    assert evicted, "no record was registered after its chunks were queued"
+    check_agreement(engine, memory_only=True)
+    assert sum(1 for r in results if r.kept_in) == 2
+    assert engine.cache_stats().documents == 2

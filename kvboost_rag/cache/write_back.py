@@ -209,8 +209,21 @@ class WriteBack:
             self._drop(job)
             raise
         for record in job.records:
-            self._index.register(record)
+            self._register_whole(record, job)
         return tokens
+
+    def _register_whole(self, record: DocumentRecord, job: WriteJob) -> None:
+        """Register ``record`` unless a chunk ``job`` writes for it already left the tiers.
+
+        The copier may store (and the memory tier evict) the job's chunks before the record is
+        staged here; such an eviction found no record to take along. Once the record is staged,
+        an evicted chunk takes it along (:class:`~kvboost_rag.cache.index.CacheIndex`), so one
+        look after registering leaves no record without the chunks it was written with.
+        """
+        self._index.register(record)
+        written = {chunk.key for chunk in job.chunks}
+        if any(key in written and not self._store.contains(key) for key in record.chunk_keys):
+            self._store.delete(self._index.record_key(record))
 
     def _job(self, outcome: Prefilled, on_read: Callable[[], None] | None) -> WriteJob:
         """A job over ``outcome``'s buffers. Lent host buffers are viewed through watched
