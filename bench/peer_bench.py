@@ -66,7 +66,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from rag_bench import code_version, machine_line, percentile  # noqa: E402
-from server_load import SYSTEM, engine_checkout, start_server  # noqa: E402
+from server_load import SYSTEM, Reply, chat, engine_checkout, start_server  # noqa: E402
 
 from kvboost_rag.corpus import python_reference_documents  # noqa: E402
 
@@ -78,30 +78,6 @@ QUESTIONS = ("What do these documents say about the statement the first one desc
              "Summarize what the last document says in one sentence.",
              "What do these documents say about exceptions?")
 SETUP_HINT = "create it with `bash bench/setup_vllm_peer.sh` (VLLM_VENV=DIR for another place), or pass --vllm-python"
-
-
-@dataclass
-class Answer:
-    """One streamed request as its client saw it, with the usage the server reported."""
-
-    text: str = ""
-    sent: float = 0.0
-    first: float | None = None
-    done: float | None = None
-    status: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    arrivals: list[float] = field(default_factory=list)
-
-    @property
-    def longest_pause(self) -> float:
-        """Longest gap between two content pieces (seconds; 0 with fewer than two)."""
-        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first is None else self.first - self.sent
 
 
 @dataclass
@@ -125,7 +101,7 @@ class ModeResult:
     error: str | None = None
     startup_s: float = float("nan")
     walls: dict[str, float] = field(default_factory=dict)
-    answers: dict[str, list[Answer]] = field(default_factory=dict)
+    answers: dict[str, list[Reply]] = field(default_factory=dict)
 
 
 def user_message(docs: list[str], question: str) -> list[dict[str, str]]:
@@ -194,36 +170,6 @@ def request_body(args: argparse.Namespace, model: str, workload: Workload, chunk
     return body
 
 
-def _read_event(answer: Answer, event: dict[str, Any]) -> None:
-    usage = event.get("usage") or {}
-    if usage:
-        answer.prompt_tokens = usage.get("prompt_tokens", 0)
-        answer.completion_tokens = usage.get("completion_tokens", 0)
-        answer.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    content = event["choices"][0]["delta"].get("content") if event.get("choices") else None
-    if content:
-        now = time.perf_counter()
-        answer.first = answer.first or now
-        answer.arrivals.append(now)
-        answer.text += content
-
-
-async def stream_chat(session: httpx.AsyncClient, body: dict[str, Any]) -> Answer:
-    """One streamed chat completion: its first content piece's time, text and usage."""
-    answer = Answer(sent=time.perf_counter())
-    async with session.stream("POST", "/chat/completions", json=body) as response:
-        answer.status = response.status_code
-        if response.status_code != 200:
-            await response.aread()
-            answer.text = response.text[:200]
-        else:
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    _read_event(answer, json.loads(line[6:]))
-    answer.done = time.perf_counter()
-    return answer
-
-
 async def run_rounds(args: argparse.Namespace, url: str, workload: Workload, name_documents: bool,
                      result: ModeResult) -> None:
     """The untimed covering round, then the timed rounds, on the server at ``url``."""
@@ -234,11 +180,11 @@ async def run_rounds(args: argparse.Namespace, url: str, workload: Workload, nam
         for name, chunks, offset in (("warm", workload.warm, 0), ("sequential", workload.sequential, 100)):
             bodies = [request_body(args, model, workload, c, offset + i, name_documents) for i, c in enumerate(chunks)]
             start = time.perf_counter()
-            result.answers[name] = [await stream_chat(session, b) for b in bodies]
+            result.answers[name] = [await chat(session, b) for b in bodies]
             result.walls[name] = time.perf_counter() - start
         bodies = [request_body(args, model, workload, c, 200 + i, name_documents) for i, c in enumerate(workload.together)]
         start = time.perf_counter()
-        result.answers["together"] = list(await asyncio.gather(*[stream_chat(session, b) for b in bodies]))
+        result.answers["together"] = list(await asyncio.gather(*[chat(session, b) for b in bodies]))
         result.walls["together"] = time.perf_counter() - start
 
 
@@ -358,11 +304,11 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, bind: str 
     return result
 
 
-def round_figures(answers: list[Answer], wall: float) -> dict[str, float]:
+def round_figures(answers: list[Reply], wall: float) -> dict[str, float]:
     """Wall time, TTFT p50, decode ms per token after the first (p50), cached share of prompt tokens, mean prompt tokens, failures."""
     ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
-    steps = [(a.done - a.first) * 1000 / (a.completion_tokens - 1) for a in answers
-             if a.first is not None and a.done is not None and a.completion_tokens > 1]
+    steps = [(a.done - a.first) * 1000 / (a.tokens - 1) for a in answers
+             if a.first is not None and a.done is not None and a.tokens > 1]
     prompt = sum(a.prompt_tokens for a in answers)
     return {"wall_s": wall, "ttft_p50_ms": percentile(ttfts, 0.5) if ttfts else float("nan"),
             "step_p50_ms": percentile(steps, 0.5) if steps else float("nan"),

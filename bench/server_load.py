@@ -69,11 +69,32 @@ class Reply:
     done: float | None = None
     arrivals: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     status: int = 0
 
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.sent
+
+    @property
+    def longest_pause(self) -> float:
+        """Longest gap between two content pieces (seconds; 0 with fewer than two)."""
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
+
+    def read_event(self, event: dict[str, Any]) -> None:
+        """Take one streamed event: its content piece (timed) and the usage it reports."""
+        usage = event.get("usage") or {}
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            self.tokens = usage.get("completion_tokens", self.tokens)
+            self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        content = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+        if content:
+            now = time.perf_counter()
+            self.first = self.first or now
+            self.arrivals.append(now)
+            self.text += content
 
     def step_pairs(self) -> list[tuple[float, float]]:
         """When two consecutive decode steps of this stream arrived (pieces of one step merged)."""
@@ -105,20 +126,16 @@ async def chat(
         return reply
     async with session.stream("POST", "/chat/completions", json=body) as response:
         reply.status = response.status_code
+        if response.status_code != 200:
+            await response.aread()
+            reply.text = response.text[:200]
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             if hang_up is not None:
                 await asyncio.sleep(hang_up)
                 break  # the first event came: this client leaves
-            event = json.loads(line[6:])
-            reply.tokens = (event.get("usage") or {}).get("completion_tokens", reply.tokens)
-            content = event["choices"][0]["delta"].get("content") if event["choices"] else None
-            if content:
-                now = time.perf_counter()
-                reply.first = reply.first or now
-                reply.arrivals.append(now)
-                reply.text += content
+            reply.read_event(json.loads(line[6:]))
     reply.done = time.perf_counter()
     return reply
 

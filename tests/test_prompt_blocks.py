@@ -33,8 +33,15 @@ def chat(docs: list[str], question: str) -> str:
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
+def block_texts(text: str, special_tokens: tuple[str, ...] = ()) -> list[str]:
+    """The blocks' texts, each checked to stand in ``text`` where its span says."""
+    blocks = prompt_blocks(text, special_tokens)
+    assert all(text[block.start : block.end] == block.text for block in blocks)
+    return [block.text for block in blocks]
+
+
 def test_blocks_are_the_documents_between_the_opening_and_the_end() -> None:
-    blocks = prompt_blocks(chat(DOCS[:3], "Where do the boats wait?"), SPECIALS)
+    blocks = block_texts(chat(DOCS[:3], "Where do the boats wait?"), SPECIALS)
     # the last document ends at a special token, not a blank line; closing marks are left out
     assert blocks == [d.removesuffix(".") for d in DOCS[:3]]
 
@@ -45,29 +52,40 @@ def test_a_document_right_after_a_role_marker_is_a_block_and_the_system_prompt_i
     system = "You are a careful assistant who answers from the documents in the user's message only."
     text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     assert len(system) >= MIN_BLOCK_CHARS
-    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
+    assert block_texts(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
 def test_the_opening_the_end_short_pieces_and_repeats_are_no_blocks() -> None:
     long_opening = "An opening paragraph long enough to be a block if it were not the opening. " * 3
     question = "A question long enough to be a block if it were not at the end of the prompt. " * 3
     text = long_opening + "\n\n" + DOCS[0] + "\n\n" + DOCS[0] + "\n\nA heading\n*********\n\n" + DOCS[1] + "\n\n" + question
-    assert prompt_blocks(text) == [DOCS[0][:-1], DOCS[1][:-1]]
+    assert block_texts(text) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
 def test_separator_lines_end_blocks_and_blocks_are_stripped() -> None:
     text = "Context information is below.\n---------------------\n  " + DOCS[1] + "  \n\n" + DOCS[2]
     text += "\n---------------------\nGiven the context, answer the query.\nQuery: where?\nAnswer: "
     # the space before an indented first word stays (see the indented block's test)
-    assert prompt_blocks(text) == [" " + DOCS[1][:-1], DOCS[2][:-1]]
-    assert all(block in text for block in prompt_blocks(text))
+    assert block_texts(text) == [" " + DOCS[1][:-1], DOCS[2][:-1]]
+
+
+def test_a_block_is_where_it_stands_even_when_the_opening_quotes_it(make_engine) -> None:
+    """The opening holds the block's text too: the block is the later piece, and the engine
+    places its record there, not at the text's first occurrence."""
+    text = "Notes to read first: " + DOCS[0] + "\n\n" + DOCS[0] + "\n\nQuestion: where do the boats wait?"
+    (block,) = prompt_blocks(text)
+    assert block.start == text.index("\n\n") + 2 and block.text == DOCS[0][:-1]
+    engine = make_engine("llama")
+    tokenizing = engine._tokenizing
+    (occurrence,) = tokenizing.new_blocks(text, [], engine._cache.index.known_documents(), engine.fingerprint, engine.settings.chunk_size)
+    assert occurrence.char_start == block.start
 
 
 def test_min_chars_is_counted_without_the_surrounding_whitespace() -> None:
     block, end = "x" * (MIN_BLOCK_CHARS - 1), "Question: what does the block say?"
-    assert prompt_blocks(f"opening\n\n   {block}   \n\n{end}") == []
-    assert prompt_blocks(f"opening\n\n{block}y\n\n{end}") == [block + "y"]
-    assert prompt_blocks(f"opening\n\n{block}y).\n\n{end}") == [block + "y"]  # closing marks left out
+    assert block_texts(f"opening\n\n   {block}   \n\n{end}") == []
+    assert block_texts(f"opening\n\n{block}y\n\n{end}") == [block + "y"]
+    assert block_texts(f"opening\n\n{block}y).\n\n{end}") == [block + "y"]  # closing marks left out
 
 
 def test_the_closing_question_of_a_chat_prompt_is_no_block() -> None:
@@ -77,7 +95,7 @@ def test_the_closing_question_of_a_chat_prompt_is_no_block() -> None:
     user = "Context information is below.\n-----\n" + DOCS[0] + "\n\n" + DOCS[1] + "\n-----\n" + question
     text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     assert len(question) >= MIN_BLOCK_CHARS
-    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
+    assert block_texts(text, SPECIALS) == [DOCS[0][:-1], DOCS[1][:-1]]
 
 
 def test_a_plain_prompts_documents_are_found_in_another_order_next_time(make_engine) -> None:
@@ -145,7 +163,7 @@ def test_a_prompt_of_new_blocks_is_not_reported_as_missing_stored_documents(make
 def test_an_indented_block_keeps_the_space_its_first_word_is_read_with() -> None:
     code = "   if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text')"
     text = "opening\n\n" + code + "\n\nQuestion: what does the assert statement do, in one sentence?"
-    assert prompt_blocks(text) == [" if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text"]
+    assert block_texts(text) == [" if __debug__:\n       if not expression: raise AssertionError(expression, 'a message text"]
 
 
 def test_a_role_marker_alone_before_a_blank_line_is_not_the_opening() -> None:
@@ -153,4 +171,4 @@ def test_a_role_marker_alone_before_a_blank_line_is_not_the_opening() -> None:
     stands alone before a blank line, and the system prompt after it is still the opening."""
     system = "\n  The following is a friendly conversation between a user and an AI assistant, who answers in detail."
     text = f"<|im_start|>system\n{system}\n\n{DOCS[0]}<|im_end|>\n<|im_start|>user\nWhere do the boats wait?<|im_end|>\n<|im_start|>assistant\n"
-    assert prompt_blocks(text, SPECIALS) == [DOCS[0][:-1]]
+    assert block_texts(text, SPECIALS) == [DOCS[0][:-1]]

@@ -196,7 +196,7 @@ class WriteBack:
         job = self._job(outcome, on_read)
         try:
             self._plan_prefix(plan, outcome, pin, job)
-            tokens = sum(self._plan_document(d, outcome, job, d.record.digest in plan.tokens.blocks) for d in outcome.documents) if store_documents else 0
+            tokens = sum(self._plan_document(d, outcome, job, plan.is_new_block(d)) for d in outcome.documents) if store_documents else 0
             job.source = None  # from here on, only the chunks' views hold the buffers
             self._stage(job)
             if self._copies.frees_buffers_at_once or not job.chunks:

@@ -543,7 +543,7 @@ class Requests:
             recompute_ratio=outcome.recompute_ratio,
             live_tokens=outcome.live_tokens,
             boundary_merged_tokens=outcome.merged_tokens,
-            documents_found=sum(1 for d in outcome.documents if d.record.digest not in plan.tokens.blocks),
+            documents_found=len(plan.known(outcome.documents)),
             kv_reuse_ratio=cached / n,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
@@ -623,7 +623,7 @@ class Requests:
         documents = self.cache.index.document_count
         if not documents or outcome.live_tokens < self.settings.chunk_size:
             return
-        known = [d for d in plan.documents if d.record.digest not in plan.tokens.blocks]
+        known = plan.known(plan.documents)
         # A prompt whose documents are all new holds them as blocks: no warning, unless known
         # documents hide in it behind escapes (then its blocks would never hit again).
         if known or (plan.tokens.blocks and not escaped_documents(plan.tokens.text, self.cache.index.known_documents())):

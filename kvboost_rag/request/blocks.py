@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 #: Fewest characters (whitespace around a block not counted) a block has to be stored.
 MIN_BLOCK_CHARS = 64
@@ -48,8 +49,20 @@ def _boundary_pattern(special_tokens: Sequence[str]) -> re.Pattern[str]:
     return re.compile("|".join([_LINE_BOUNDARY, *(re.escape(token) for token in specials)]))
 
 
-def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int = MIN_BLOCK_CHARS) -> list[str]:
-    """The blocks of ``text`` worth storing as documents, in order, each once.
+class PromptBlock(NamedTuple):
+    """A block of a prompt: where it starts in the prompt's text, and its text."""
+
+    start: int
+    text: str
+
+    @property
+    def end(self) -> int:
+        """Where it ends in the prompt's text."""
+        return self.start + len(self.text)
+
+
+def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int = MIN_BLOCK_CHARS) -> list[PromptBlock]:
+    """The blocks of ``text`` worth storing as documents, in order, each text once.
 
     The text is cut at blank lines, separator lines and special tokens. A piece after a
     special token loses its first line when that line is a role marker (``user``,
@@ -66,18 +79,21 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
         min_chars: Fewest characters a block has, its surrounding whitespace not counted.
 
     Returns:
-        Each block's text, stripped of surrounding whitespace (but the space before an indented
-        first word) and closing punctuation, so it is found in the prompt as it stands there
-        and starts and ends where the prompt's tokens do.
+        Each block where it stands in ``text``, stripped of surrounding whitespace (but the
+        space before an indented first word) and closing punctuation, so it starts and ends
+        where the prompt's tokens do; a text seen before in the prompt is left out.
     """
     pattern = _boundary_pattern(special_tokens)
-    long = [(text[start:end], end) for start, end in _long(_pieces(text, pattern), text, min_chars)]
+    long = _long(_pieces(text, pattern), text, min_chars)
     if long and len(_SPACE.sub("", pattern.sub("", text[long[-1][1] :]))) < CLOSING_CHARS:
         long.pop()  # the prompt's closing question: only a generation prompt follows it
-    blocks: list[str] = []
-    for piece, _ in long:
-        block = _TRAILING_MARKS.sub("", _trimmed(piece))
-        if block.strip() and block not in blocks:
+    blocks: list[PromptBlock] = []
+    seen: set[str] = set()
+    for start, end in long:
+        start, end = _trimmed(text, start, end)
+        block = PromptBlock(start, text[start:end])
+        if block.text.strip() and block.text not in seen:
+            seen.add(block.text)
             blocks.append(block)
     return blocks
 
@@ -109,10 +125,16 @@ def _long(pieces: list[tuple[int, int, bool]], text: str, min_chars: int) -> lis
     return [(start, end) for start, end, _ in pieces if len(text[start:end].strip()) >= min_chars]
 
 
-def _trimmed(piece: str) -> str:
-    """``piece`` without its surrounding whitespace, but for the space before an indented first
-    word: byte-level tokenizers (GPT-2's, Qwen's, Llama 3's) read ``"   if"`` as ``"  "`` and
-    ``" if"``, so a block that starts at ``" if"`` tokenizes alone as it does in the prompt."""
-    body = piece.lstrip("\r\n").rstrip()
-    word = body.lstrip(" \t")
-    return word if len(word) == len(body) or body[len(body) - len(word) - 1] != " " else " " + word
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:
+    """The span of the piece ``text[start:end]`` without its surrounding whitespace (but for
+    the space before an indented first word: byte-level tokenizers (GPT-2's, Qwen's, Llama
+    3's) read ``"   if"`` as ``"  "`` and ``" if"``, so a block that starts at ``" if"``
+    tokenizes alone as it does in the prompt) and without its closing punctuation."""
+    body = text[start:end].rstrip()
+    end = start + len(body)
+    lead = len(body) - len(body.lstrip("\r\n"))
+    rest = body[lead:]
+    indent = len(rest) - len(rest.lstrip(" \t"))
+    start += lead + (indent - 1 if indent and rest[indent - 1] == " " else indent)
+    marks = _TRAILING_MARKS.search(text, start, end)
+    return start, marks.start() if marks else end

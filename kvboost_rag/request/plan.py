@@ -17,7 +17,7 @@ import bisect
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +226,15 @@ class PromptPlan:
         n = self.num_tokens
         return self.lookup_limit == n - 1 and self.shared_end >= n - 1
 
+    def is_new_block(self, document: PlacedDocument) -> bool:
+        """Whether ``document`` is one of the prompt's blocks seen for the first time."""
+        return document.record.digest in self.tokens.blocks
+
+    def known(self, documents: Iterable[PlacedDocument]) -> list[PlacedDocument]:
+        """The documents among ``documents`` known before this prompt (warmed, named or stored
+        by an earlier one): all but its new blocks."""
+        return [d for d in documents if not self.is_new_block(d)]
+
     def stored_prefix_after(self, prefix_tokens: int) -> tuple[PrefixChunk, ...]:
         """The prefix chunks to store once a hit served ``prefix_tokens``: :attr:`stored_prefix`,
         or the grid over the whole prompt when the hit passed every known document (a
@@ -233,7 +242,7 @@ class PromptPlan:
         whole, as a prompt with no documents would)."""
         if prefix_tokens <= self.shared_end:
             return self.stored_prefix
-        if any(d.record.digest not in self.tokens.blocks for d in self.documents_after(prefix_tokens)):
+        if self.known(self.documents_after(prefix_tokens)):
             return self.stored_prefix
         chunks = list(self.prefix_chunks)
         start, parent = (chunks[-1].stop, chunks[-1].key) if chunks else (0, self.root)

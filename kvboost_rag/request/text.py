@@ -130,14 +130,14 @@ class Tokenizing:
         taken = [(o.char_start, o.char_start + o.matched_chars) for o in found]
         added: list[DocumentOccurrence] = []
         for block in prompt_blocks(text, self.special_tokens):
-            start = text.find(block)
-            end = start + len(block)
-            if start < 0 or any(start < stop and begin < end for begin, stop in taken) or registry.lookup(block) is not None:
+            if any(block.start < stop and begin < block.end for begin, stop in taken):
                 continue
-            record = self.record(block, fingerprint, chunk_size)
+            if registry.lookup(block.text) is not None:
+                continue
+            record = self.record(block.text, fingerprint, chunk_size)
             record.ngrams  # noqa: B018 - indexed once, when the block is read: decoding drafts from it
-            added.append(DocumentOccurrence(record, start, len(block)))
-            taken.append((start, end))
+            added.append(DocumentOccurrence(record, block.start, len(block.text)))
+            taken.append((block.start, block.end))
         return added
 
     def _alone(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
