@@ -64,6 +64,9 @@ FORK_FLUSH_SECONDS = 5.0
 #: and serialization yield the cores to the engine loop's passes while both want them.
 BACKGROUND_NICENESS = 10
 
+#: The worker whose job this thread runs (``worker``), so work asked for from inside a job
+#: (the index charge) runs there at once instead of queueing behind itself; thread-local
+#: because it says which thread this is, not a parameter of a call.
 _on_worker = threading.local()
 #: Every live worker, for the flush at exit.
 _workers: weakref.WeakSet[WriteWorker] = weakref.WeakSet()

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 
 import torch
 
+#: The dict the calling thread records its stages into: stages are marked deep in the
+#: prefill, where threading a recorder through every call would burden every signature for
+#: a diagnosis; thread-local so that concurrent calls record apart.
 _state = threading.local()
 
 

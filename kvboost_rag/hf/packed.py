@@ -42,6 +42,9 @@ PACKED_ATTENTION = "kvboost_packed"
 #: Most tokens of a segment whose attention runs as one product per K/V head (a verify row, a
 #: short slice) on a CPU in float32; longer segments attend by blocks of queries.
 LAST_TOKENS_MAX = 16
+#: The packed rows a pass attends (``rows``) and the passes run (``calls``): the attention
+#: function transformers calls takes no such argument, so the pass sets them around its
+#: forward; thread-local so that passes on other threads keep their own.
 _state = threading.local()
 
 

@@ -29,6 +29,10 @@ from kvboost_rag.hf.transfer import host_to_device
 #: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it
 #: the rows are attended one by one (a kernel per row instead of a copy of every row's K/V).
 ONE_CALL_MAX_TOKENS = 16384
+#: Whether a step's rows attend in one call (``one_call``), set around a pass. Thread-local
+#: because transformers calls the registered attention function with its own arguments: a
+#: per-pass choice reaches it only as ambient state, and a pass on another thread (a second
+#: engine, a test) must not see this one's.
 _state = threading.local()
 
 

@@ -113,6 +113,11 @@ AGREEMENT_ROWS = 512
 INT8_BY_DEFAULT: frozenset[tuple[str, int, int, int]] = frozenset({("qwen2", 896, 24, 151936)})
 #: Marks a ``forward`` this module installed (a second engine on the same model re-routes it).
 ROUTED = "_kvboost_small_rows"
+#: Whether this thread's pass decodes on the small-row kernels (``on``, ``rows``) and the
+#: input held between the split head's two products (``head``): the routed ``forward`` is
+#: called by the model's own modules with ``forward``'s arguments only, so the pass sets
+#: these around it; thread-local so that a forward on another thread (the user's own
+#: ``generate`` on the same model) runs the module as it was.
 _state = threading.local()
 
 

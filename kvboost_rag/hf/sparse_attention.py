@@ -59,6 +59,9 @@ ATTENTION_NAME = "kvboost_sparse_causal"
 Backend = Literal["masked_sdpa", "flex", "blocks"]
 BACKENDS: tuple[str, ...] = ("masked_sdpa", "flex", "blocks")
 _QUERY_BLOCK = 32
+#: The pass's query positions and the attention it records (the probe): parameters of the
+#: attention function transformers calls with its own arguments, so they ride as ambient
+#: state, thread-local so that concurrent passes on other threads keep their own.
 _state = threading.local()
 
 
