@@ -26,6 +26,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, Row, SlotPool
 from kvboost_rag.hf.captured.graph import compile_cache_counts
 from kvboost_rag.hf.packed import Segment
+from kvboost_rag.dev.internals import internals
 
 
 @dataclass
@@ -161,7 +162,7 @@ def engine_decode(engine, prompt: str, tokens: int) -> EngineDecode:
     """Greedy-decode ``tokens`` tokens of ``prompt`` through ``engine.stream`` (what
     ``generate`` runs), timing the first token, the last piece and the call's end."""
     before = engine.captured_steps_run or 0
-    copies = engine._cache.copies
+    copies = internals(engine).cache.copies
     copied, copying = copies.bytes_copied, copies.seconds_copying
     start = time.perf_counter()  # the engine takes its own start just after, in stream()
     stream = engine.stream(prompt, max_new_tokens=tokens)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvboost_rag import InvalidInputError, KVBoost
 from kvboost_rag.decode.tool_calls import call_format, parse_tool_calls, render_chat
+from kvboost_rag.dev.internals import internals
 
 QUESTIONS = [
     "Look up the json module.",
@@ -115,7 +116,7 @@ def guide_us_per_token(engine: KVBoost, fmt: Any, runs: list[tuple[str, Any]], b
     for status, result in runs:
         if status != "ok":
             continue
-        guide = engine._constraints.compile(fmt.constraint, budget)
+        guide = internals(engine).constraints.compile(fmt.constraint, budget)
         for token in result.token_ids:
             start = time.perf_counter()
             guide.mask(logits)

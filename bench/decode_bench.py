@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_topics
 from kvboost_rag.default_model import cache_home
+from kvboost_rag.dev.internals import internals
 from llamacpp_system import LlamaCppSystem, embedded_gguf, end_of_generation_tokens, load_llama_cpp, stream_exact
 from qwen_model import FOLDER as QWEN_FOLDER
 
@@ -414,7 +415,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     from kvboost_rag.hf.packed import Segment
     from kvboost_rag.hf.small_rows import SmallRowLinears
 
-    adapter = engine._adapter
+    adapter = internals(engine).adapter
     ids = engine.tokenizer(prompt).input_ids
     cache = adapter.new_cache(len(ids) + max(WIDTHS))
     adapter.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
@@ -519,7 +520,7 @@ def _captured_note(engine: KVBoost, load_s: float) -> str:
     and the load's seconds (their compile included)."""
     if engine.captured_steps_run is None:
         return "captured steps off"
-    return f"captured steps on, buckets {list(engine._captured.ready_buckets)}, load with their build {load_s:.0f} s"
+    return f"captured steps on, buckets {list(internals(engine).captured.ready_buckets)}, load with their build {load_s:.0f} s"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         f"decode_bench: {engine.model_name}, {'plain' if args.plain else 'chat'} prompts of {args.docs} documents "
         f"({args.doc_chars} chars), {args.new_tokens} new tokens, greedy, {args.threads} torch threads, "
         f"torch {torch.__version__}, decode_weights={args.decode_weights}, kv_cache_bits={args.kv_cache_bits}: small-row kernel {engine.small_row_kernel}, "
-        f"{engine.four_bit_layers} layers read as stored 4-bit runs (copies {engine._adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
+        f"{engine.four_bit_layers} layers read as stored 4-bit runs (copies {internals(engine).adapter.small_rows.copy_bytes / 1e6:.0f} MB), resident after load {resident / 1e6:.0f} MB "
         f"({resident / params:.2f}x the {params / 1e6:.0f} MB of parameters), load average {os.getloadavg()[0]:.1f} at the start; "
         f"{_captured_note(engine, load_s)}"
     ) + (f"; {llama.describe()}" if llama is not None else "")

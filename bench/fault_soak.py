@@ -36,7 +36,7 @@ after ``engine.flush()``:
 
 The memory figures come from ``engine.cache_stats()`` and, read live before it flushes, the
 write-back's holders (:func:`memory_figures`); it and :class:`SlowDiskPuts` (the tier stack,
-``engine._cache._store.tiers``) are the only places that read the engine's internals.
+``internals(engine).tiers``, :mod:`kvboost_rag.dev.internals`) are the only places that read the engine's internals.
 
 Run (torch on ``--threads`` threads, 2 by default)::
 
@@ -107,10 +107,12 @@ def memory_figures(engine: Any) -> dict[str, Any]:
         indexes), ``stats_ms`` (how long ``cache_stats()`` took: it waits for queued writes)
         and the ``memory.*`` items of ``cache_stats().memory`` after it.
     """
+    from kvboost_rag.dev.internals import internals
     from kvboost_rag.results import KVMemory
 
-    live = engine._cache.memory_account(KVMemory())
-    pool = engine._host_buffers
+    parts = internals(engine)
+    live = parts.cache.memory_account(KVMemory())
+    pool = parts.host_buffers
     figures: dict[str, Any] = {
         "staged_entries": live.staged_entries,
         "lent_bytes": 0 if pool is None else pool.lent_bytes,
@@ -143,7 +145,7 @@ class SlowDiskPuts:
     """Every ``put`` of the engine's disk tier sleeps ``delay`` seconds first.
 
     Args:
-        engine: The engine; its tier stack (``engine._cache._store.tiers``) must hold a disk tier.
+        engine: The engine; its tier stack (``internals(engine).tiers``) must hold a disk tier.
         delay: Seconds added to each put.
 
     Raises:
@@ -151,7 +153,9 @@ class SlowDiskPuts:
     """
 
     def __init__(self, engine: Any, delay: float) -> None:
-        disks = [tier for tier in engine._cache._store.tiers if tier.name == "disk"]
+        from kvboost_rag.dev.internals import internals
+
+        disks = [tier for tier in internals(engine).tiers if tier.name == "disk"]
         if not disks or disks[0].spill_only:
             raise SystemExit("no write-through disk tier in the engine's tier stack (disk_cache_dir set?)")
         self.tier, self.delay, self.calls = disks[0], delay, 0

@@ -67,6 +67,7 @@ from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.diagnosis.stage_times import record_stages
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
+from kvboost_rag.dev.internals import internals
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from captured_decode import CapturedDecode, CapturedLoop, EngineDecode, engine_decode, same_prefix, split_margin  # noqa: E402
@@ -507,10 +508,10 @@ def _captured_engine(engine: KVBoost, lengths: list[int], args) -> KVBoost | Non
             captured_pool_bytes=pool_bytes(engine.model, lengths, args.decode_tokens), captured_build="at_load",
         )
         what = f"buckets {args.captured_buckets}, built at load in"
-    if built.captured_steps_run is None or not built._captured.available:
+    if built.captured_steps_run is None or not internals(built).captured.available:
         print("the engine's captured steps were not built (see the log): its column is left out")
         return None
-    slots = sorted((slot.capacity for slot in built._captured.pool.slots), reverse=True)
+    slots = sorted((slot.capacity for slot in internals(built).captured.pool.slots), reverse=True)
     print(f"engine with captured steps ({what} {time.perf_counter() - started:.1f} s); pool slots {slots}")
     return built
 
@@ -651,7 +652,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     with use_backend(backend):
         if args.decode_only:
             return _decode_table(engine, lengths, args, device)
-        timer = ForwardTimer(model, device, (engine._captured_prefill, engine._captured_probe))
+        timer = ForwardTimer(model, device, (internals(engine).captured_prefill, internals(engine).captured_probe))
         rows = _table(engine, timer, lengths, args, device)
         timer.remove()
         if args.captured or args.engine_captured:

@@ -43,13 +43,14 @@ def measure(model: str | None, settings: dict) -> dict:
     import torch
 
     from kvboost_rag import KVBoost
+    from kvboost_rag.dev.internals import internals
 
     torch.set_num_threads(2)
     engine = KVBoost.from_pretrained(model, show_progress=False, captured_steps="off", **settings)
     params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return {
         "model": engine.model_name, "settings": settings, "kernel": engine.small_row_kernel,
-        "params": params, "copy": engine._adapter.small_rows.copy_bytes, **_status(),
+        "params": params, "copy": internals(engine).adapter.small_rows.copy_bytes, **_status(),
     }
 
 

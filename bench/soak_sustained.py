@@ -121,13 +121,15 @@ def load_model(args: Any) -> tuple[Any, Any]:
 
 def soak(args: Any, model: Any, tokenizer: Any, disk_dir: str) -> tuple[list[Window], Any, dict[str, float]]:
     """Prewarm the corpus to ``disk_dir``, then run the novel queries on a fresh engine."""
+    from kvboost_rag.dev.internals import internals
+
     docs = corpus(args.corpus_docs, args.corpus_doc_chars)
     start = time.perf_counter()
     writer = make_engine(args, model, tokenizer, disk_cache_dir=disk_dir, max_cache_bytes=64 * 1024**2)
     writer.warm_documents(docs)
-    per_doc_bytes = writer._cache._store.tiers[1].used_bytes / len(docs)
-    corpus_bytes = writer._cache._store.tiers[1].used_bytes
-    writer._cache._store.close()
+    per_doc_bytes = internals(writer).tiers[1].used_bytes / len(docs)
+    corpus_bytes = internals(writer).tiers[1].used_bytes
+    internals(writer).store.close()
     del writer
     prewarm_s = time.perf_counter() - start
     budget = int(args.memory_mb * 1024**2) if args.memory_mb else max(int(corpus_bytes * args.memory_share), 1)
@@ -177,24 +179,26 @@ def lookup_times(args: Any, model: Any, tokenizer: Any, sizes: list[int]) -> lis
     Returns:
         ``(documents, find_ms, plan_ms)`` per size.
     """
+    from kvboost_rag.dev.internals import internals
     from kvboost_rag.request.documents import make_record
 
     rows = []
     for size in sizes:
         docs = corpus(size, args.corpus_doc_chars)
         engine = make_engine(args, model, tokenizer, max_cache_bytes=4 * 1024**3)
+        parts = internals(engine)
         for text in docs:
             ids, offsets = engine.token_ids_with_offsets(text)
-            engine._cache.index.register(make_record(text, ids, offsets, engine.fingerprint, engine.settings.chunk_size))
+            parts.cache.index.register(make_record(text, ids, offsets, engine.fingerprint, engine.settings.chunk_size))
         rng = random.Random(size)
         prompts = [prompt_of(rng.sample(docs, args.docs_per_prompt), QUESTIONS[0]) for _ in range(40)]
         find_ms, plan_ms = [], []
         for prompt in prompts:
-            tokens = engine._tokenizing.prompt(prompt)
+            tokens = parts.tokenizing.prompt(prompt)
             t0 = time.perf_counter()
-            found = engine._cache.index.known_documents().find(prompt)
+            found = parts.cache.index.known_documents().find(prompt)
             t1 = time.perf_counter()
-            engine._requests.planner.plan(tokens)
+            parts.planner.plan(tokens)
             t2 = time.perf_counter()
             if len(found) != args.docs_per_prompt:
                 raise RuntimeError(f"found {len(found)} of {args.docs_per_prompt} documents in a prompt")

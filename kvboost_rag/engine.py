@@ -34,6 +34,7 @@ from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
 from kvboost_rag.hf.resident import page_out_input_embeddings, trim_heap
+from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
 from kvboost_rag.request.hashing import root_hash
@@ -128,6 +129,10 @@ class KVBoost:
                     f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
                 )
             logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
+        # The loading thread's OpenMP workers (loading and the checks at load ran torch on it):
+        # while they exist the engine loop's workers sleep between parallel regions. A server
+        # whose requests arrive on other threads would otherwise never give them back.
+        release_idle_workers()
 
     @staticmethod
     def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:

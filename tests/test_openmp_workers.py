@@ -95,3 +95,29 @@ def test_the_loop_gives_back_the_callers_pool_before_its_work(monkeypatch):
     engine.generate("a short prompt about caches", max_new_tokens=2)
     assert threading.current_thread().name in calls  # on the caller's thread, before the loop ran its work
     assert loop_idled.wait(30)  # and on the loop's own thread once it idled
+
+
+@pytest.mark.skipif(not loaded_gnu_openmp(), reason="torch runs on another OpenMP runtime here")
+def test_the_thread_that_built_the_engine_keeps_no_pool():
+    """A server loads the model on its main thread and hands requests over on others: the
+    loading thread's pool would outlive the load, and the engine loop's workers would sleep
+    between regions for ever after (a decode step ~1.5x as long, measured in the server)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, set[str]] = {}
+
+    def build() -> None:
+        before = _threads()
+        torch.ones(4_000_000).add_(1)  # this thread's pool, as loading the weights makes it
+        seen["workers"] = _threads() - before
+        tiny_engine()  # its checks at load run torch on this thread too
+        seen["left"] = _threads()
+
+    try:
+        thread = threading.Thread(target=build)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert len(seen["workers"]) == 1
+    assert not seen["workers"] & seen["left"]  # the pool's worker ended with the construction
