@@ -42,7 +42,7 @@ ratios' medians.
 Before the prompts, the **verify cost per row count**: one forward of 1, 2, 4, 8 and 16 tokens
 over the first prompt's cache (its full prefill), as decode and verify steps run it
 (a decode row of the engine loop's packed pass), with the linear layers' small-row kernel the engine chose at load
-(:mod:`kvboost_rag.hf.small_rows`) and with the model's own ``F.linear``, interleaved, the
+(:mod:`kvboost_rag.decode_weights.small_rows`) and with the model's own ``F.linear``, interleaved, the
 median of ``--cost-reps``; each as a ratio to the one-token step. After the table, medians by
 kind of question.
 
@@ -413,7 +413,7 @@ def verify_cost_table(engine: KVBoost, prompt: str, reps: int) -> list[str]:
     from kvboost_rag.hf.caches import truncate_cache
     from kvboost_rag.hf.decode_pass import DecodePass
     from kvboost_rag.hf.packed import Segment
-    from kvboost_rag.hf.small_rows import SmallRowLinears
+    from kvboost_rag.decode_weights.small_rows import SmallRowLinears
 
     adapter = internals(engine).adapter
     ids = engine.tokenizer(prompt).input_ids

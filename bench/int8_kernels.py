@@ -7,16 +7,16 @@ are), at 1, 4, 8, 16 and 64 rows, on each kernel:
 
 - ``F.linear``: float32, the model's own weights (MKL ``sgemm``);
 - ``packed``: oneDNN's inner product over the float32 weights reordered once into its blocked
-  layout (:mod:`kvboost_rag.hf.small_rows`);
+  layout (:mod:`kvboost_rag.decode_weights.small_rows`);
 - ``int8 dynamic``: FBGEMM's dynamic quantized linear over int8 weights with one float32 scale
   per output channel, each row's activations rounded to 8 bits, as decode runs it
-  (:class:`kvboost_rag.hf.int8_rows.DynamicInt8Linear`), a quarter of the bytes;
+  (:class:`kvboost_rag.decode_weights.int8_rows.DynamicInt8Linear`), a quarter of the bytes;
 - ``int8 fused``: the engine's int8 kernel (the dynamic one where available) with each layer's
   query, key and value projections as one product and its gate and up projections as another,
-  as the engine multiplies them (:func:`kvboost_rag.hf.int8_siblings.fused_copy`): 4 calls a
+  as the engine multiplies them (:func:`kvboost_rag.decode_weights.int8_siblings.fused_copy`): 4 calls a
   decoder layer instead of 7;
 - ``int8 weight-only``: ``torch.ops.aten._weight_int8pack_mm`` over the same int8 weights
-  (:class:`kvboost_rag.hf.int8_rows.WeightOnlyInt8Linear`: activations rounded to bfloat16, the
+  (:class:`kvboost_rag.decode_weights.int8_rows.WeightOnlyInt8Linear`: activations rounded to bfloat16, the
   kernel's vectorized path), the fallback where a torch build has no FBGEMM.
 
 Rounds are interleaved and the median of ``--reps`` is kept. Run:
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvboost_rag.hf.int8_rows import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_rows  # noqa: E402
-from kvboost_rag.hf.int8_siblings import fused_copy  # noqa: E402
-from kvboost_rag.hf.small_rows import PACKED_FOR_ROWS  # noqa: E402
+from kvboost_rag.decode_weights.int8_rows import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_rows  # noqa: E402
+from kvboost_rag.decode_weights.int8_siblings import fused_copy  # noqa: E402
+from kvboost_rag.decode_weights.small_rows import PACKED_FOR_ROWS  # noqa: E402
 
 ROWS = (1, 4, 8, 16, 64)
 
@@ -59,7 +59,7 @@ def layer_shapes(config: dict) -> list[tuple[int, int]]:
 
 def fused_groups(count: int, layers_per_block: int = 7) -> list[list[int]]:
     """Indexes of :func:`layer_shapes`' layers as the engine multiplies them on int8: query,
-    key and value as one product, gate and up as one (``kvboost_rag.hf.int8_siblings``)."""
+    key and value as one product, gate and up as one (``kvboost_rag.decode_weights.int8_siblings``)."""
     groups = []
     for start in range(0, count - 1, layers_per_block):
         q, k, v, o, gate, up, down = range(start, start + layers_per_block)

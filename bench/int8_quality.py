@@ -6,8 +6,8 @@ weights (as the engine does: prefill never reads int8), then, from copies of tha
 
 - the model's own greedy answer of ``--new-tokens`` tokens, one-token steps on its own weights,
   and each step's logits;
-- the greedy answer with the decode steps on the int8 copy (:mod:`kvboost_rag.hf.int8_rows`,
-  through the engine's small-row layer routing, :mod:`kvboost_rag.hf.small_rows`);
+- the greedy answer with the decode steps on the int8 copy (:mod:`kvboost_rag.decode_weights.int8_rows`,
+  through the engine's small-row layer routing, :mod:`kvboost_rag.decode_weights.small_rows`);
 - the int8 logits of the model's own answer, teacher-forced (one pass of its tokens on int8):
   the per-step next-token KL(own || int8).
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvboost_rag.default_model import default_model_dir
-    from kvboost_rag.hf.small_rows import choose_kernel
+    from kvboost_rag.decode_weights.small_rows import choose_kernel
 
     torch.set_num_threads(args.threads)
     folder = Path(args.model) if args.model else default_model_dir()

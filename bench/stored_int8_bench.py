@@ -5,7 +5,7 @@ The model is loaded twice and quantized with torchao's ``Int8WeightOnlyConfig`` 
 transformers' ``TorchAoConfig`` does at load): one engine decodes through the layers' own
 ``forward`` (``decode_weights="model"``: torchao widens the int8 values to float32 every call),
 the other reads the stored values and scales (``decode_weights="int8"``,
-``kvboost_rag/hf/stored_int8.py``). Rows per prompt, interleaved, no drafts, greedy: the float32
+``kvboost_rag/decode_weights/stored_int8.py``). Rows per prompt, interleaved, no drafts, greedy: the float32
 model's engine (its default settings), the two engines over the quantized model, and
 ``generate`` on the quantized model. Reports decode ms per token and how many leading tokens
 the int8 answer shares with the layers' own.

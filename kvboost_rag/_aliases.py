@@ -20,6 +20,12 @@ from types import ModuleType
 
 #: Old module path (under ``kvboost_rag.``) -> where it lives now.
 MOVED: dict[str, str] = {
+    "hf.small_rows": "decode_weights.small_rows",
+    "hf.int8_rows": "decode_weights.int8_rows",
+    "hf.four_bit_groups": "decode_weights.four_bit_groups",
+    "hf.int8_siblings": "decode_weights.int8_siblings",
+    "hf.stored_int8": "decode_weights.stored_int8",
+    "hf.resident": "decode_weights.resident",
     "async_stream": "integration.async_stream",
     "attention": "hf.sparse_attention",
     "background_warmer": "warming.background",

@@ -233,7 +233,7 @@ class KVBoostSettings(BaseModel):
             A model quantized through torchao (transformers' ``TorchAoConfig`` with
             ``Int8WeightOnlyConfig`` or ``Int8DynamicActivationInt8WeightConfig``) has no
             float32 weights: where decode reads int8 its int8 layers are read from their stored
-            values and scales (no requantization; kvboost_rag/hf/stored_int8.py), else through
+            values and scales (no requantization; kvboost_rag/decode_weights/stored_int8.py), else through
             their own ``forward`` (torchao's, which widens the values to float32 every call).
             Where the int8 kernel does not apply (CUDA,
             16-bit or other quantized weights, a CPU without AVX2) decode reads the model's own.
@@ -242,7 +242,7 @@ class KVBoostSettings(BaseModel):
             read the model's own weights, so the first token of every reuse path is unchanged. Not used with captured steps.
         small_row_kernels: The kernel of the linear layers (projections, MLPs, logits) over the
             model's own float32 weights in decode and verify steps, chosen when the engine
-            loads (:mod:`kvboost_rag.hf.small_rows`): on a CPU, torch's float32 product of 2-16
+            loads (:mod:`kvboost_rag.decode_weights.small_rows`): on a CPU, torch's float32 product of 2-16
             rows costs 2-5x one row, while oneDNN over weights reordered once into its blocked
             layout costs about one row's whatever the rows. ``"auto"`` (default) decides by a
             rule, the same on every start: ``"packed"`` where oneDNN applies, the layers'

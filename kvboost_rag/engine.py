@@ -33,7 +33,7 @@ from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
-from kvboost_rag.hf.resident import page_out_input_embeddings, trim_heap
+from kvboost_rag.decode_weights.resident import page_out_input_embeddings, trim_heap
 from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate

@@ -30,7 +30,7 @@ from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, SlotPool, build_captured_rows
 from kvboost_rag.hf.captured.attention import ROWS_ATTENTION
 from kvboost_rag.hf.captured.graph import CACHE_DIR_ENV, BucketGraph, keep_compiled_code_in
-from kvboost_rag.hf.int8_rows import int8_available
+from kvboost_rag.decode_weights.int8_rows import int8_available
 
 SETTINGS = dict(
     show_progress=False, chunk_size=32, captured_steps="on", captured_pool_bytes=16 * 2**20,

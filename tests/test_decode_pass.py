@@ -15,7 +15,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import decode_pass as decode_pass_module
 from kvboost_rag.hf.decode_pass import DecodePass, unsupported_reason
-from kvboost_rag.hf.int8_rows import int8_available
+from kvboost_rag.decode_weights.int8_rows import int8_available
 from kvboost_rag.hf.packed import Segment
 from rag_prompts import rag_prompt
 

@@ -27,7 +27,7 @@ from kvboost_rag.decode.drafting import Proposal
 from kvboost_rag.generation import request_work
 from kvboost_rag.decode.sampling import SequenceSampling, TextAssembler
 from kvboost_rag.decode.step import DecodeSequence, decode_step
-from kvboost_rag.hf.small_rows import onednn_available
+from kvboost_rag.decode_weights.small_rows import onednn_available
 from kvboost_rag.request.options import GenerationOptions
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "stablelm", "gpt2")

@@ -113,7 +113,7 @@ def test_decode_reads_the_stored_four_bit_runs_and_answers_as_the_own_weights_do
     """The embedded model's GGUF stores its 210 projection layers as Q4_1: decode reads them as
     stored, and its greedy answer is the float32 weights' up to their first near tie (a top-1
     margin under 0.5, the bar ``bench/int8_quality.py`` measures)."""
-    from kvboost_rag.hf.four_bit_groups import four_bit_available
+    from kvboost_rag.decode_weights.four_bit_groups import four_bit_available
 
     if not four_bit_available():
         pytest.skip("no CPU 4-bit kernel in this torch build")

@@ -1,4 +1,4 @@
-"""Layers whose weights are 4-bit runs read as stored (:mod:`kvboost_rag.hf.four_bit_groups`).
+"""Layers whose weights are 4-bit runs read as stored (:mod:`kvboost_rag.decode_weights.four_bit_groups`).
 
 The search must find exactly the weights that are 16 evenly spaced values per run of 32 (every
 form a GGUF file's 4-bit types take: offset grids, symmetric ones, runs that use fewer levels,
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
-from kvboost_rag.hf import four_bit_groups as fb
-from kvboost_rag.hf.int8_siblings import SiblingProduct, sibling_groups
-from kvboost_rag.hf.small_rows import choose_kernel, eligible_linears
+from kvboost_rag.decode_weights import four_bit_groups as fb
+from kvboost_rag.decode_weights.int8_siblings import SiblingProduct, sibling_groups
+from kvboost_rag.decode_weights.small_rows import choose_kernel, eligible_linears
 
 needs_kernel = pytest.mark.skipif(not fb.four_bit_available(), reason="no CPU 4-bit kernel in this torch build")
 

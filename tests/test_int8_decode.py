@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.dev.testing import tiny_model
-from kvboost_rag.hf import int8_rows, small_rows
-from kvboost_rag.hf.int8_rows import (
+from kvboost_rag.decode_weights import int8_rows, small_rows
+from kvboost_rag.decode_weights.int8_rows import (
     EDGE_COLUMNS,
     QMAX,
     DynamicInt8Linear,
@@ -26,7 +26,7 @@ from kvboost_rag.hf.int8_rows import (
     int8_linear,
     quantize_rows,
 )
-from kvboost_rag.hf.small_rows import choose_kernel, decode_reads, eligible_linears, model_key
+from kvboost_rag.decode_weights.small_rows import choose_kernel, decode_reads, eligible_linears, model_key
 from rag_prompts import rag_prompt
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 kernel with a vectorized CPU path here")

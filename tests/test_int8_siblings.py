@@ -1,4 +1,4 @@
-"""Int8 layers that read one input multiplied as one product (:mod:`kvboost_rag.hf.int8_siblings`).
+"""Int8 layers that read one input multiplied as one product (:mod:`kvboost_rag.decode_weights.int8_siblings`).
 
 Each layer must get exactly its own columns of the fused product, whatever order the model
 calls the group's layers in and whether or not they are called on the same input; nothing may
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
-from kvboost_rag.hf import small_rows
-from kvboost_rag.hf.int8_rows import int8_available, int8_linear, quantize_rows
-from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
-from kvboost_rag.hf.small_rows import choose_kernel, eligible_linears
+from kvboost_rag.decode_weights import small_rows
+from kvboost_rag.decode_weights.int8_rows import int8_available, int8_linear, quantize_rows
+from kvboost_rag.decode_weights.int8_siblings import SiblingProduct, fused_int8, sibling_groups
+from kvboost_rag.decode_weights.small_rows import choose_kernel, eligible_linears
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no int8 kernel with a vectorized CPU path here")
 

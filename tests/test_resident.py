@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvboost_rag.dev.testing import tiny_model
-from kvboost_rag.hf import resident
-from kvboost_rag.hf.resident import MIN_BYTES, page_out, page_out_input_embeddings
+from kvboost_rag.decode_weights import resident
+from kvboost_rag.decode_weights.resident import MIN_BYTES, page_out, page_out_input_embeddings
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_PAGEOUT) is Linux's")
 

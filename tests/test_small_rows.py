@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.dev.testing import tiny_model
-from kvboost_rag.hf import ragged_attention, row_rounding, small_rows
+from kvboost_rag.decode_weights import small_rows
+from kvboost_rag.hf import ragged_attention, row_rounding
 from kvboost_rag.hf.ragged_attention import last_tokens_attention
-from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel, eligible_linears
+from kvboost_rag.decode_weights.small_rows import SmallRowLinears, choose_kernel, eligible_linears
 
 needs_onednn = pytest.mark.skipif(not small_rows.onednn_available(), reason="this torch build has no oneDNN")
 
@@ -70,7 +71,7 @@ def test_layers_the_kernels_cannot_take_keep_their_own_product():
 @needs_onednn
 def test_auto_packs_only_layers_large_enough_and_within_the_budget(monkeypatch):
     """``"auto"`` is a rule, nothing timed: the packed copy where the layers' weights reach
-    :data:`~kvboost_rag.hf.small_rows.PACKED_MIN_BYTES` and the copy fits its budget."""
+    :data:`~kvboost_rag.decode_weights.small_rows.PACKED_MIN_BYTES` and the copy fits its budget."""
     model = tiny_model("llama")
     weight_bytes = sum(layer.weight.numel() * 4 for layer in eligible_linears(model))
     assert weight_bytes < small_rows.PACKED_MIN_BYTES

@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, TorchAoConfig  # noqa: E402
 from kvboost_rag import KVBoost  # noqa: E402
 from kvboost_rag.dev.testing import save_tiny_model, tiny_model  # noqa: E402
 from kvboost_rag.hf.fingerprint import weights_digest  # noqa: E402
-from kvboost_rag.hf.int8_rows import int8_available  # noqa: E402
-from kvboost_rag.hf.resident import page_out_input_embeddings  # noqa: E402
-from kvboost_rag.hf.small_rows import plain_linears  # noqa: E402
-from kvboost_rag.hf.stored_int8 import stored_int8, stored_int8_linears  # noqa: E402
+from kvboost_rag.decode_weights.int8_rows import int8_available  # noqa: E402
+from kvboost_rag.decode_weights.resident import page_out_input_embeddings  # noqa: E402
+from kvboost_rag.decode_weights.small_rows import plain_linears  # noqa: E402
+from kvboost_rag.decode_weights.stored_int8 import stored_int8, stored_int8_linears  # noqa: E402
 from rag_prompts import rag_prompt  # noqa: E402
 
 quantize_ = torchao_quantization.quantize_

@@ -55,7 +55,7 @@ def token_bucket(tokens: int) -> int:
 def _prior_cost_ratio(device_type: str, tokens: int) -> float:
     """Step time of ``tokens`` tokens per row over a one-token step, before any is measured:
     on a CPU, what the embedded model's steps cost with the small-row kernels
-    (:mod:`kvboost_rag.hf.small_rows`) over a 2.4k-token cache (1.07x, 1.2x, 1.5x, 1.9x at 2,
+    (:mod:`kvboost_rag.decode_weights.small_rows`) over a 2.4k-token cache (1.07x, 1.2x, 1.5x, 1.9x at 2,
     4, 8, 16 tokens). Where steps cost more, :data:`MIN_COST_SAMPLES` steps of a kind replace it."""
     if device_type == "cuda":
         return 1.0 + 0.03 * (tokens - 1)

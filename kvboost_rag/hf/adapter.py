@@ -44,7 +44,7 @@ from kvboost_rag.hf.packed import (
 )
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.rope import find_rope
-from kvboost_rag.hf.small_rows import SmallRowLinears, choose_kernel
+from kvboost_rag.decode_weights.small_rows import SmallRowLinears, choose_kernel
 from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, last_query_attention, query_positions
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
@@ -98,7 +98,7 @@ class ModelAdapter:
 
     def choose_small_row_kernel(self, setting: str, packed_bytes: int, decode_weights: str = "model") -> None:
         """Choose, and install, the kernel of the linear layers in decode and verify steps
-        (:func:`kvboost_rag.hf.small_rows.choose_kernel`; once, at load), and with it the direct
+        (:func:`kvboost_rag.decode_weights.small_rows.choose_kernel`; once, at load), and with it the direct
         pass of decode steps (:meth:`~kvboost_rag.hf.decode_pass.DecodePass.checked`). The bytes
         of the weight copy it holds: ``self.small_rows.copy_bytes``."""
         self.decode_pass = None

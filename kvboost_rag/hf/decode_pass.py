@@ -7,11 +7,11 @@ millisecond a layer of Python and small calls. When every segment of a packed pa
 (:mod:`kvboost_rag.hf.packed`) is a decode or verify row, :class:`DecodePass` runs the same
 operations in the same order without that stack: the embedding and the rotary tables through
 the model's own modules, then per layer the model's own norms, its query, key and value
-products in one call where they are fused (:mod:`kvboost_rag.hf.int8_siblings`), its own
+products in one call where they are fused (:mod:`kvboost_rag.decode_weights.int8_siblings`), its own
 rotary function, the packed pass's K/V writes and attention (:func:`~kvboost_rag.hf.packed.write_runs`,
 :func:`~kvboost_rag.hf.packed.attend_runs`), the output product, the MLP, and the output layer
 on the rows whose logits are wanted. Each linear layer runs the product the small-row kernel
-gives it for that many rows (:mod:`kvboost_rag.hf.small_rows`), as its routed ``forward`` would.
+gives it for that many rows (:mod:`kvboost_rag.decode_weights.small_rows`), as its routed ``forward`` would.
 
 Measured on a 2-core Intel Xeon, 2 threads, answers of 13-96 tokens to 2.0-2.6k-token chat RAG
 prompts without drafts, the same engine with and without this pass interleaved in one process:
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as torch_module
 
 from kvboost_rag.hf.caches import BufferedCache, BufferedLayer, cache_tensors, truncate_cache
-from kvboost_rag.hf.int8_siblings import SiblingProduct
+from kvboost_rag.decode_weights.int8_siblings import SiblingProduct
 from kvboost_rag.hf.packed import (
     Segment,
     SegmentOutput,
@@ -54,7 +54,7 @@ from kvboost_rag.hf.packed import (
     split_outputs,
     write_runs,
 )
-from kvboost_rag.hf.small_rows import MAX_ROWS, SmallRowLinears, kernel_takes
+from kvboost_rag.decode_weights.small_rows import MAX_ROWS, SmallRowLinears, kernel_takes
 
 if TYPE_CHECKING:
     from kvboost_rag.hf.adapter import ModelAdapter
@@ -68,13 +68,13 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 class LinearProduct:
     """One linear layer's product in a decode step: its routed product where the routed
-    ``forward`` would run it for the step's rows (:func:`~kvboost_rag.hf.small_rows.kernel_takes`),
+    ``forward`` would run it for the step's rows (:func:`~kvboost_rag.decode_weights.small_rows.kernel_takes`),
     else ``F.linear`` over its own weights.
 
     Args:
         module: The layer.
         route: Its product and the fewest rows that take it
-            (:meth:`~kvboost_rag.hf.small_rows.SmallRowLinears.routes`); ``None``: not routed.
+            (:meth:`~kvboost_rag.decode_weights.small_rows.SmallRowLinears.routes`); ``None``: not routed.
     """
 
     def __init__(self, module: torch.nn.Linear, route: tuple[Product, int] | None) -> None:
@@ -212,7 +212,7 @@ class DecodePass:
 
     def takes(self, segments: Sequence[Segment]) -> bool:
         """Whether this pass runs ``segments``: decode and verify rows only, at most
-        :data:`~kvboost_rag.hf.small_rows.MAX_ROWS` tokens, while no forward hook would run on
+        :data:`~kvboost_rag.decode_weights.small_rows.MAX_ROWS` tokens, while no forward hook would run on
         the model (one registered after load sends the steps back through its modules, which
         call it; the check took 61 us a step over Qwen2.5 0.5B's 319 modules)."""
         if not all(segment.decode for segment in segments) or sum(len(segment) for segment in segments) > MAX_ROWS:

@@ -64,7 +64,7 @@ class Segment:
             them, mean over heads; ``0``: none): the attention repair's probe.
         record_layers: Layers recorded, from the first (``None``: all).
         decode: A decode or verify row (every token's logits wanted): its linear layers read
-            what ``decode_weights`` says (:mod:`kvboost_rag.hf.small_rows`); prompt work always
+            what ``decode_weights`` says (:mod:`kvboost_rag.decode_weights.small_rows`); prompt work always
             reads the model's own weights.
     """
 

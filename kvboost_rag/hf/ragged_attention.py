@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvboost_rag.hf.row_rounding import product, rows_rounding_alike
-from kvboost_rag.hf.sparse_attention import thread_setting
+from kvboost_rag.thread_state import thread_setting
 from kvboost_rag.hf.transfer import host_to_device
 
 #: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.hf.transfer import host_to_device
 from kvboost_rag.log_limits import RateLimitedLogger
+from kvboost_rag.thread_state import thread_setting
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
@@ -63,17 +64,6 @@ _QUERY_BLOCK = 32
 #: attention function transformers calls with its own arguments, so they ride as ambient
 #: state, thread-local so that concurrent passes on other threads keep their own.
 _state = threading.local()
-
-
-@contextlib.contextmanager
-def thread_setting(state: threading.local, name: str, value: object) -> Iterator[None]:
-    """Set ``state.<name>`` to ``value`` within the block (this thread), then restore it."""
-    previous = getattr(state, name, None)
-    setattr(state, name, value)
-    try:
-        yield
-    finally:
-        setattr(state, name, previous)
 
 
 @dataclass(frozen=True)

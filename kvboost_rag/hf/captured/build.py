@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvboost_rag.hf.captured.pool import SlotPool
 from kvboost_rag.hf.captured.steps import CapturedMode, CapturedRows, captured_steps_wanted
-from kvboost_rag.hf.small_rows import DecodeWeights, decode_reads
+from kvboost_rag.decode_weights.small_rows import DecodeWeights, decode_reads
 
 if TYPE_CHECKING:
     from kvboost_rag.hf.adapter import ModelAdapter

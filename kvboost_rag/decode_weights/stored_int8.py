@@ -4,7 +4,7 @@ A model quantized through transformers' torchao configuration (``TorchAoConfig``
 ``Int8WeightOnlyConfig`` or ``Int8DynamicActivationInt8WeightConfig``, or torchao's
 ``quantize_`` called on it) holds each linear layer's weight as torchao's ``Int8Tensor``: int8
 values ``[out, in]`` and one scale per output channel, which is the form the engine's int8
-copies take (:func:`~kvboost_rag.hf.int8_rows.quantize_rows`). Such a layer has no float32
+copies take (:func:`~kvboost_rag.decode_weights.int8_rows.quantize_rows`). Such a layer has no float32
 weight to copy; its own ``forward`` multiplies the activations by the int8 values widened to
 float32 on every call, or rounds the activations to int8 first. Measured without drafts on
 ~2.4k-token chat prompts, 2 threads of a 2-core Intel Xeon (``bench/stored_int8_bench.py``):
@@ -16,7 +16,7 @@ own layers, 77-86 ms with decode reading the stored values (its float32 original
 as they are: a plain ``nn.Linear`` (as the small-row kernels take them) on the CPU whose weight is an ``Int8Tensor`` of 2-D int8
 values with one scale per output channel, symmetric (zero points absent or zero), without an
 activation pre-scale, in a float32 model (the int8 kernels take float32 activations). Where decode reads int8 (``decode_weights="int8"``, or ``"auto"`` for the models
-measured, :data:`~kvboost_rag.hf.small_rows.INT8_BY_DEFAULT`), decode and verify steps read
+measured, :data:`~kvboost_rag.decode_weights.small_rows.INT8_BY_DEFAULT`), decode and verify steps read
 them through that kernel; prefill, the repair and any other caller run the layer's own
 ``forward``. Any other weight type (torchao's 4-bit or float8 tensors, per-group int8) keeps the
 layer's own ``forward`` everywhere. torchao is not imported here: the weight is recognized by
@@ -63,7 +63,7 @@ def stored_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def stored_int8_linears(modules: Iterable[torch.nn.Linear]) -> dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]]:
-    """Those of ``modules`` (plain linear layers, :func:`~kvboost_rag.hf.small_rows.plain_linears`)
+    """Those of ``modules`` (plain linear layers, :func:`~kvboost_rag.decode_weights.small_rows.plain_linears`)
     whose weights are stored int8 (:func:`stored_int8`), with their values and scales, in order."""
     found = {}
     for module in modules:

@@ -12,7 +12,7 @@ up; anonymous pages (a model built in memory or converted at load) are swapped o
 is swap and otherwise stay. Either way the values are unchanged: nothing is discarded, only
 where the bytes live.
 
-Making the decode weights' int8 copies (:mod:`kvboost_rag.hf.int8_rows`) quantizes each layer
+Making the decode weights' int8 copies (:mod:`kvboost_rag.decode_weights.int8_rows`) quantizes each layer
 through temporaries that the C allocator keeps once freed (40-130 MB over Qwen2.5 0.5B's
 layers, varying from one start to the next); :func:`trim_heap` hands such free memory back
 (glibc's ``malloc_trim``; nothing elsewhere).

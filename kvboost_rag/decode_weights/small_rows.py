@@ -15,7 +15,7 @@ what decode should read (``decode_weights``) and then, for the model's own float
 ``small_row_kernels``:
 
 - ``"int8"``: FBGEMM's dynamic quantized linear over an int8 copy of the weights with one scale
-  per output channel, each row's activations rounded to 8 bits (:mod:`kvboost_rag.hf.int8_rows`):
+  per output channel, each row's activations rounded to 8 bits (:mod:`kvboost_rag.decode_weights.int8_rows`):
   a quarter of the float32 bytes read per step, and the copy costs a quarter of the weights'
   bytes, not the whole again;
 - ``"packed"``: oneDNN over a copy of the weights in its blocked layout (the copy costs the
@@ -25,7 +25,7 @@ what decode should read (``decode_weights``) and then, for the model's own float
 
 Apart from that kernel, with ``decode_weights="stored"``, and wherever decode reads int8, the
 layers whose float32 weights are 4-bit runs (a GGUF file's Q4 tensors) read them as stored at
-every row count (:mod:`kvboost_rag.hf.four_bit_groups`, checked against ``F.linear`` as the others
+every row count (:mod:`kvboost_rag.decode_weights.four_bit_groups`, checked against ``F.linear`` as the others
 are); the kernel above is chosen for the rest. Not by default on other models: decode steps on
 rounded activations turn the float32 rounding differences between reuse paths (a prefix hit's
 tail against full prefill) into logit differences of ~0.1, so the embedded model's decode steps
@@ -80,11 +80,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.hf.four_bit_groups import FourBitLinear, four_bit_linears
-from kvboost_rag.hf.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
-from kvboost_rag.hf.int8_siblings import SiblingProduct, fused_int8, sibling_groups
-from kvboost_rag.hf.stored_int8 import stored_int8_linears
-from kvboost_rag.hf.sparse_attention import thread_setting
+from kvboost_rag.decode_weights.four_bit_groups import FourBitLinear, four_bit_linears
+from kvboost_rag.decode_weights.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
+from kvboost_rag.decode_weights.int8_siblings import SiblingProduct, fused_int8, sibling_groups
+from kvboost_rag.decode_weights.stored_int8 import stored_int8_linears
+from kvboost_rag.thread_state import thread_setting
 
 logger = logging.getLogger(__name__)
 
@@ -171,14 +171,14 @@ class SmallRowLinears:
     Attributes:
         kernel: What runs inside :meth:`active`.
         weights: Per layer, the weight the kernel reads: the packed copy or the layer's own
-            weight (a tensor), or the int8 copy (:func:`~kvboost_rag.hf.int8_rows.int8_linear`,
+            weight (a tensor), or the int8 copy (:func:`~kvboost_rag.decode_weights.int8_rows.int8_linear`,
             its own product).
         copy_bytes: Bytes of the weight copies this holds besides the model's own weights (the
             int8 or packed copies; 0 when it reads the model's own).
         min_rows: Fewest rows the kernel takes; smaller inputs keep the layers' own product
             (:func:`float_kernel_min_rows`).
         four_bit: The layers whose weights are 4-bit runs, read as stored at every row count
-            (:mod:`kvboost_rag.hf.four_bit_groups`); not in :attr:`weights`, their copies'
+            (:mod:`kvboost_rag.decode_weights.four_bit_groups`); not in :attr:`weights`, their copies'
             bytes in :attr:`copy_bytes`.
     """
 
@@ -278,7 +278,7 @@ def kernel_takes(x: torch.Tensor, rows: int, min_rows: int) -> bool:
 
 def _decode_head(x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
     """The first ``rows`` rows of ``x``, the same tensor for every layer called on ``x`` (so
-    the layers that read one input share one product, :mod:`kvboost_rag.hf.int8_siblings`);
+    the layers that read one input share one product, :mod:`kvboost_rag.decode_weights.int8_siblings`);
     held until the next split or the end of :meth:`SmallRowLinears.active`."""
     held = getattr(_state, "head", None)
     if held is None or held[0] is not x or held[1].shape[0] != rows:
@@ -302,7 +302,7 @@ def model_key(model: torch.nn.Module) -> tuple[str, int, int, int]:
 def decode_reads(model: torch.nn.Module, decode_weights: DecodeWeights) -> Literal["model", "int8"]:
     """What decode and verify steps read under ``decode_weights`` (besides 4-bit runs), where
     the kernels apply: ``"int8"`` needs the int8 kernel
-    (:func:`~kvboost_rag.hf.int8_rows.int8_available`); ``"auto"`` is ``"int8"`` only for the
+    (:func:`~kvboost_rag.decode_weights.int8_rows.int8_available`); ``"auto"`` is ``"int8"`` only for the
     models of :data:`INT8_BY_DEFAULT`; ``"stored"`` and ``"model"`` are ``"model"``."""
     if decode_weights in ("model", "stored") or not int8_available():
         return "model"
@@ -330,9 +330,9 @@ def choose_kernel(
         decode_weights: What decode reads: ``"model"`` (its own float32 weights, through
             ``setting``'s kernel), ``"int8"`` (an int8 copy), ``"auto"`` (:func:`decode_reads`),
             ``"stored"`` (the layers whose weights are 4-bit runs read as stored,
-            :mod:`kvboost_rag.hf.four_bit_groups`, the others as ``"model"``); wherever decode
+            :mod:`kvboost_rag.decode_weights.four_bit_groups`, the others as ``"model"``); wherever decode
             reads int8, the 4-bit runs are read as stored too, and the layers a model already
-            holds as int8 (:mod:`kvboost_rag.hf.stored_int8`) are read from their own values.
+            holds as int8 (:mod:`kvboost_rag.decode_weights.stored_int8`) are read from their own values.
 
     Returns:
         The layers and their kernel (``"off"`` and no 4-bit layers: nothing was changed).
@@ -447,9 +447,9 @@ def _int8_linears(
     model: torch.nn.Module, modules: Sequence[torch.nn.Linear], stored: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]]
 ) -> SmallRowLinears:
     """Int8 copies of the layers' weights, the layers that read one input fused
-    (:mod:`kvboost_rag.hf.int8_siblings`), if the kernel computes what they should (checked on
+    (:mod:`kvboost_rag.decode_weights.int8_siblings`), if the kernel computes what they should (checked on
     the first :data:`AGREEMENT_ROWS` output channels of the probed layers: no whole-layer
-    float32 temporaries). A layer in ``stored`` (:func:`~kvboost_rag.hf.stored_int8.stored_int8_linears`)
+    float32 temporaries). A layer in ``stored`` (:func:`~kvboost_rag.decode_weights.stored_int8.stored_int8_linears`)
     gives its own int8 values and scales; the others' float32 weights are quantized."""
 
     def int8_values(module: torch.nn.Linear, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

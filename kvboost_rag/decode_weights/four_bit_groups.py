@@ -21,7 +21,7 @@ weights median 1.06e-4, answers equal up to the first near tie on 12 of 12 promp
 same alone or among others), so a verify step's tokens get a one-token step's results.
 
 The layers that read one input (query/key/value, gate/up) are multiplied as one when all of
-them are 4-bit groups (:mod:`kvboost_rag.hf.int8_siblings`' sharing).
+them are 4-bit groups (:mod:`kvboost_rag.decode_weights.int8_siblings`' sharing).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvboost_rag.hf.int8_siblings import SharedInput, SiblingProduct, joined_bias, sibling_groups
+from kvboost_rag.decode_weights.int8_siblings import SharedInput, SiblingProduct, joined_bias, sibling_groups
 
 logger = logging.getLogger(__name__)
 

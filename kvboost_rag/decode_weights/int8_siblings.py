@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from kvboost_rag.hf.int8_rows import Int8Linear, int8_linear, quantize_rows
+from kvboost_rag.decode_weights.int8_rows import Int8Linear, int8_linear, quantize_rows
 
 #: Names of layers under one parent that read one input, in the order their outputs are laid.
 SIBLING_NAMES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -46,7 +46,7 @@ def sibling_groups(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) 
 
 
 def fused_copy(quantized: Sequence[tuple[torch.Tensor, torch.Tensor]], biases: Sequence[torch.Tensor | None]) -> Int8Linear:
-    """One int8 copy of several layers' :func:`~kvboost_rag.hf.int8_rows.quantize_rows` results
+    """One int8 copy of several layers' :func:`~kvboost_rag.decode_weights.int8_rows.quantize_rows` results
     (their rows end to end) and biases (``None`` where none has one; zeros for a layer without)."""
     bias = joined_bias(biases, [q.shape[0] for q, _ in quantized])
     return int8_linear(torch.cat([q for q, _ in quantized]), torch.cat([s for _, s in quantized]), bias)
@@ -70,7 +70,7 @@ def fused_int8(
     Args:
         group: The layers.
         int8_values: A layer's int8 values and scales (default: :func:`quantize_rows` of its
-            float32 weight; a layer stored as int8 gives its own, :mod:`kvboost_rag.hf.stored_int8`).
+            float32 weight; a layer stored as int8 gives its own, :mod:`kvboost_rag.decode_weights.stored_int8`).
     """
     values = int8_values or (lambda layer: quantize_rows(layer.weight))
     fused = fused_copy([values(layer) for layer in group], [layer.bias for layer in group])
@@ -79,8 +79,8 @@ def fused_int8(
 
 
 class FusedCopy(Protocol):
-    """A fused product: an int8 copy (:data:`~kvboost_rag.hf.int8_rows.Int8Linear`) or a
-    4-bit one (:class:`~kvboost_rag.hf.four_bit_groups.FourBitLinear`)."""
+    """A fused product: an int8 copy (:data:`~kvboost_rag.decode_weights.int8_rows.Int8Linear`) or a
+    4-bit one (:class:`~kvboost_rag.decode_weights.four_bit_groups.FourBitLinear`)."""
 
     in_features: int
     out_features: int
@@ -129,7 +129,7 @@ class SharedInput:
 
 class SiblingProduct:
     """One layer's product through its group's fused copy (the interface of
-    :data:`~kvboost_rag.hf.int8_rows.Int8Linear`).
+    :data:`~kvboost_rag.decode_weights.int8_rows.Int8Linear`).
 
     Args:
         shared: The group's fused product.
