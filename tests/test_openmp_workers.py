@@ -49,10 +49,20 @@ def _threads() -> set[str]:
     return set(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.skipif(not loaded_gnu_openmp(), reason="torch runs on another OpenMP runtime here")
-def test_a_threads_pool_is_given_back_and_built_again_when_needed():
+def _run_on_a_new_thread(work) -> None:
+    """Run ``work`` on a thread of its own, torch at 2 threads meanwhile."""
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not loaded_gnu_openmp(), reason="torch runs on another OpenMP runtime here")
+def test_a_threads_pool_is_given_back_and_built_again_when_needed():
     seen: dict[str, object] = {}
 
     def work() -> None:
@@ -66,12 +76,7 @@ def test_a_threads_pool_is_given_back_and_built_again_when_needed():
         seen["sum"] = int(x.sum())
         release_idle_workers()
 
-    try:
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(previous)
+    _run_on_a_new_thread(work)
     assert seen["released"] is True and seen["sum"] == 2 * 4_000_000
     assert len(seen["workers"]) == 1 and not seen["workers"] & seen["left"]  # its worker ended
     assert len(seen["new workers"]) == 1
@@ -102,8 +107,6 @@ def test_the_thread_that_built_the_engine_keeps_no_pool():
     """A server loads the model on its main thread and hands requests over on others: the
     loading thread's pool would outlive the load, and the engine loop's workers would sleep
     between regions for ever after (a decode step ~1.5x as long, measured in the server)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
     seen: dict[str, set[str]] = {}
 
     def build() -> None:
@@ -113,11 +116,6 @@ def test_the_thread_that_built_the_engine_keeps_no_pool():
         tiny_engine()  # its checks at load run torch on this thread too
         seen["left"] = _threads()
 
-    try:
-        thread = threading.Thread(target=build)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(previous)
+    _run_on_a_new_thread(build)
     assert len(seen["workers"]) == 1
     assert not seen["workers"] & seen["left"]  # the pool's worker ended with the construction
