@@ -208,12 +208,14 @@ class WriteBack:
         except BaseException:
             self._drop(job)
             raise
+        written = {chunk.key for chunk in job.chunks}
         for record in job.records:
-            self._register_whole(record, job)
+            self._register_whole(record, written)
         return tokens
 
-    def _register_whole(self, record: DocumentRecord, job: WriteJob) -> None:
-        """Register ``record`` unless a chunk ``job`` writes for it already left the tiers.
+    def _register_whole(self, record: DocumentRecord, written: set[str]) -> None:
+        """Register ``record`` unless a chunk of it among ``written`` (the keys its job writes)
+        already left the tiers.
 
         The copier may store (and the memory tier evict) the job's chunks before the record is
         staged here; such an eviction found no record to take along. Once the record is staged,
@@ -221,7 +223,6 @@ class WriteBack:
         look after registering leaves no record without the chunks it was written with.
         """
         self._index.register(record)
-        written = {chunk.key for chunk in job.chunks}
         if any(key in written and not self._store.contains(key) for key in record.chunk_keys):
             self._store.delete(self._index.record_key(record))
 

@@ -98,10 +98,10 @@ def prompt_blocks(text: str, special_tokens: Sequence[str] = (), min_chars: int 
     return blocks
 
 
-def _pieces(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int, bool]]:
-    """``(start, end, after a special token)`` of each piece between two cuts, the prompt's
-    opening (its first piece with text) left out, a role marker line left out of a piece."""
-    pieces: list[tuple[int, int, bool]] = []
+def _pieces(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each piece between two cuts, the prompt's opening (its first piece
+    with text) left out, a role marker line left out of a piece."""
+    pieces: list[tuple[int, int]] = []
     start, after_special, opened = 0, False, False
     for match in pattern.finditer(text):
         if after_special:
@@ -111,18 +111,18 @@ def _pieces(text: str, pattern: re.Pattern[str]) -> list[tuple[int, int, bool]]:
         if after_special and _ROLE_ONLY.fullmatch(body):
             body = ""  # a role marker between two special tokens, or before a blank line
         if opened:
-            pieces.append((start, match.start(), after_special))
+            pieces.append((start, match.start()))
         opened = opened or bool(body.strip())
         after_special, start = not match.group(0).startswith("\n"), match.end()
     return pieces
 
 
-def _long(pieces: list[tuple[int, int, bool]], text: str, min_chars: int) -> list[tuple[int, int]]:
+def _long(pieces: list[tuple[int, int]], text: str, min_chars: int) -> list[tuple[int, int]]:
     """Spans of the pieces of at least ``min_chars`` characters. Shorter pieces (a heading, a
     label) are left to be computed: glued onto their neighbour they would tie it to whatever
     came before it in this prompt (the last document, a template's label), and such a block
     would be new, and stored, in every prompt."""
-    return [(start, end) for start, end, _ in pieces if len(text[start:end].strip()) >= min_chars]
+    return [(start, end) for start, end in pieces if len(text[start:end].strip()) >= min_chars]
 
 
 def _trimmed(text: str, start: int, end: int) -> tuple[int, int]:

@@ -181,7 +181,7 @@ class Tokenizing:
                 found = sorted([*found, *blocks], key=lambda o: o.char_start) if blocks else found
         with stage("tokenize"):
             tokens = self._tokens(text, found)
-        if find and blocks:
+        if blocks:
             tokens.blocks = frozenset(o.record.digest for o in blocks)
         n = len(tokens)
         if not n:
