@@ -30,6 +30,8 @@ from kvboost_rag.errors import (
 )
 from kvboost_rag.engine_loop import BatchPlaces, EngineLoop
 from kvboost_rag.generation.host_buffers import HostBufferPool
+from kvboost_rag.generation.batch import Batches
+from kvboost_rag.generation.holdings import RequestMemory
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
@@ -120,7 +122,9 @@ class KVBoost:
             else None
         )
         self._host_buffers = host_buffers
-        self._requests = Requests(parts, self._places, self._constraints, eos_ids, slots, host_buffers)
+        memory = RequestMemory(self._places, adapter.kv_bytes_per_token, slots, host_buffers)
+        self._requests = Requests(parts, memory, self._constraints, eos_ids)
+        self._batches = Batches(self._requests)
         self._tokenizing = tokenizing
         if not adapter.position_independent:
             reason = adapter.position_independent_reason
@@ -405,7 +409,7 @@ class KVBoost:
             InvalidInputError: ``prompts`` is one string, or the shared options are bad.
         """
         start = time.perf_counter()
-        return self._requests.generate_batch(prompts, GenerationOptions.resolve(options, overrides), start)
+        return self._batches.generate_batch(prompts, GenerationOptions.resolve(options, overrides), start)
 
     def min_new_tokens(self, constraint: OutputConstraint | Mapping[str, Any]) -> int | None:
         """The smallest ``max_new_tokens`` a call constrained by ``constraint`` accepts (the

@@ -107,6 +107,50 @@ def test_the_arena_is_safe_from_several_threads():
     assert arena.used_bytes == 0 and arena.tensors_taken == 1200
 
 
+class _CollectingFreeList(list):
+    """A segment's free list that drops the arena's last outside tensor the first time the
+    arena writes an entry of it: as if the collector ran a finalizer on the allocation of the
+    entry, in the middle of a ``take``."""
+
+    def __init__(self, entries, held: list) -> None:
+        super().__init__(entries)
+        self.held = held
+
+    def __setitem__(self, index, value) -> None:
+        if self.held:
+            self.held.clear()  # its range comes back now, on this thread, inside the arena
+        super().__setitem__(index, value)
+
+
+def _ranges_partition(arena: HostArena, live: list[torch.Tensor]) -> bool:
+    """Whether the free ranges and the live tensors' ranges tile the arena's one segment."""
+    (segment,) = arena._segments
+    base = segment.storage.data_ptr()
+    spans = [(t.data_ptr() - base, -(-t.numel() * t.element_size() // 64) * 64) for t in live]
+    spans += list(segment.free)
+    spans.sort()
+    covered = 0
+    for start, length in spans:
+        if start != covered:
+            return False
+        covered += length
+    return covered == segment.nbytes
+
+
+def test_a_range_coming_back_in_the_middle_of_a_take_is_neither_lost_nor_lent_twice():
+    arena = _arena(1024)
+    first = arena.take((16,))  # 64 bytes
+    (segment,) = arena._segments
+    segment.free = _CollectingFreeList(segment.free, [first])
+    del first
+    second = arena.take((16,))
+    gc.collect()
+    assert arena.used_bytes == 64
+    assert _ranges_partition(arena, [second])
+    third = arena.take((16,))
+    assert third.data_ptr() != second.data_ptr() and _ranges_partition(arena, [second, third])
+
+
 def test_jobs_run_in_order_on_one_thread_and_flush_waits_for_them():
     worker = WriteWorker(max_queued_bytes=1 << 20)
     gate, seen = threading.Event(), []

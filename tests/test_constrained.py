@@ -16,7 +16,7 @@ from rag_prompts import SYSTEM_PROMPT
 from kvboost_rag import InvalidInputError
 from kvboost_rag.decode.constrained import OutputConstraint, masked_by_bitmask
 from kvboost_rag.decode.sampling import SequenceSampling, next_token
-from kvboost_rag.generation import lifecycle as engine_module
+from kvboost_rag.generation import completion as engine_module
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.request.options import GenerationOptions
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
-import kvboost_rag.generation.lifecycle as lifecycle_module
+import kvboost_rag.generation.completion as completion_module
 import kvboost_rag.warming.documents as warming_module
 from kvboost_rag import KVBoost
 from kvboost_rag.cache.storage import DiskTier, MemoryTier, StoredEntry, TieredStore
@@ -30,7 +30,7 @@ DOCS = python_reference_documents(max_chars=240)[:24]
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the engine's first warning of each kind."""
-    for module in (lifecycle_module, warming_module):
+    for module in (completion_module, warming_module):
         monkeypatch.setattr(module, "_warnings", RateLimitedLogger(module.logger))
 
 

@@ -99,8 +99,8 @@ def test_a_lent_pair_is_filled_as_torch_fills_new_memory(fill, monkeypatch):
 def test_cpu_requests_on_lent_buffers_decode_as_on_fresh_ones(make_engine, docs):
     pooled = make_engine("llama")
     fresh = make_engine("llama")
-    fresh._requests.host_buffers = None  # every request allocates its own buffers
-    pool = pooled._requests.host_buffers
+    fresh._requests.memory.host_buffers = None  # every request allocates its own buffers
+    pool = pooled._requests.memory.host_buffers
     assert pool is not None
     allocated = []
     allocate = pool._allocate

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import kvboost_rag.generation.lifecycle as engine_module
+import kvboost_rag.generation.completion as engine_module
 from kvboost_rag.generation.missed_documents import explain_missed_documents, unescape
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.request.documents import DocumentRegistry

@@ -161,7 +161,13 @@ def test_generate_flows_one_way(make_engine, docs):
     with profiled(engine, profile):
         result = engine.generate(prompt, max_new_tokens=4)
     assert result.content_hit_tokens > 0 and result.strategy == "attention"
-    back = [c for c in calls if c[1] in ("kvboost_rag.engine", "kvboost_rag.generation.lifecycle") and c[0] != "kvboost_rag.engine"]
+    # The stream the lifecycle returns drives the lifecycle's own generator (a resumption, not
+    # a call back): that pair alone is allowed.
+    driving = ("kvboost_rag.generation.stream", "kvboost_rag.generation.lifecycle", "_run")
+    back = [
+        c for c in calls
+        if c[1] in ("kvboost_rag.engine", "kvboost_rag.generation.lifecycle") and c[0] != "kvboost_rag.engine" and c != driving
+    ]
     assert back == [], f"calls back into the facade or the lifecycle: {sorted(set(back))}"
 
     entries = {

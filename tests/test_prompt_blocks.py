@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-import kvboost_rag.generation.lifecycle as lifecycle
+import kvboost_rag.generation.completion as completion
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.request.blocks import MIN_BLOCK_CHARS, prompt_blocks
 
@@ -151,7 +151,7 @@ def test_a_conversation_going_on_hits_each_earlier_turn_whole(make_engine) -> No
 def test_a_prompt_of_new_blocks_is_not_reported_as_missing_stored_documents(make_engine, caplog, monkeypatch) -> None:
     """Blocks stored from one prompt are not "prewarmed documents" the next prompt of other,
     new documents missed: no warning (its own blocks are stored in turn)."""
-    monkeypatch.setattr(lifecycle, "_warnings", RateLimitedLogger(lifecycle.logger))  # not limited by earlier tests
+    monkeypatch.setattr(completion, "_warnings", RateLimitedLogger(completion.logger))  # not limited by earlier tests
     engine = make_engine("llama")
     engine.generate(chat(DOCS[:2], "Where do the boats wait?"), max_new_tokens=1)
     with caplog.at_level(logging.WARNING, logger="kvboost_rag"):

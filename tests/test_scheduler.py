@@ -100,7 +100,7 @@ def test_cache_memory_cap_is_respected(make_engine, docs):
     prompts = _prompts(docs)[:3]
     engine = _engine(make_engine, docs)
     # Room for the K/V buffers of one of these prompts, not two.
-    one = max(engine._requests._reserved_bytes(len(engine.tokenizer(p)["input_ids"]) + 8 + SPARE_ROWS) for p in prompts)
+    one = max(engine._requests.memory.reserved_bytes(len(engine.tokenizer(p)["input_ids"]) + 8 + SPARE_ROWS) for p in prompts)
     engine.settings.max_batch_cache_bytes = one + one // 2
     sizes = _record_steps(engine)
     results = engine.generate_batch(prompts, max_new_tokens=8)

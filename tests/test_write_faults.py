@@ -37,6 +37,7 @@ from kvboost_rag.cache.codec import KVBlock, entry_in_place
 from kvboost_rag.cache.storage import DiskTier, MemoryTier, TieredStore
 from kvboost_rag.cache.storage.base import TierWriteError
 from kvboost_rag.corpus import python_reference_documents
+from kvboost_rag.dev.threads import wait_for
 from kvboost_rag.results import KVMemory
 
 DOCS = python_reference_documents(max_chars=260)[:40]
@@ -184,6 +185,50 @@ def test_a_blocked_tier_holds_no_lent_buffer_and_its_writes_are_counted_where_th
     finally:
         gate.set()
     assert engine.flush(timeout=120) and len(disk) > 0 and engine._cache._store.staged_count == 0
+
+
+def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_allow(make_engine, tmp_path):
+    """The write-back's queues shrunk to a pair of buffers, the batch's bytes to two pairs, every
+    disk put held at a gate, twelve requests at once: sampled all along, the lent buffers never
+    exceed the batch's bytes (lent buffers are counted until they are back: before, a finished
+    request's buffers stopped being counted before the copier took them, and while the
+    copier's queue was full or a lookup still read them, new requests were admitted against
+    their bytes)."""
+    probe = make_engine("llama")
+    pair = probe._host_buffers.capacity_for(1) * probe._adapter.kv_bytes_per_token  # every prompt here fits one
+    engine = make_engine("llama", disk_cache_dir=tmp_path / "kv", max_batch_size=8, max_batch_cache_bytes=2 * pair)
+    engine.warm(SYSTEM_PROMPT)  # the shared beginning is stored before: no lookup views a lent buffer
+    engine.flush(timeout=60)
+    cache = engine._cache
+    cache.copier.max_queued_bytes = cache.writer.max_queued_bytes = pair
+    disk = next(t for t in cache._store.tiers if isinstance(t, DiskTier))
+    gate, original = threading.Event(), DiskTier.put
+    disk.put = lambda key, entry: (gate.wait(120), original(disk, key, entry))[1]
+    lent: list[int] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            lent.append(engine._host_buffers.lent_bytes)
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    prompts = [f"{SYSTEM_PROMPT}\n\n{DOCS[20 + i]}\n\nQuestion: {i}?\nAnswer:" for i in range(12)]
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(engine.generate, p, max_new_tokens=2) for p in prompts]
+            wait_for(lambda: engine._places.waiting > 0 and not cache.writer.idle, bound=60)
+            time.sleep(1.0)  # what is admitted behind the blocked tier is admitted by now
+            gate.set()
+            results = [f.result(timeout=120) for f in futures]
+    finally:
+        gate.set()
+        sampling.set()
+        sampler.join(10)
+    assert all(r.generated_tokens for r in results)
+    assert pair < max(lent) <= engine.settings.max_batch_cache_bytes, max(lent)
+    assert engine.flush(timeout=120) and engine._host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
 
 
 def _entry(value: float) -> object:

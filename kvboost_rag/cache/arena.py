@@ -13,6 +13,12 @@ nothing.
 of it* hold the range: it returns to the arena only when the last of them is collected,
 whoever holds it (the memory tier, a staged entry, a reader of a lookup, a disk write).
 
+**Returns never interleave with an update.** A range comes back when the collector drops the
+last view of it, which may happen on any thread, including in the middle of the arena's own
+work on this thread (an allocation there can run the collector). A returned range is therefore
+queued, and the queue is applied only by a thread that holds the arena's (non-reentrant) lock,
+before it lets go of it: a free list is never changed while another change of it is half done.
+
 Ranges are first-fit over each segment's sorted free list; freed ranges merge with their free
 neighbours. A request no free range holds adds a segment. A segment whose every range came
 back is given back to the system when another wholly free one is kept already (one spare
@@ -25,6 +31,9 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from math import prod
 
@@ -93,7 +102,8 @@ class HostArena:
         self._element = torch.empty((), dtype=dtype).element_size()
         self._segment_bytes = max(ALIGNMENT, segment_bytes)
         self._segments: list[_Segment] = []
-        self._lock = threading.RLock()  # a range freed while the arena is busy may call back in
+        self._lock = threading.Lock()  # not re-entrant: a return during an update is queued
+        self._returned: deque[tuple[_Segment, int, int]] = deque()  # ranges back, not yet applied
         self._taken = 0
         #: Tensors handed out so far.
         self.tensors_taken = 0
@@ -101,19 +111,19 @@ class HostArena:
     @property
     def segments(self) -> int:
         """Segments allocated now (each one allocation of host memory)."""
-        with self._lock:
+        with self._locked():
             return len(self._segments)
 
     @property
     def segment_bytes(self) -> int:
         """Bytes of the segments allocated now (what the arena holds of host memory)."""
-        with self._lock:
+        with self._locked():
             return sum(segment.nbytes for segment in self._segments)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the ranges handed out and not yet back."""
-        with self._lock:
+        with self._locked():
             return self._taken
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,7 +131,7 @@ class HostArena:
         once it and every view of it are collected."""
         nbytes = max(1, prod(shape)) * self._element
         length = -(-nbytes // ALIGNMENT) * ALIGNMENT
-        with self._lock:
+        with self._locked():
             segment, start = self._find(length)
             self._taken += length
             self.tensors_taken += 1
@@ -130,7 +140,7 @@ class HostArena:
 
     def trim(self) -> int:
         """Give every wholly free segment back to the system; returns the bytes given back."""
-        with self._lock:
+        with self._locked():
             free = [segment for segment in self._segments if segment.wholly_free]
             self._segments = [segment for segment in self._segments if not segment.wholly_free]
         return sum(segment.nbytes for segment in free)
@@ -147,8 +157,39 @@ class HostArena:
         assert start == 0
         return segment, start
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock, with every range returned so far applied; ranges returned while it
+        is held (by the collector on this thread, or by other threads) are applied before it
+        is let go."""
+        try:
+            with self._lock:
+                self._apply_returns()
+                try:
+                    yield
+                finally:
+                    self._apply_returns()
+        finally:
+            self._apply_returns_if_free()
+
     def _give_back(self, segment: _Segment, start: int, length: int) -> None:
-        with self._lock:
+        """A range's last view is gone (the collector calls this, on any thread, at any point)."""
+        self._returned.append((segment, start, length))  # atomic: safe inside the arena's own work
+        self._apply_returns_if_free()
+
+    def _apply_returns_if_free(self) -> None:
+        """Apply the queued returns now unless some thread (this one too) holds the lock; the
+        holder applies them before it lets go."""
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._apply_returns()
+            finally:
+                self._lock.release()
+
+    def _apply_returns(self) -> None:
+        """Put the queued ranges back (under the lock)."""
+        while self._returned:
+            segment, start, length = self._returned.popleft()
             segment.give_back(start, length)
             self._taken -= length
             if segment.wholly_free and any(other.wholly_free for other in self._segments if other is not segment):

@@ -3,7 +3,7 @@
 A request reserves its place before its prefill (:meth:`BatchPlaces.reserve`) and waits while
 the batch holds ``max_batch_size`` requests (prefilling or decoding), or while its K/V buffers
 would take the requests' buffers past ``max_batch_cache_bytes`` (one request is always admitted
-when none runs, however large). A place is given back when its sequence leaves the batch, or
+when no bytes are counted, however large). A place is given back when its sequence leaves the batch, or
 when its request ends before decoding; a request's cancellation ends its wait.
 
 The bytes a request reserves are those of the buffers it will be lent (a CPU's host buffers
@@ -178,4 +178,6 @@ class BatchPlaces:
     def _fits(self, nbytes: int) -> bool:
         if self._admitted >= self._settings.max_batch_size:
             return False
-        return self._admitted == 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes
+        # Alone (nothing counted: no place held, no finished request's buffers on their way to
+        # the write-back), a request is admitted however large; else only within the bound.
+        return self._admitted_bytes <= 0 or self._admitted_bytes + nbytes <= self._settings.max_batch_cache_bytes

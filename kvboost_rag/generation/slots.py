@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,7 @@ class Lease(ABC):
     def __init__(self) -> None:
         self._held = set(HOLDERS)
         self._lock = threading.Lock()
+        self._when_returned: list[Callable[[], None]] = []
 
     @abstractmethod
     def buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +58,21 @@ class Lease(ABC):
                 return
             self._held.discard(holder)
             last = not self._held
+            callbacks, self._when_returned = (self._when_returned, []) if last else ([], self._when_returned)
         if last:
-            self._give_back()
+            try:
+                self._give_back()
+            finally:
+                for callback in callbacks:
+                    callback()
+
+    def when_returned(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the buffers went back (at once if they did)."""
+        with self._lock:
+            if self._held:
+                self._when_returned.append(callback)
+                return
+        callback()
 
     @property
     def released(self) -> bool:
