@@ -10,6 +10,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.testing import tiny_model, tiny_tokenizer
 from kvboost_rag.log_limits import forget_all
+from memory_checks import assert_memory_idle
 
 # One intra-op thread per test process: the suites run one pytest-xdist worker per core, and
 # tiny models gain nothing from more (threads spinning against each other slow every pass).
@@ -55,15 +56,24 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make_engine(tokenizer, request: pytest.FixtureRequest):
     """Factory: a fresh engine over a tiny model of the given family, on the test's device
-    (the ``device`` fixture or parameter, when the test names it; else the CPU as built)."""
+    (the ``device`` fixture or parameter, when the test names it; else the CPU as built).
+
+    After the test, every engine it built must be back to idle (:func:`assert_memory_idle`):
+    a place, a counted byte or a lent buffer left behind fails the test that left it."""
     device = request.getfixturevalue("device") if "device" in request.fixturenames else "cpu"
+    built: list[KVBoost] = []
 
     def build(family: str = "llama", **settings) -> KVBoost:
         settings.setdefault("show_progress", False)
         settings.setdefault("chunk_size", 32)
-        return KVBoost.from_model(tiny_model(family), tokenizer, **engine_device_settings(device), **settings)
+        engine = KVBoost.from_model(tiny_model(family), tokenizer, **engine_device_settings(device), **settings)
+        built.append(engine)
+        return engine
 
-    return build
+    yield build
+    if request.node.get_closest_marker("leaves_memory_held") is None:
+        for engine in built:
+            assert_memory_idle(engine)
 
 
 @pytest.fixture(scope="session")
