@@ -102,7 +102,8 @@ def memory_figures(engine: Any) -> dict[str, Any]:
 
     Returns:
         ``staged_entries``, ``lent_bytes`` (K/V buffers lent to requests or held by their
-        write-backs), ``queued_bytes`` (both write-back queues), ``arena_bytes``,
+        write-backs), ``idle_buffer_bytes`` (K/V buffers the host pool keeps for the next
+        requests), ``queued_bytes`` (both write-back queues), ``arena_bytes``,
         ``documents``, ``memory_tier_bytes`` (``memory_bytes``: the memory tier's entries and
         indexes), ``stats_ms`` (how long ``cache_stats()`` took: it waits for queued writes)
         and the ``memory.*`` items of ``cache_stats().memory`` after it.
@@ -116,6 +117,7 @@ def memory_figures(engine: Any) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "staged_entries": live.staged_entries,
         "lent_bytes": 0 if pool is None else pool.lent_bytes,
+        "idle_buffer_bytes": 0 if pool is None else pool.idle_bytes,
         "queued_bytes": live.copy_queue_bytes + live.write_queue_bytes,
         "arena_bytes": live.arena_bytes,
     }
@@ -456,10 +458,10 @@ class Soak:
             self.pauser.stop()
 
 
-ROW_HEADER = ("| round | elapsed s | round s | RSS MiB | memory tier MiB | arena MiB | lent MiB | queued MiB | staged "
+ROW_HEADER = ("| round | elapsed s | round s | RSS MiB | memory tier MiB | arena MiB | lent MiB | idle buffers MiB | queued MiB | staged "
               "| documents | stats ms | answered | same as alone "
               "| hung up | lost | warmed | Redis pauses | disk puts |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def row_line(row: RoundRow) -> str:
@@ -467,7 +469,7 @@ def row_line(row: RoundRow) -> str:
     f = row.figures
     return (f"| {row.number} | {row.elapsed_s:.1f} | {row.wall_s:.1f} | {row.rss_mib:.0f} | "
             f"{f['memory_tier_bytes'] / 2**20:.0f} | {f['arena_bytes'] / 2**20:.0f} | {f['lent_bytes'] / 2**20:.0f} | "
-            f"{f['queued_bytes'] / 2**20:.0f} | {f['staged_entries']} | "
+            f"{f['idle_buffer_bytes'] / 2**20:.0f} | {f['queued_bytes'] / 2**20:.0f} | {f['staged_entries']} | "
             f"{f['documents']} | {f['stats_ms']:.0f} | {row.answered} | {row.same}/{row.compared} | {row.hung_up} | "
             f"{row.lost} | {row.warmed} | {row.pauses} | {row.disk_puts} |")
 

@@ -71,9 +71,8 @@ def make_engine(tokenizer, request: pytest.FixtureRequest):
         return engine
 
     yield build
-    if request.node.get_closest_marker("leaves_memory_held") is None:
-        for engine in built:
-            assert_memory_idle(engine)
+    for engine in built:
+        assert_memory_idle(engine)
 
 
 @pytest.fixture(scope="session")

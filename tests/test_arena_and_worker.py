@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from kvboost_rag.cache.arena import HostArena
+from kvboost_rag.host_memory.arena import HostArena
 from kvboost_rag.cache.write_worker import THREAD_NAME, WriteWorker
 
 

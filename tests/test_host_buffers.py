@@ -1,8 +1,8 @@
-"""Prefill buffers lent and reused on the CPU: a pair goes back only once decoding and the
-write-back are both done with it, comes back for a later prompt of the same rounded length, carries
-nothing from one request into the next (tokens and logits as with fresh buffers, alone,
-batched and while another stream still decodes), and idle memory stays within its budget,
-lent and idle memory within the pool's."""
+"""Prefill buffers carved from reused host memory on the CPU: a pair holds its tokens plus less
+than a block, goes back only once decoding and the write-back are both done with it, its
+memory is lent to a later prompt, it carries nothing from one request into the next (tokens and
+logits as with fresh buffers, alone, batched and while another stream still decodes), and the
+segments stay within the pool's bytes, the wholly free ones within its idle budget."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 from test_draft_decoding import assert_same_greedy
 
-from kvboost_rag.generation.host_buffers import GRANULE, HostBufferPool
+from kvboost_rag.generation.host_buffers import BLOCK, HostBufferPool
 
 
 def _allocate(capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,66 +19,70 @@ def _allocate(capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, torch.empty_like(keys)
 
 
-def _storage(lease) -> int:
-    return lease.buffers(1)[0].untyped_storage().data_ptr()
+def _address(lease) -> int:
+    return lease.buffers(1)[0].data_ptr()
 
 
-def test_a_pair_goes_back_when_both_holders_released_it_and_is_lent_again():
-    pool = HostBufferPool(_allocate, max_idle_bytes=2**30)
-    lease = pool.lease(1500)
-    assert lease.capacity == 2 * GRANULE and lease.buffers(1500)[0].shape == (2, 2, 2 * GRANULE, 4)
-    with pytest.raises(ValueError, match="do not fit"):
-        lease.buffers(2 * GRANULE + 1)
-    lease.release("decode")
-    lease.release("decode")  # again: nothing
-    assert pool.idle_buffers == 0 and not lease.released
-    lease.release("request")
-    assert pool.idle_buffers == 1 and lease.released
-    again = pool.lease(1800)  # fits the idle pair
-    assert _storage(again) == _storage(lease) and pool.idle_buffers == 0
-    other = pool.lease(1800)  # the idle pair is lent: a new one
-    assert _storage(other) != _storage(again)
+def _span(lease) -> tuple[int, int]:
+    keys, values = lease.buffers(1)
+    return keys.data_ptr(), values.data_ptr() + values.numel() * values.element_size()
 
 
-def test_a_prompt_takes_only_a_pair_of_its_rounded_capacity():
-    """So it holds exactly the bytes the batch's places admitted it for."""
-    pool = HostBufferPool(_allocate, max_idle_bytes=2**30)
-    large = pool.lease(5000)
+def _release(lease) -> None:
     for holder in ("decode", "request"):
-        large.release(holder)
-    small = pool.lease(900)
-    assert small.capacity == GRANULE and _storage(small) != _storage(large) and pool.idle_buffers == 1
-    assert pool.lease(3000).capacity == 3 * GRANULE  # not the idle pair of 5
-    assert pool.lease(4500).capacity == 5 * GRANULE and pool.idle_buffers == 0  # the idle pair
-    assert HostBufferPool.capacity_for(1) == GRANULE and HostBufferPool.capacity_for(GRANULE + 1) == 2 * GRANULE
+        lease.release(holder)
 
 
-def test_lent_and_idle_pairs_together_stay_within_the_pools_bytes():
-    pair_bytes = 2 * 2 * 2 * GRANULE * 4 * 4  # K and V of 1 granule, float32
-    pool = HostBufferPool(_allocate, max_idle_bytes=4 * pair_bytes, max_bytes=3 * pair_bytes)
-    first = [pool.lease(GRANULE) for _ in range(2)]
-    for lease in first:
-        for holder in ("decode", "request"):
-            lease.release(holder)
-    assert pool.idle_bytes == 2 * pair_bytes and pool.lent_bytes == 0
-    held = [pool.lease(2 * GRANULE), pool.lease(3 * GRANULE)]  # 5 pairs' bytes lent: no idle one kept
-    assert pool.lent_bytes == 5 * pair_bytes and pool.idle_bytes == 0
-    for lease in held:
-        for holder in ("decode", "request"):
-            lease.release(holder)
-    assert pool.lent_bytes == 0 and pool.idle_bytes <= 3 * pair_bytes
+#: Bytes of K and V per token of ``_allocate``'s layout (float32).
+PAIR_BYTES_PER_TOKEN = 2 * 2 * 2 * 4 * 4
 
 
-def test_idle_pairs_beyond_the_budget_go_oldest_first():
-    pair_bytes = 2 * 2 * 2 * GRANULE * 4 * 4  # K and V of 1 granule, float32
-    pool = HostBufferPool(_allocate, max_idle_bytes=2 * pair_bytes)
-    leases = [pool.lease(GRANULE) for _ in range(3)]
+def test_a_pair_goes_back_when_both_holders_released_it_and_its_memory_is_lent_again():
+    pool = HostBufferPool(_allocate, max_idle_bytes=2**24)
+    lease = pool.lease(1500)
+    assert lease.capacity == pool.capacity_for(1500) and lease.buffers(1500)[0].shape == (2, 2, lease.capacity, 4)
+    with pytest.raises(ValueError):
+        lease.buffers(lease.capacity + 1)
+    lease.release("decode")
+    assert pool.lent_bytes == PAIR_BYTES_PER_TOKEN * lease.capacity and not lease.released
+    address = _address(lease)
+    lease.release("request")
+    assert pool.lent_bytes == 0 and lease.released
+    again = pool.lease(1500)
+    assert _address(again) == address and pool.segments == 1
+
+
+def test_a_prompt_holds_its_tokens_plus_less_than_a_block_and_pairs_lent_together_do_not_overlap():
+    pool = HostBufferPool(_allocate, max_idle_bytes=2**24)
+    for tokens in (1, BLOCK, BLOCK + 1, 1500, 4500):
+        assert tokens <= pool.capacity_for(tokens) < tokens + BLOCK and pool.capacity_for(tokens) % BLOCK == 0
+    leases = [pool.lease(tokens) for tokens in (100, 1500, 70, 4500)]
+    assert pool.lent_bytes == sum(PAIR_BYTES_PER_TOKEN * lease.capacity for lease in leases)
+    assert pool.lent_bytes == sum(pool.pair_bytes(tokens) for tokens in (100, 1500, 70, 4500))
+    spans = sorted(_span(lease) for lease in leases)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     for lease in leases:
-        for holder in ("decode", "request"):
-            lease.release(holder)
-    assert pool.idle_buffers == 2 and pool.idle_bytes == 2 * pair_bytes
-    kept = {_storage(pool.lease(GRANULE)), _storage(pool.lease(GRANULE))}
-    assert kept == {_storage(leases[1]), _storage(leases[2])}
+        keys, values = lease.buffers(1)
+        keys.fill_(float(lease.capacity))
+        values.fill_(-float(lease.capacity))
+    assert all(bool((lease.buffers(1)[0] == lease.capacity).all()) for lease in leases)
+    left = _span(leases[1])
+    _release(leases[1])
+    smaller = pool.lease(1000)  # carved from the range the 1500-token pair left
+    assert left[0] <= _address(smaller) < left[1]
+
+
+def test_segments_stay_within_the_pools_bytes_and_wholly_free_ones_are_kept_within_the_idle_budget():
+    segment = 64 * 1024**2
+    pool = HostBufferPool(_allocate, max_idle_bytes=2 * segment, max_bytes=3 * segment)
+    tokens = segment // PAIR_BYTES_PER_TOKEN // 2  # two pairs to a segment
+    leases = [pool.lease(tokens) for _ in range(6)]
+    assert pool.segments == 3 and pool.idle_bytes < segment
+    for lease in leases:
+        _release(lease)
+    assert pool.lent_bytes == 0 and pool.segments == 2  # the third wholly free one went back
+    big = pool.lease(3 * tokens)  # new segments would pass max_bytes: the free ones go first
+    assert pool.segment_bytes <= pool.max_bytes and pool.lent_bytes == PAIR_BYTES_PER_TOKEN * big.capacity
 
 
 @pytest.mark.parametrize("fill", [True, False])
@@ -102,9 +106,9 @@ def test_cpu_requests_on_lent_buffers_decode_as_on_fresh_ones(make_engine, docs)
     fresh._requests.memory.host_buffers = None  # every request allocates its own buffers
     pool = pooled._requests.memory.host_buffers
     assert pool is not None
-    allocated = []
-    allocate = pool._allocate
-    pool._allocate = lambda capacity: allocated.append(capacity) or allocate(capacity)
+    lent: list[tuple[int, int]] = []
+    lease = pool.lease
+    pool.lease = lambda capacity: (lambda taken: lent.append(_span(taken)) or taken)(lease(capacity))
     for engine in (pooled, fresh):
         engine.warm(SYSTEM_PROMPT)
         engine.warm_documents(docs[:4])
@@ -121,20 +125,22 @@ def test_cpu_requests_on_lent_buffers_decode_as_on_fresh_ones(make_engine, docs)
         if result.token_ids == reference.token_ids:
             torch.testing.assert_close(result.step_logits, reference.step_logits, rtol=0, atol=1e-4)
 
-    for prompt in (first, second, first):  # the pair each prompt wrote is lent to the next
+    lent.clear()
+    for prompt in (first, second, first):  # the memory each prompt wrote is lent to the next
         same(run(pooled, prompt), run(fresh, prompt))
-    assert len(allocated) == 1 and pool.idle_buffers == 1
-    # A stream still decoding holds its pair: the request beside it gets a new one.
+        assert pooled.flush(timeout=60)
+    assert len({start for start, _ in lent}) == 1 and pool.segments == 1
+    # A stream still decoding holds its pair: the request beside it is lent other memory.
     streams = [engine.stream(first, max_new_tokens=12, return_logits=True) for engine in (pooled, fresh)]
     for stream in streams:
         next(stream)
     same(run(pooled, second), run(fresh, second))
-    assert len(allocated) == 2
+    (held_start, held_end), (beside_start, beside_end) = lent[-2:]
+    assert beside_start >= held_end or beside_end <= held_start
     for stream in streams:
         for _ in stream:
             pass
     same(streams[0].result, streams[1].result)
-    assert pool.idle_buffers == 2
     for a, b in zip(*(engine.generate_batch([second, first], max_new_tokens=12, return_logits=True) for engine in (pooled, fresh))):
         same(a, b)
-    assert len(allocated) == 2 and pool.idle_buffers == 2
+    assert pool.segments == 1

@@ -20,7 +20,7 @@ from devices import DEVICES
 from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 import kvboost_rag.cache.storage.disk as disk_module
-from kvboost_rag.cache.arena import HostArena
+from kvboost_rag.host_memory.arena import HostArena
 from kvboost_rag.cache.storage import DiskTier
 from kvboost_rag.cache.write_worker import THREAD_NAME
 from kvboost_rag.corpus import python_reference_documents

@@ -38,6 +38,7 @@ from kvboost_rag.cache.storage import DiskTier, MemoryTier, TieredStore
 from kvboost_rag.cache.storage.base import TierWriteError
 from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.threads import wait_for
+from kvboost_rag.prefill.prefiller import SPARE_ROWS
 from kvboost_rag.results import KVMemory
 
 DOCS = python_reference_documents(max_chars=260)[:40]
@@ -194,8 +195,10 @@ def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_al
     request's buffers stopped being counted before the copier took them, and while the
     copier's queue was full or a lookup still read them, new requests were admitted against
     their bytes)."""
+    prompts = [f"{SYSTEM_PROMPT}\n\n{DOCS[20 + i]}\n\nQuestion: {i}?\nAnswer:" for i in range(12)]
     probe = make_engine("llama")
-    pair = probe._host_buffers.capacity_for(1) * probe._adapter.kv_bytes_per_token  # every prompt here fits one
+    longest = max(probe.count_tokens(p) for p in prompts) + 2 + SPARE_ROWS
+    pair = probe._requests.memory.reserved_bytes(longest)  # every prompt here fits one
     engine = make_engine("llama", disk_cache_dir=tmp_path / "kv", max_batch_size=8, max_batch_cache_bytes=2 * pair)
     engine.warm(SYSTEM_PROMPT)  # the shared beginning is stored before: no lookup views a lent buffer
     engine.flush(timeout=60)
@@ -214,7 +217,6 @@ def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_al
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    prompts = [f"{SYSTEM_PROMPT}\n\n{DOCS[20 + i]}\n\nQuestion: {i}?\nAnswer:" for i in range(12)]
     try:
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(engine.generate, p, max_new_tokens=2) for p in prompts]

@@ -10,7 +10,7 @@ chunk it stores, in two steps that run on different threads:
   once, and the device tier can hold these copies as they are); on a CPU nothing (the
   buffers stay lent until the second step has read them).
 - :meth:`HostCopies.to_host`, on the write-back's worker thread: one copy per chunk's K and
-  V into tensors of a :class:`~kvboost_rag.cache.arena.HostArena` (page-locked on CUDA:
+  V into tensors of a :class:`~kvboost_rag.host_memory.arena.HostArena` (page-locked on CUDA:
   asynchronous DMA on a copy stream that first waits for what the compute stream has queued,
   then one wait for all of them).
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvboost_rag.cache.arena import HostArena
+from kvboost_rag.host_memory.arena import HostArena
 
 
 class HostCopies:

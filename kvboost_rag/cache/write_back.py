@@ -13,7 +13,7 @@ own thread:
    copies go into the device tier as they are, and the prompt's buffers are handed back at
    once. Nothing is copied to the host, put into a host tier, serialized or hashed here.
 2. the *copier* (a :class:`~kvboost_rag.cache.write_worker.WriteWorker`): copies the chunks
-   into host memory the cache owns (:class:`~kvboost_rag.cache.arena.HostArena`), stages those
+   into host memory the cache owns (:class:`~kvboost_rag.host_memory.arena.HostArena`), stages those
    copies in place of the views, and hands the prompt's buffers back. Its jobs wait only for
    each other (copies), never for a slow tier, so buffers go back within a copy's time.
 3. the *writer* (another worker): puts the copies into the memory, disk and Redis tiers,
@@ -127,8 +127,9 @@ class WriteJob:
 
 
 def _storage_bytes(tensor: torch.Tensor | None) -> int:
-    """Bytes of the whole allocation ``tensor`` views (what holding it keeps alive)."""
-    return 0 if tensor is None else tensor.untyped_storage().nbytes()
+    """Bytes of the buffer ``tensor`` is, whole (what holding it keeps from the next request;
+    a lent buffer is a range of a larger segment: its own bytes, not the segment's)."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 class WriteBack:

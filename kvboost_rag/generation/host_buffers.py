@@ -1,51 +1,48 @@
-"""K/V buffers reused from one request to the next on a CPU.
+"""K/V buffers sized to each request, carved from reused host memory on a CPU.
 
 Every prompt's K and V are written into ``[layers, kv_heads, capacity, head_dim]`` buffers
 (the stitch, the model's rows, the decoded tokens). Fresh buffers of this size come from the
 operating system zero-filled, one page at a time on their first write: for the embedded
 model's 120 MB at 2.6k tokens that cost 25-32 ms a call on the development machine, against
-4.4 ms to write the same buffers again. :class:`HostBufferPool` keeps the buffers of finished
-requests and lends them to later ones, so a call writes memory already mapped.
+4.4 ms to write the same buffers again. :class:`HostBufferPool` carves each request's buffers
+from large segments of a :class:`~kvboost_rag.host_memory.arena.HostArena` that stay mapped from one
+request to the next, so a call writes memory already mapped.
 
-A buffer is lent through a :class:`BufferLease` (:class:`~kvboost_rag.generation.slots.Lease`):
-it goes back to the pool only when the engine loop and the request (its write-back) are both
-done with it. Capacities are rounded up to :data:`GRANULE` tokens, and a request takes an idle
-buffer of its rounded capacity, else a new one: it holds exactly the bytes the batch's places
-admitted it for. The pool counts what it lent and what it keeps idle: idle buffers are kept within
-``max_idle_bytes`` and within what ``max_bytes`` leaves beside the lent ones (oldest dropped
-first), and idle ones are dropped before new buffers are allocated beyond ``max_bytes``, so
-lent and idle buffers together stay within ``max_bytes`` whenever the lent ones do. On a GPU the
-caching allocator already reuses memory, and captured steps lend slots of their own pool: the
-engine builds this pool only for models on the CPU.
+**Sized to the work.** A request's capacity is rounded up to :data:`BLOCK` tokens (not to a
+granule of a thousand): it holds its tokens' K/V plus less than one block, and the bytes the
+batch's places admit it for are exactly the bytes it is lent.
+
+**Given back by its handle.** A buffer is lent through a :class:`BufferLease`
+(:class:`~kvboost_rag.generation.slots.Lease`): its range goes back to the arena when the engine
+loop and the request (its write-back) have both released it, by name, never by the garbage
+collector. Wholly free segments are kept up to ``max_idle_bytes`` for the next requests; when
+the segments would pass ``max_bytes``, the wholly free ones go back to the system first. On a GPU
+the caching allocator already reuses memory, and captured steps lend slots of their own pool:
+the engine builds this pool only for models on the CPU.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from math import prod
 
 import torch
 
+from kvboost_rag.host_memory.arena import HostArena
 from kvboost_rag.generation.slots import Lease
 
-#: Capacities are rounded up to a multiple of this many tokens (so prompts of similar
-#: lengths share buffers).
-GRANULE = 1024
+#: Capacities are rounded up to a multiple of this many tokens.
+BLOCK = 64
+#: Bytes of a segment at least (a larger pair gets a segment of its own size).
+MIN_SEGMENT_BYTES = 64 * 1024**2
 
 Buffers = tuple[torch.Tensor, torch.Tensor]
 
 
-def _capacity(buffers: Buffers) -> int:
-    return buffers[0].shape[2]
-
-
-def _nbytes(buffers: Buffers) -> int:
-    return sum(t.numel() * t.element_size() for t in buffers)
-
-
 def _fill_uninitialized(buffers: Buffers) -> None:
     """What ``torch.empty`` does to new memory when torch is asked to fill it (deterministic
-    mode with ``fill_uninitialized_memory``): NaN, so a reused buffer hides no read of a row
+    mode with ``fill_uninitialized_memory``): NaN, so a reused range hides no read of a row
     nobody wrote."""
     if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         for tensor in buffers:
@@ -53,24 +50,25 @@ def _fill_uninitialized(buffers: Buffers) -> None:
 
 
 class HostBufferPool:
-    """Idle K/V buffers of finished requests, lent to the next ones.
+    """K/V buffers of each request's size, carved from host memory kept mapped.
 
     Args:
-        allocate: Makes new ``[layers, kv_heads, capacity, head_dim]`` K and V buffers for a
-            capacity (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.buffers`).
-        max_idle_bytes: Most bytes of idle buffers kept; beyond it the oldest are dropped.
-        max_bytes: Most bytes of lent and idle buffers together before idle ones are dropped
-            (``max_batch_cache_bytes``: the lent ones are bounded by the batch's places).
+        allocate: Makes ``[layers, kv_heads, capacity, head_dim]`` K and V buffers for a
+            capacity (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.buffers`): called once, for
+            one token, to learn the layout and dtype.
+        max_idle_bytes: Most bytes of wholly free segments kept for the next requests.
+        max_bytes: Most bytes of segments before wholly free ones go back to the system
+            (``max_batch_cache_bytes``: the lent buffers are bounded by the batch's places).
     """
 
     def __init__(self, allocate: Callable[[int], Buffers], max_idle_bytes: int, max_bytes: int | None = None) -> None:
         self._allocate = allocate
         self.max_idle_bytes = max_idle_bytes
         self.max_bytes = max_idle_bytes if max_bytes is None else max_bytes
-        self._idle: list[Buffers] = []  # oldest first
+        self._layout: tuple[tuple[int, ...], torch.dtype] | None = None  # a 1-token K's shape, and dtype
+        self._arena: HostArena | None = None
         self._lent_bytes = 0
-        self._bytes_per_token = 0  # of the buffers, once one pair was allocated
-        self._lock = threading.RLock()  # buffers may come back from a finalizer, at any point
+        self._lock = threading.Lock()
 
     @property
     def lent_bytes(self) -> int:
@@ -80,54 +78,65 @@ class HostBufferPool:
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes of the idle buffers held now."""
-        with self._lock:
-            return sum(_nbytes(b) for b in self._idle)
+        """Bytes of host memory the pool keeps mapped beyond the lent buffers."""
+        arena = self._arena
+        return 0 if arena is None else max(0, arena.segment_bytes - arena.used_bytes)
 
     @property
-    def idle_buffers(self) -> int:
-        """Idle K/V buffer pairs held now."""
-        with self._lock:
-            return len(self._idle)
+    def segment_bytes(self) -> int:
+        """Bytes of the segments of host memory held now."""
+        return 0 if self._arena is None else self._arena.segment_bytes
+
+    @property
+    def segments(self) -> int:
+        """Segments of host memory held now."""
+        return 0 if self._arena is None else self._arena.segments
 
     @staticmethod
     def capacity_for(tokens: int) -> int:
-        """Capacity of the buffers lent for ``tokens``: rounded up to :data:`GRANULE`."""
-        return -(-max(1, tokens) // GRANULE) * GRANULE
+        """Capacity of the buffers lent for ``tokens``: rounded up to :data:`BLOCK`."""
+        return -(-max(1, tokens) // BLOCK) * BLOCK
+
+    def pair_bytes(self, tokens: int) -> int:
+        """Bytes of the K and V buffers lent for ``tokens``."""
+        shape, dtype = self._known_layout()
+        return 2 * prod(shape) * self.capacity_for(tokens) * torch.empty((), dtype=dtype).element_size()
 
     def lease(self, capacity: int) -> BufferLease:
-        """Buffers of :meth:`capacity_for` ``capacity`` tokens: an idle pair of that capacity
-        (so a request holds the bytes it was admitted for), else new ones (idle ones are
-        dropped first when lent, idle and new would pass ``max_bytes``)."""
+        """K and V buffers of :meth:`capacity_for` ``capacity`` tokens, carved from kept memory
+        (wholly free segments go back first when a new one would pass ``max_bytes``)."""
         rounded = self.capacity_for(capacity)
+        (layers, heads, _, dim), dtype = self._known_layout()
+        half = layers * heads * rounded * dim * torch.empty((), dtype=dtype).element_size()
+        arena = self._known_arena(half)
+        if not arena.fits(2 * half) and arena.segment_bytes + 2 * half > self.max_bytes:
+            arena.trim()  # what is wholly free goes first
+        shape = (layers, heads, rounded, dim)
+        (key_memory, keys_back), (value_memory, values_back) = arena.lend(half), arena.lend(half)
+        with torch.inference_mode(False):  # ordinary views: a caller in inference mode or not may write them
+            keys, values = (memory.view(dtype).view(shape) for memory in (key_memory, value_memory))
         with self._lock:
-            chosen = next((b for b in self._idle if _capacity(b) == rounded), None)
-            if chosen is not None:
-                self._idle = [b for b in self._idle if b is not chosen]
-                self._lent_bytes += _nbytes(chosen)
-            else:  # idle ones that would pass the budget beside the new ones go first
-                self._trim(self.max_bytes - self._lent_bytes - rounded * self._bytes_per_token)
-        if chosen is not None:
-            return BufferLease(self, chosen, reused=True)
-        buffers = self._allocate(rounded)
-        with self._lock:
-            self._lent_bytes += _nbytes(buffers)
-            self._bytes_per_token = _nbytes(buffers) // max(1, _capacity(buffers))
-            self._trim(self.max_bytes - self._lent_bytes)
-        return BufferLease(self, buffers)
+            self._lent_bytes += 2 * half
+        return BufferLease(self, (keys, values), lambda: (keys_back(), values_back()))
 
-    def give_back(self, buffers: Buffers) -> None:
-        """Keep ``buffers`` for later requests (the oldest idle ones go beyond the budgets)."""
+    def returned(self, nbytes: int, give_back: Callable[[], None]) -> None:
+        """A lease's buffers of ``nbytes`` came back: their range goes back to the arena."""
         with self._lock:
-            self._lent_bytes -= _nbytes(buffers)
-            self._idle.append(buffers)
-            self._trim(min(self.max_idle_bytes, self.max_bytes - self._lent_bytes))
+            self._lent_bytes -= nbytes
+        give_back()
 
-    def _trim(self, room: int) -> None:
-        """Drop the oldest idle buffers until they take at most ``room`` bytes (under the lock)."""
-        total = sum(_nbytes(b) for b in self._idle)
-        while self._idle and total > max(0, room):
-            total -= _nbytes(self._idle.pop(0))
+    def _known_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
+        if self._layout is None:
+            keys, _ = self._allocate(1)
+            self._layout = (tuple(keys.shape), keys.dtype)
+        return self._layout
+
+    def _known_arena(self, half: int) -> HostArena:
+        with self._lock:
+            if self._arena is None:
+                segment = max(2 * half, min(max(MIN_SEGMENT_BYTES, self.max_idle_bytes // 2), self.max_bytes))
+                self._arena = HostArena(torch.uint8, segment_bytes=segment, spare_bytes=self.max_idle_bytes)
+            return self._arena
 
 
 class BufferLease(Lease):
@@ -136,23 +145,19 @@ class BufferLease(Lease):
     Args:
         pool: The pool they go back to.
         buffers: The K and V buffers lent.
-        reused: They were lent before: filled as new memory is (where torch fills it) when the
-            request first asks for them (they came back once no view of the previous
-            request's K/V was left).
+        give_back: Gives their range back to the pool's arena (once).
     """
 
-    def __init__(self, pool: HostBufferPool, buffers: Buffers, reused: bool = False) -> None:
+    def __init__(self, pool: HostBufferPool, buffers: Buffers, give_back: Callable[[], None]) -> None:
         super().__init__()
-        self.pool, self._buffers, self._unfilled = pool, buffers, reused
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the buffers hold."""
-        return _capacity(self._buffers)
-
+        self.pool, self._buffers, self._give_back_range = pool, buffers, give_back
+        self._unfilled = True
+        #: Tokens the buffers hold.
+        self.capacity: int = buffers[0].shape[2]
 
     def buffers(self, capacity: int) -> Buffers:
-        """The lent K and V (``capacity`` must fit them)."""
+        """The lent K and V (``capacity`` must fit them); filled as new memory is (where torch
+        fills it) when first asked for: the range may have held an earlier request's K/V."""
         if capacity > self.capacity:
             raise ValueError(f"{capacity} tokens do not fit buffers of {self.capacity}")
         if self._unfilled:
@@ -161,4 +166,6 @@ class BufferLease(Lease):
         return self._buffers
 
     def _give_back(self) -> None:
-        self.pool.give_back(self._buffers)
+        nbytes = sum(t.numel() * t.element_size() for t in self._buffers)
+        self._buffers = ()  # type: ignore[assignment] - no view of the range is kept here
+        self.pool.returned(nbytes, self._give_back_range)

@@ -21,8 +21,8 @@ before it lets go of it: a free list is never changed while another change of it
 
 Ranges are first-fit over each segment's sorted free list; freed ranges merge with their free
 neighbours. A request no free range holds adds a segment. A segment whose every range came
-back is given back to the system when another wholly free one is kept already (one spare
-stays for the next writes), and :meth:`HostArena.trim` gives back every wholly free segment
+back is given back to the system when the wholly free ones kept already reach ``spare_bytes``
+(by default one spare stays for the next writes), and :meth:`HostArena.trim` gives back every wholly free segment
 (after ``clear_cache``).
 """
 
@@ -32,7 +32,7 @@ import bisect
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from math import prod
@@ -95,12 +95,17 @@ class HostArena:
         dtype: Dtype of every tensor it hands out.
         pinned: Page-lock the segments (CUDA: asynchronous copies from and to the device).
         segment_bytes: Bytes of a new segment.
+        spare_bytes: Bytes of wholly free segments kept for the next takes (default: one
+            segment); beyond them a segment whose ranges all came back goes to the system.
     """
 
-    def __init__(self, dtype: torch.dtype, pinned: bool = False, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(
+        self, dtype: torch.dtype, pinned: bool = False, segment_bytes: int = SEGMENT_BYTES, spare_bytes: int | None = None
+    ) -> None:
         self.dtype, self.pinned = dtype, pinned
         self._element = torch.empty((), dtype=dtype).element_size()
         self._segment_bytes = max(ALIGNMENT, segment_bytes)
+        self._spare_bytes = self._segment_bytes if spare_bytes is None else spare_bytes
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()  # not re-entrant: a return during an update is queued
         self._returned: deque[tuple[_Segment, int, int]] = deque()  # ranges back, not yet applied
@@ -137,6 +142,25 @@ class HostArena:
             self.tensors_taken += 1
         piece = segment.array[start : start + prod(shape) * self._element]
         return held_alias(piece, self.dtype, partial(self._give_back, segment, start, length)).view(shape)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a free range of the segments held now takes ``nbytes`` (no new segment)."""
+        length = -(-max(1, nbytes) // ALIGNMENT) * ALIGNMENT
+        with self._locked():
+            return any(size >= length for segment in self._segments for _, size in segment.free)
+
+    def lend(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``nbytes`` of uninitialized memory (a 1-D ``uint8`` tensor) held by the caller's
+        handle: the returned call gives the range back (call it once, when no view of the
+        memory is read any more; safe from any thread, the collector's included)."""
+        length = -(-max(1, nbytes) // ALIGNMENT) * ALIGNMENT
+        with self._locked():
+            segment, start = self._find(length)
+            self._taken += length
+            self.tensors_taken += 1
+        with torch.inference_mode(False):  # an ordinary view: writable in and out of inference mode
+            memory = segment.storage[start : start + nbytes]
+        return memory, partial(self._give_back, segment, start, length)
 
     def trim(self) -> int:
         """Give every wholly free segment back to the system; returns the bytes given back."""
@@ -192,5 +216,6 @@ class HostArena:
             segment, start, length = self._returned.popleft()
             segment.give_back(start, length)
             self._taken -= length
-            if segment.wholly_free and any(other.wholly_free for other in self._segments if other is not segment):
+            spare = sum(other.nbytes for other in self._segments if other is not segment and other.wholly_free)
+            if segment.wholly_free and spare and spare + segment.nbytes > self._spare_bytes:
                 self._segments = [other for other in self._segments if other is not segment]
