@@ -21,6 +21,7 @@ from types import ModuleType
 #: Old module path (under ``kvboost_rag.``) -> where it lives now.
 MOVED: dict[str, str] = {
     "cache.arena": "host_memory.arena",
+    "cache.held_views": "host_memory.held_views",
     "hf.small_rows": "decode_weights.small_rows",
     "hf.int8_rows": "decode_weights.int8_rows",
     "hf.four_bit_groups": "decode_weights.four_bit_groups",

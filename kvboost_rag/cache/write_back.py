@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvboost_rag.cache.codec import KVBlock, encode_block, entry_in_place
-from kvboost_rag.cache.held_views import watched_aliases
+from kvboost_rag.host_memory.held_views import watched_aliases
 from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import StoredEntry, TieredStore

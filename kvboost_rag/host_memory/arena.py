@@ -9,7 +9,7 @@ copies from the device are asynchronous DMA): in steady state, storing a chunk a
 nothing.
 
 **Held by reference.** A tensor the arena hands out has a storage of its own over its range
-(:func:`~kvboost_rag.cache.held_views.held_alias` over a slice of the segment), so the tensor *and every view
+(:func:`~kvboost_rag.host_memory.held_views.held_alias` over a slice of the segment), so the tensor *and every view
 of it* hold the range: it returns to the arena only when the last of them is collected,
 whoever holds it (the memory tier, a staged entry, a reader of a lookup, a disk write).
 
@@ -39,7 +39,7 @@ from math import prod
 
 import torch
 
-from kvboost_rag.cache.held_views import held_alias
+from kvboost_rag.host_memory.held_views import held_alias
 
 logger = logging.getLogger(__name__)
 
