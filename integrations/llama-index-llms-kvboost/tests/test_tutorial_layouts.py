@@ -99,7 +99,7 @@ def test_simple_summarize_escapes_nodes_and_the_warning_says_so(
 ) -> None:
     import logging
 
-    import kvboost_rag.generation.lifecycle as engine_module
+    import kvboost_rag.generation.completion as engine_module
     from kvboost_rag.log_limits import RateLimitedLogger
 
     monkeypatch.setattr(engine_module, "_warnings", RateLimitedLogger(engine_module.logger))
