@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from math import prod
 
 import torch
 
@@ -65,7 +64,7 @@ class HostBufferPool:
         self._allocate = allocate
         self.max_idle_bytes = max_idle_bytes
         self.max_bytes = max_idle_bytes if max_bytes is None else max_bytes
-        self._layout: tuple[tuple[int, ...], torch.dtype] | None = None  # a 1-token K's shape, and dtype
+        self._layout: tuple[tuple[int, ...], torch.dtype, int] | None = None
         self._arena: HostArena | None = None
         self._lent_bytes = 0
         self._lock = threading.Lock()
@@ -99,17 +98,16 @@ class HostBufferPool:
 
     def pair_bytes(self, tokens: int) -> int:
         """Bytes of the K and V buffers lent for ``tokens``."""
-        shape, dtype = self._known_layout()
-        return 2 * prod(shape) * self.capacity_for(tokens) * torch.empty((), dtype=dtype).element_size()
+        return 2 * self._known_layout()[2] * self.capacity_for(tokens)
 
     def lease(self, capacity: int) -> BufferLease:
         """K and V buffers of :meth:`capacity_for` ``capacity`` tokens, carved from kept memory
         (wholly free segments go back first when a new one would pass ``max_bytes``)."""
         rounded = self.capacity_for(capacity)
-        (layers, heads, _, dim), dtype = self._known_layout()
-        half = layers * heads * rounded * dim * torch.empty((), dtype=dtype).element_size()
+        (layers, heads, _, dim), dtype, token_bytes = self._known_layout()
+        half = token_bytes * rounded  # K, and V likewise: two ranges
         arena = self._known_arena(half)
-        if not arena.fits(2 * half) and arena.segment_bytes + 2 * half > self.max_bytes:
+        if not arena.fits(half) and arena.segment_bytes + 2 * half > self.max_bytes:
             arena.trim()  # what is wholly free goes first
         shape = (layers, heads, rounded, dim)
         (key_memory, keys_back), (value_memory, values_back) = arena.lend(half), arena.lend(half)
@@ -125,10 +123,11 @@ class HostBufferPool:
             self._lent_bytes -= nbytes
         give_back()
 
-    def _known_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
+    def _known_layout(self) -> tuple[tuple[int, ...], torch.dtype, int]:
+        """A 1-token K's shape, the dtype, and the bytes of one token's K (learnt once)."""
         if self._layout is None:
             keys, _ = self._allocate(1)
-            self._layout = (tuple(keys.shape), keys.dtype)
+            self._layout = (tuple(keys.shape), keys.dtype, keys.numel() * keys.element_size())
         return self._layout
 
     def _known_arena(self, half: int) -> HostArena:
