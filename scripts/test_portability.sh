@@ -17,6 +17,7 @@ PY="$PWD/.venv/bin/python"
 EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)
 # Workers as scripts/test.sh sets them (one per core, at most 4) when run alone.
 PARALLEL=(-n "${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}" --dist loadfile)
+source scripts/stage_times.sh
 status=0
 
 # The int8 decode kernels need a vectorized level (their tests skip at the lowest), so the
@@ -25,21 +26,28 @@ status=0
 for level in default:SSE41:AVX2: avx2:AVX2:COMPATIBLE:tests/test_int8_decode.py; do
   IFS=: read -r aten onednn mkl int8 <<<"$level"
   echo "=== exactness tests, ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn MKL_CBWR=$mkl"
+  stage_start
   ATEN_CPU_CAPABILITY=$aten "$PY" -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability())"
   ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn MKL_CBWR=$mkl "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings \
     "${EXACTNESS[@]}" tests/test_small_rows.py $int8 || status=1
+  stage_end "exactness at $aten"
 done
 
 echo "=== lowest admitted versions"
 LOWEST="$PWD/.venv-lowest"
+stage_start
 if "$PY" scripts/lowest_versions.py "$LOWEST"; then
+  stage_end "lowest versions: install"
+  stage_start
   export PYTHONPATH="$LOWEST${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -m kvboost_rag.dev.environment | grep -E '^(transformers|tokenizers|langchain-core|llama-index-core):'
   "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings "${EXACTNESS[@]}" || status=1
   (cd integrations/langchain-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow" tests/unit_tests) || status=1
   (cd integrations/llama-index-llms-kvboost && "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings -m "not slow") || status=1
+  stage_end "lowest versions: tests"
 else
   echo "could not install the lowest admitted versions" >&2
   status=1
 fi
+stage_summary scripts/test_portability.sh
 exit $status

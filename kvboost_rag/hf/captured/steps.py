@@ -34,6 +34,7 @@ attention interface, a graph break, a failed compile), :meth:`CapturedRows.prepa
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -59,16 +60,28 @@ CapturedMode = Literal["auto", "on", "off"]
 #: Token buckets of a step by default: decode steps of up to 16 rows, or draft-verify steps of
 #: fewer rows with several drafts each.
 DEFAULT_TOKEN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
-#: Compiled graphs of the step function allowed per process (one per bucket and model; a
-#: guard that fails later, when another model class is loaded in the process, adds one).
+#: Compiled graphs of the step function allowed per process (one per bucket and model).
 RECOMPILE_LIMIT = 64
 _RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+#: Globals the steps keep no guard on: transformers' registry of the outputs each model class
+#: can record, read by every model's ``forward``. Dynamo guards on its length, so a model of
+#: any other class loaded later in the process (an embedding model, a second LLM) would fail
+#: every bucket's guard and recompile it on the next request; a class's own entry is set when
+#: the class is first built and never changes.
+_UNGUARDED_GLOBALS = ("_CAN_RECORD_REGISTRY",)
+#: Whether this torch takes a ``guard_filter_fn`` (2.7 on); before it, steps keep every guard.
+_FILTERS_GUARDS = "guard_filter_fn" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
 
 
 #: Set when the interpreter starts to exit: a build in the background stops after the bucket
 #: it is on (its thread is not a daemon: Python joins it before tearing anything down).
 _EXITING = threading.Event()
 threading._register_atexit(_EXITING.set)  # noqa: SLF001 - what concurrent.futures uses to stop its workers
+
+
+def _guards_to_keep(entries: Sequence) -> list[bool]:
+    """Dynamo's ``guard_filter_fn``: every guard but those on :data:`_UNGUARDED_GLOBALS`."""
+    return [not any(name in entry.name for name in _UNGUARDED_GLOBALS) for entry in entries]
 
 
 def _compiling():
@@ -252,7 +265,8 @@ class CapturedRows:
 
         if self._backend is None:
             return step
-        return torch.compile(step, fullgraph=True, dynamic=False, backend=self._backend)
+        options = {"guard_filter_fn": _guards_to_keep} if _FILTERS_GUARDS else None
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=self._backend, options=options)
 
     def prepare(self, background: bool = False, after: CapturedRows | None = None) -> bool:
         """Build every bucket's graph (compile, and on CUDA capture) on padded tokens only (no
