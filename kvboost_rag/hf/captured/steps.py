@@ -70,7 +70,9 @@ _RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile
 #: the class is first built and never changes.
 _UNGUARDED_GLOBALS = ("_CAN_RECORD_REGISTRY",)
 #: Whether this torch takes a ``guard_filter_fn`` (2.7 on); before it, steps keep every guard.
-_FILTERS_GUARDS = "guard_filter_fn" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+_FILTERS_GUARDS = "guard_filter_fn" in inspect.signature(
+    getattr(torch._dynamo.eval_frame, "_optimize", torch._dynamo.optimize)
+).parameters
 
 
 #: Set when the interpreter starts to exit: a build in the background stops after the bucket
