@@ -138,7 +138,7 @@ def lookup_latency(args: argparse.Namespace, bits: int | None) -> list[list[str]
 def warm_throughput(args: argparse.Namespace) -> list[list[str]]:
     from kvboost_rag.corpus import python_reference_documents
     from kvboost_rag.dev.redis_local import start_cluster
-    from kvboost_rag.warming.job import EngineSpec, warm_corpus
+    from kvboost_rag.warm_job import EngineSpec, warm_corpus
 
     docs = python_reference_documents(max_chars=args.max_chars)[: args.docs]
     rows = []

@@ -4,7 +4,7 @@ The recipe for a RAG service that outgrew one machine:
 
 1. a Redis Cluster holds the K/V of the corpus (here: 3 masters started on loopback ports by
    :mod:`kvboost_rag.dev.redis_local`; ``--redis-url`` names a real one);
-2. a warm job (``kvboost_rag.warming.job.warm_corpus``, the same as ``kvboost-rag warm``) reads the
+2. a warm job (``kvboost_rag.warm_job.warm_corpus``, the same as ``kvboost-rag warm``) reads the
    corpus once on Ray workers and stores it there;
 3. a Ray Serve deployment with ``--replicas`` replicas, each with its own model and a LangChain
    chain (retriever -> prompt -> ``KVBoostLLM``) whose engine uses the cluster as its Redis tier,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from kvboost_rag.warming.job import EngineSpec, warm_corpus
+    from kvboost_rag.warm_job import EngineSpec, warm_corpus
 
     cluster = None
     if args.redis_url is None:

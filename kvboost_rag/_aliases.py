@@ -80,11 +80,11 @@ MOVED: dict[str, str] = {
     "testing": "dev.testing",
     "text": "request.text",
     "tool_calls": "decode.tool_calls",
-    "warm_job": "warming.job",
-    "warm_job.report": "warming.job.report",
-    "warm_job.runner": "warming.job.runner",
-    "warm_job.sources": "warming.job.sources",
-    "warm_job.worker": "warming.job.worker",
+    "warming.job": "warm_job",
+    "warming.job.report": "warm_job.report",
+    "warming.job.runner": "warm_job.runner",
+    "warming.job.sources": "warm_job.sources",
+    "warming.job.worker": "warm_job.worker",
 }
 
 _warned: set[str] = set()

@@ -137,7 +137,7 @@ def warm_command(args: argparse.Namespace) -> int:
 
 def _warm_here(args: argparse.Namespace) -> Any:
     from kvboost_rag.config import KVBoostSettings
-    from kvboost_rag.warming.job import EngineSpec, warm_corpus
+    from kvboost_rag.warm_job import EngineSpec, warm_corpus
 
     settings = _settings(args)
     KVBoostSettings(**settings)  # a bad setting fails here, not in every worker

@@ -20,7 +20,7 @@ import tomllib
 from kvboost_rag.corpus import python_reference_topics
 from kvboost_rag.dev.testing import tiny_engine
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.warming.job import EngineSpec, SourceDocument, read_source, warm_corpus
+from kvboost_rag.warm_job import EngineSpec, SourceDocument, read_source, warm_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = "kvboost_rag.dev.testing:tiny_engine"

@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -35,7 +34,7 @@ from kvboost_rag.cache.codec import (
 )
 from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
-from kvboost_rag.cache.write_back import WriteBack
+from kvboost_rag.cache.write_back import Prefilled, WriteBack
 from kvboost_rag.cache.write_worker import WriteWorker
 from kvboost_rag.cache.storage import DeviceTier, DiskTier, TieredStore
 from kvboost_rag.config import KVBoostSettings
@@ -65,22 +64,6 @@ def queued_bytes_bound(settings: KVBoostSettings) -> int:
     """Bytes each of the write-back's queues may hold: ``max_batch_cache_bytes``, at least
     :data:`MIN_QUEUED_BYTES`."""
     return max(settings.max_batch_cache_bytes, MIN_QUEUED_BYTES)
-
-
-class Prefilled(Protocol):
-    """What write-back and the counters read of a prompt's prefill (its
-    :class:`~kvboost_rag.prefill.outcome.PrefillOutcome`): the buffers holding the prompt's
-    K/V, what was served from cache, and where its documents sit."""
-
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
-    prefix_tokens: int
-    prefix_keys: tuple[str, ...]
-    documents: list[PlacedDocument]
-    loaded_chunks: frozenset[str]
-    content_tokens: int
-    recomputed_tokens: int
-    merged_tokens: int
 
 
 @dataclass(frozen=True)

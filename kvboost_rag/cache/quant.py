@@ -21,12 +21,9 @@ Layout of ``keys``/``values``: ``[layers, kv_heads, tokens, head_dim]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from kvboost_rag.cache.codec import KVLayout
 
 SUPPORTED_BITS = (4, 8)
 
@@ -228,12 +225,25 @@ def kv_bytes_per_token(
     return elements * bits / 8 + side
 
 
+class TokenLayout(Protocol):
+    """The shape of one token's K/V (a :class:`~kvboost_rag.cache.codec.KVLayout`)."""
 
-def unquantized_kv_bytes_per_token(layout: KVLayout, dtype: torch.dtype) -> int:
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+def unquantized_kv_bytes_per_token(layout: TokenLayout, dtype: torch.dtype) -> int:
     """Bytes of one token's K and V across all layers of ``layout`` in ``dtype`` (buffers a
     prompt or a captured slot holds: never quantized)."""
     element = torch.empty((), dtype=dtype).element_size()
     return int(kv_bytes_per_token(layout.layers, layout.kv_heads, layout.head_dim, bits=None, dtype_bytes=element))
+
 
 def _minmax_quantize(grouped: torch.Tensor, *, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization reducing over ``dim`` (kept as size 1 in scale/zero)."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -49,8 +49,21 @@ from kvboost_rag.cache.write_worker import WriteWorker
 from kvboost_rag.request.documents import DocumentRecord
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
 
-if TYPE_CHECKING:
-    from kvboost_rag.cache.manager import Prefilled
+
+class Prefilled(Protocol):
+    """What write-back and the counters read of a prompt's prefill (its
+    :class:`~kvboost_rag.prefill.outcome.PrefillOutcome`): the buffers holding the prompt's
+    K/V, what was served from cache, and where its documents sit."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    prefix_tokens: int
+    prefix_keys: tuple[str, ...]
+    documents: list[PlacedDocument]
+    loaded_chunks: frozenset[str]
+    content_tokens: int
+    recomputed_tokens: int
+    merged_tokens: int
 
 
 #: What a chunk holds once it let go of the prompt's buffers.

@@ -34,7 +34,7 @@ import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +56,26 @@ from kvboost_rag.hf.packed import (
 )
 from kvboost_rag.decode_weights.small_rows import MAX_ROWS, SmallRowLinears, kernel_takes
 
-if TYPE_CHECKING:
-    from kvboost_rag.hf.adapter import ModelAdapter
+
+
+class CheckedModel(Protocol):
+    """What the pass reads of the model boundary (a
+    :class:`~kvboost_rag.hf.adapter.ModelAdapter`) to build itself and check it against the
+    model's own packed pass."""
+
+    model: torch.nn.Module
+    small_rows: SmallRowLinears
+    features: Any
+
+    @property
+    def vocab_width(self) -> int: ...
+
+    def forward_packed_by_model(self, segments: Sequence[Segment]) -> list[SegmentOutput]: ...
+
+    def buffers(self, capacity: int, layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def cache_over(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> BufferedCache: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +278,7 @@ class DecodePass:
         return parts.output(out.transpose(1, 2).reshape(1, tokens, -1))
 
     @classmethod
-    def checked(cls, adapter: ModelAdapter) -> DecodePass | None:
+    def checked(cls, adapter: CheckedModel) -> DecodePass | None:
         """A pass for ``adapter``'s model, if it applies and gives bitwise the logits of the
         model's own packed pass (:func:`_same_logits`); else ``None`` (logged)."""
         reason = unsupported_reason(adapter.model) or ("" if adapter.features.batched_decoding else "no batched decoding")
@@ -288,7 +306,7 @@ CHECK_CACHE_TOKENS = (5, 12)
 
 
 @torch.inference_mode()
-def _same_logits(adapter: ModelAdapter, decode_pass: DecodePass) -> bool:
+def _same_logits(adapter: CheckedModel, decode_pass: DecodePass) -> bool:
     """Whether ``decode_pass`` gives bitwise the model's packed pass's logits and K/V for a step
     of a one-token row over a short cache beside a 3-token verify row over a longer one."""
     generator = torch.Generator().manual_seed(0)
@@ -303,7 +321,7 @@ def _same_logits(adapter: ModelAdapter, decode_pass: DecodePass) -> bool:
     return all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
-def _random_cache(adapter: ModelAdapter, length: int, generator: torch.Generator) -> BufferedCache:
+def _random_cache(adapter: CheckedModel, length: int, generator: torch.Generator) -> BufferedCache:
     """A cache of ``length`` tokens of random K/V, with room for 3 more."""
     keys, values = adapter.buffers(length + 3)
     keys.copy_(torch.randn(keys.shape, generator=generator))

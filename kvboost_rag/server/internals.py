@@ -14,9 +14,9 @@ from kvboost_rag.decode.tool_calls import (
     render_chat,
 )
 from kvboost_rag.integration.async_stream import call_in_thread, iterate_in_thread
-from kvboost_rag.warming.job.report import DocumentFailure, WarmReport
-from kvboost_rag.warming.job.sources import SourceDocument, read_source
-from kvboost_rag.warming.job.worker import EngineSpec
+from kvboost_rag.warm_job.report import DocumentFailure, WarmReport
+from kvboost_rag.warm_job.sources import SourceDocument, read_source
+from kvboost_rag.warm_job.worker import EngineSpec
 
 __all__ = [
     "CallFormat",

@@ -3,7 +3,7 @@
 The documents are read here (a folder of text files or a JSONL file, as the local warm job
 reads them) and sent to the server's ``POST /v1/documents`` in batches; its engine warms them
 into its tiers (memory, and the disk folder or Redis Cluster other replicas read). The counts
-come back as the local job's :class:`~kvboost_rag.warming.job.WarmReport`. Standard library only:
+come back as the local job's :class:`~kvboost_rag.warm_job.WarmReport`. Standard library only:
 no server dependencies on the machine that sends.
 """
 

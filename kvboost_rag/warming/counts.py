@@ -2,7 +2,7 @@
 
 A prewarm run of an integration (``KVBoostPrewarmer``), one batch of a warm job and a warm
 job's totals all count with :class:`WarmCounts`; the job's batch and report types extend it
-with who ran it and how fast (:mod:`kvboost_rag.warming.job.report`).
+with who ran it and how fast (:mod:`kvboost_rag.warm_job.report`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvboost_rag.warming.job.report import BatchOutcome, DocumentFailure
-from kvboost_rag.warming.job.sources import SourceDocument
+from kvboost_rag.warm_job.report import BatchOutcome, DocumentFailure
+from kvboost_rag.warm_job.sources import SourceDocument
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.warming.job.report import BatchOutcome, DocumentFailure, WarmReport
-from kvboost_rag.warming.job.sources import SourceDocument, read_source
-from kvboost_rag.warming.job.worker import EngineSpec, WarmWorker
+from kvboost_rag.warm_job.report import BatchOutcome, DocumentFailure, WarmReport
+from kvboost_rag.warm_job.sources import SourceDocument, read_source
+from kvboost_rag.warm_job.worker import EngineSpec, WarmWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def warm_corpus(
 
     Args:
         source: A folder of text files, a JSONL file, a LangChain or LlamaIndex document
-            store, or a list of texts or documents (see :mod:`kvboost_rag.warming.job.sources`).
+            store, or a list of texts or documents (see :mod:`kvboost_rag.warm_job.sources`).
         spec: How each worker builds its engine; its settings must name a shared store
             (``redis_url`` or a ``disk_cache_dir`` folder). Default: the embedded model.
         workers: Workers (Ray actors, each loading the model once).

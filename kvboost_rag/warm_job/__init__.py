@@ -6,10 +6,10 @@ the settings name (Redis, a Redis Cluster, or a disk folder), skipping documents
 already, so a killed job resumes. Serving replicas over the same store then find them.
 """
 
-from kvboost_rag.warming.job.report import BatchOutcome, DocumentFailure, WarmReport
-from kvboost_rag.warming.job.runner import warm_corpus
-from kvboost_rag.warming.job.sources import SourceDocument, read_source
-from kvboost_rag.warming.job.worker import EngineSpec, WarmWorker
+from kvboost_rag.warm_job.report import BatchOutcome, DocumentFailure, WarmReport
+from kvboost_rag.warm_job.runner import warm_corpus
+from kvboost_rag.warm_job.sources import SourceDocument, read_source
+from kvboost_rag.warm_job.worker import EngineSpec, WarmWorker
 
 __all__ = [
     "BatchOutcome",
