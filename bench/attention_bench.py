@@ -2,7 +2,7 @@
 
 The blend pass runs ~15% of the cached document tokens plus the live tail at scattered
 positions over every prompt key; a prefix hit runs the prompt's tail over the cached prefix.
-For each case this times one attention call per backend of :mod:`kvboost_rag.hf.sparse_attention`
+For each case this times one attention call per backend of :mod:`kvboost_rag.attention_backends.sparse`
 (``masked_sdpa``: one SDPA call with a boolean mask; ``flex``: one FlexAttention call with a
 block mask, compiled on CUDA, PyTorch's eager reference elsewhere; ``blocks``: the loop over
 32-query blocks) and prints the median of ``--repeats`` calls and each backend's ratio to
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kvboost_rag.hf.sparse_attention import (
+from kvboost_rag.attention_backends.sparse import (
     BACKENDS,
     query_positions,
     sparse_causal_attention,

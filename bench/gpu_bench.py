@@ -66,7 +66,7 @@ from kvboost_rag.corpus import python_reference_documents
 from kvboost_rag.dev.op_counts import RuntimeCounts, profile_counts
 from kvboost_rag.diagnosis.stage_times import record_stages
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.sparse_attention import BACKENDS, default_backend, use_backend
+from kvboost_rag.attention_backends.sparse import BACKENDS, default_backend, use_backend
 from kvboost_rag.dev.internals import internals
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -20,6 +20,10 @@ from types import ModuleType
 
 #: Old module path (under ``kvboost_rag.``) -> where it lives now.
 MOVED: dict[str, str] = {
+    "hf.sparse_attention": "attention_backends.sparse",
+    "hf.ragged_attention": "attention_backends.ragged",
+    "hf.row_rounding": "attention_backends.row_rounding",
+    "hf.transfer": "transfer",
     "cache.arena": "host_memory.arena",
     "cache.held_views": "host_memory.held_views",
     "hf.small_rows": "decode_weights.small_rows",
@@ -29,7 +33,7 @@ MOVED: dict[str, str] = {
     "hf.stored_int8": "decode_weights.stored_int8",
     "hf.resident": "decode_weights.resident",
     "async_stream": "integration.async_stream",
-    "attention": "hf.sparse_attention",
+    "attention": "attention_backends.sparse",
     "background_warmer": "warming.background",
     "batch_decode": "decode.step",
     "blend": "repair.selection",
@@ -58,7 +62,7 @@ MOVED: dict[str, str] = {
     "pytest_isolation": "dev.pytest_isolation",
     "pytest_uninitialized": "dev.pytest_uninitialized",
     "quant": "cache.quant",
-    "ragged": "hf.ragged_attention",
+    "ragged": "attention_backends.ragged",
     "react": "decode.react",
     "redis_local": "dev.redis_local",
     "sampling": "decode.sampling",

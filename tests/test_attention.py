@@ -7,7 +7,7 @@ import torch
 from rag_prompts import rag_prompt
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.hf.sparse_attention import (
+from kvboost_rag.attention_backends.sparse import (
     BACKENDS,
     default_backend,
     last_query_attention,
@@ -88,7 +88,7 @@ def test_default_backend_on_cpu_is_the_block_loop_for_scattered_queries_and_one_
 
 @pytest.mark.cuda
 def test_default_backend_on_cuda_is_compiled_flex_attention():
-    from kvboost_rag.hf import sparse_attention as attention
+    from kvboost_rag.attention_backends import sparse as attention
 
     assert default_backend(torch.device("cuda")) == "flex" and attention._flex_uses_compiled(torch.device("cuda"))
 
@@ -108,7 +108,7 @@ def test_failed_flex_compilation_falls_back_to_one_masked_call(monkeypatch, capl
     """A compiled kernel that cannot be built for some inputs: those calls (and later calls with
     inputs of the same kind) are answered by one masked SDPA call, correctly; the backend stays
     FlexAttention for other kinds of input."""
-    from kvboost_rag.hf import sparse_attention as attention
+    from kvboost_rag.attention_backends import sparse as attention
 
     eager, _, create_block_mask = attention._flex_functions()
 
@@ -135,7 +135,7 @@ def test_compiled_flex_attention_builds_for_real_model_heads():
     """bfloat16 with 64- and 128-wide heads and grouped queries (the shapes of 7-8B models and
     SmolLM2): compiled FlexAttention runs (no fall-back recorded) and matches dense attention
     within bfloat16's rounding."""
-    from kvboost_rag.hf import sparse_attention as attention
+    from kvboost_rag.attention_backends import sparse as attention
 
     torch.manual_seed(0)
     for head_dim, heads, kv_heads in ((128, 32, 8), (64, 9, 3)):

@@ -217,7 +217,7 @@ def test_a_packed_pass_gives_each_segment_what_its_own_pass_gives(make_engine, o
     included), whether the short rows attend one call per row (CPU's default) or in one padded
     call (CUDA's)."""
     from kvboost_rag.hf.packed import Segment
-    from kvboost_rag.hf.ragged_attention import one_call as attention_in_one_call
+    from kvboost_rag.attention_backends.ragged import one_call as attention_in_one_call
 
     for family in (*ROPE_FAMILIES, "gpt2"):
         adapter = make_engine(family)._adapter

@@ -20,7 +20,7 @@ from kvboost_rag.dev.op_counts import OpCounter, OpCounts
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf import adapter as adapter_module
-from kvboost_rag.hf import sparse_attention as attention
+from kvboost_rag.attention_backends import sparse as attention
 from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
 
 

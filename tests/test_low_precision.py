@@ -17,7 +17,7 @@ from rag_prompts import SYSTEM_PROMPT, rag_prompt
 
 from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import ROPE_FAMILIES, tiny_model
-from kvboost_rag.hf.sparse_attention import BACKENDS, use_backend
+from kvboost_rag.attention_backends.sparse import BACKENDS, use_backend
 
 DTYPES = [torch.bfloat16, torch.float16]
 #: ``(device, dtype)``: both 16-bit dtypes on the CPU, bfloat16 on CUDA.

@@ -31,7 +31,7 @@ def test_old_paths_warn_once_naming_the_new_path():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(
         [
-            "kvboost_rag.attention moved to kvboost_rag.hf.sparse_attention; import it from there",
+            "kvboost_rag.attention moved to kvboost_rag.attention_backends.sparse; import it from there",
             "kvboost_rag.storage moved to kvboost_rag.cache.storage; import it from there",
         ]
     )

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.decode_weights import small_rows
-from kvboost_rag.hf import ragged_attention, row_rounding
-from kvboost_rag.hf.ragged_attention import last_tokens_attention
+from kvboost_rag.attention_backends import ragged as ragged_attention, row_rounding
+from kvboost_rag.attention_backends.ragged import last_tokens_attention
 from kvboost_rag.decode_weights.small_rows import SmallRowLinears, choose_kernel, eligible_linears
 
 needs_onednn = pytest.mark.skipif(not small_rows.onednn_available(), reason="this torch build has no oneDNN")

@@ -31,7 +31,7 @@ rounded activations turn the float32 rounding differences between reuse paths (a
 tail against full prefill) into logit differences of ~0.1, so the embedded model's decode steps
 would no longer match full prefill's to 1e-3. Every kernel here
 computes each row on its own and the short rows' attention
-(:func:`~kvboost_rag.hf.ragged_attention.last_tokens_attention`) each token as it would alone,
+(:func:`~kvboost_rag.attention_backends.ragged.last_tokens_attention`) each token as it would alone,
 so a verify step's tokens get the logits one-token steps would give (bitwise where every layer
 reads int8 or 4-bit runs; within float32 rounding of a float32 output layer otherwise): drafts
 change how long an answer takes, not its tokens.

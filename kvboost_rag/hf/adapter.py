@@ -45,8 +45,8 @@ from kvboost_rag.hf.packed import (
 from kvboost_rag.hf.probes import ModelFeatures, probe_features, probe_layout
 from kvboost_rag.hf.rope import find_rope
 from kvboost_rag.decode_weights.small_rows import SmallRowLinears, choose_kernel
-from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, last_query_attention, query_positions
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.attention_backends.sparse import ATTENTION_NAME, last_query_attention, query_positions
+from kvboost_rag.transfer import host_to_device
 from kvboost_rag.hf.windows import LayerWindows
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class ModelAdapter:
             cache: The cache to attend to and extend.
             sparse_queries: The tokens sit at scattered positions of an armed
                 :class:`BufferedCache` that holds every prompt position; attention is made
-                causal by position (:mod:`kvboost_rag.hf.sparse_attention`).
+                causal by position (:mod:`kvboost_rag.attention_backends.sparse`).
             logits_to_keep: Logits of this many last tokens are returned.
 
         Returns:

@@ -2,7 +2,7 @@
 
 Two attention functions run inside a model call: the per-segment attention of the engine
 loop's packed passes (:mod:`kvboost_rag.hf.packed`) and the sparse causal attention of a pass
-over one prompt run alone (:mod:`kvboost_rag.hf.sparse_attention`: passes through part of the
+over one prompt run alone (:mod:`kvboost_rag.attention_backends.sparse`: passes through part of the
 model, models that cannot pack). Each is registered under its name with transformers'
 ``AttentionInterface``, together with a mask function that builds no mask (both functions
 derive causality from positions themselves), so transformers never spends time on a mask
@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 
 from kvboost_rag.hf.packed import PACKED_ATTENTION, packed_attention
-from kvboost_rag.hf.sparse_attention import ATTENTION_NAME, sparse_causal_attention
+from kvboost_rag.attention_backends.sparse import ATTENTION_NAME, sparse_causal_attention
 
 
 #: A module's forward hook tables: a view gets its own, so a hook put on the model for one pass
@@ -68,7 +68,7 @@ class AttentionSwitch:
         """Within the block every attention layer calls the function registered as ``name``.
 
         Args:
-            name: :data:`~kvboost_rag.hf.sparse_attention.ATTENTION_NAME` or
+            name: :data:`~kvboost_rag.attention_backends.sparse.ATTENTION_NAME` or
                 :data:`~kvboost_rag.hf.packed.PACKED_ATTENTION`.
         """
         return self._set([name] * len(self._configs))

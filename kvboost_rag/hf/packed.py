@@ -15,7 +15,7 @@ carries, while attention runs segment by segment, each segment's queries over it
 - :func:`packed_attention` (registered by :mod:`kvboost_rag.hf.attention_switch` as
   :data:`PACKED_ATTENTION`) gives query ``j`` of a segment the keys ``0..p_j`` of that segment
   (``p_j`` its position), within the layer's sliding window and with softcapping where the
-  model applies them, as :mod:`kvboost_rag.hf.sparse_attention` does for one prompt: a segment's
+  model applies them, as :mod:`kvboost_rag.attention_backends.sparse` does for one prompt: a segment's
   result is what a pass of that segment alone computes, to float rounding.
 
 A segment may also record what its last queries attend to (the attention repair's probe), and
@@ -35,8 +35,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvboost_rag.hf.caches import BufferedCache, BufferedLayer
-from kvboost_rag.hf.ragged_attention import ONE_CALL_MAX_TOKENS, in_one_call, last_tokens_attention, one_call_setting
-from kvboost_rag.hf.sparse_attention import QueryPositions, attend, last_queries_weights
+from kvboost_rag.attention_backends.ragged import ONE_CALL_MAX_TOKENS, in_one_call, last_tokens_attention, one_call_setting
+from kvboost_rag.attention_backends.sparse import QueryPositions, attend, last_queries_weights
 
 PACKED_ATTENTION = "kvboost_packed"
 #: Most tokens of a segment whose attention runs as one product per K/V head (a verify row, a
@@ -318,7 +318,7 @@ def _short_rows_together(
     softcap: float | None,
     out: torch.Tensor,
 ) -> set[int]:
-    """Where one call pays (CUDA by default, see :func:`~kvboost_rag.hf.ragged_attention.one_call`),
+    """Where one call pays (CUDA by default, see :func:`~kvboost_rag.attention_backends.ragged.one_call`),
     the short appended runs (decode and verify rows) attend in one padded SDPA call, written
     into ``out``; the indexes of the runs done."""
     if softcap is not None:

@@ -27,7 +27,7 @@ import torch
 from kvboost_rag.hf.adapter import ModelAdapter
 from kvboost_rag.hf.caches import BufferedCache
 from kvboost_rag.hf.packed import Segment, SegmentOutput
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 
 T = TypeVar("T")
 

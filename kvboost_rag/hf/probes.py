@@ -19,7 +19,7 @@ from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.errors import UnsupportedModelError
 from kvboost_rag.hf.caches import ModelCache, cache_keyword
 from kvboost_rag.hf.packed import Segment, SegmentOutput, attention_calls
-from kvboost_rag.hf.sparse_attention import last_query_attention
+from kvboost_rag.attention_backends.sparse import last_query_attention
 
 
 class ProbedModel(Protocol):

@@ -11,7 +11,7 @@ Whatever the number of documents, chunks or layers, the stitch of one prompt is:
 
 Everything the host decides (which rows go where, by how many positions each run moves) is
 computed on the host from Python ints, before any tensor work, and sent to the device in one
-asynchronous copy per table (:func:`~kvboost_rag.hf.transfer.host_to_device`): nothing here
+asynchronous copy per table (:func:`~kvboost_rag.transfer.host_to_device`): nothing here
 reads a tensor value back.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from kvboost_rag.cache.codec import KVBlock
 from kvboost_rag.hf import ModelAdapter
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 
 
 @dataclass(frozen=True)

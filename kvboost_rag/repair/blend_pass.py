@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kvboost_rag.hf import BufferedCache, ModelAdapter
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 from kvboost_rag.repair.selection import kv_deviation, layer_spans
 
 

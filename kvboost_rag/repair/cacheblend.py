@@ -6,7 +6,7 @@ import torch
 
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.hf.passes import ModelCall, PassSteps
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 from kvboost_rag.repair.base import RepairInputs, SelectingRepair, Selection
 from kvboost_rag.repair.selection import (
     adaptive_budget,

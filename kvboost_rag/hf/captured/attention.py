@@ -111,7 +111,7 @@ class StepMask(BlockMask):
 class AttentionRecord(NamedTuple):
     """What a step records of its attention: per layer, the attention weights of some of its
     queries over the pool, mean over heads, summed over those queries (what the eager probe's
-    :func:`~kvboost_rag.hf.sparse_attention.last_query_attention` records over a prompt).
+    :func:`~kvboost_rag.attention_backends.sparse.last_query_attention` records over a prompt).
 
     Attributes:
         weights: ``[layers, pool tokens]`` float32, written by every layer of the step.

@@ -22,9 +22,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.hf.row_rounding import product, rows_rounding_alike
+from kvboost_rag.attention_backends.row_rounding import product, rows_rounding_alike
 from kvboost_rag.thread_state import thread_setting
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 
 #: Most padded K/V rows (rows x longest sequence) a one-call step copies per layer; beyond it
 #: the rows are attended one by one (a kernel per row instead of a copy of every row's K/V).
@@ -105,7 +105,7 @@ def _one_token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 #: Fewest keys the first token of a step must see for its tokens to attend together: below it
 #: each token attends alone. Torch's CPU softmax sums a row in vector lanes (masked keys add zeros
 #: to the same lanes) and MKL's products round alike whatever the count of keys (and of rows,
-#: from :func:`~kvboost_rag.hf.row_rounding.rows_rounding_alike`'s count), but not for rows
+#: from :func:`~kvboost_rag.attention_backends.row_rounding.rows_rounding_alike`'s count), but not for rows
 #: shorter than a vector or two (16 floats with AVX-512), summed another way.
 TOGETHER_MIN_KEYS = 64
 
@@ -123,7 +123,7 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, fewest_rows: int
     later keys masked to zero, summed over more keys than the same token alone: up to 0.8 in
     a logit after int8 activations), and on some CPUs on how many rows it computes (MKL on an
     AMD EPYC sums 1-3 rows another way than 4 or more): products of fewer rows than
-    :func:`~kvboost_rag.hf.row_rounding.rows_rounding_alike` measures are padded to it. So a token that sees ``n`` keys sums the first
+    :func:`~kvboost_rag.attention_backends.row_rounding.rows_rounding_alike` measures are padded to it. So a token that sees ``n`` keys sums the first
     ``a = SPLIT_KEYS * (n // SPLIT_KEYS)`` in one product over exactly ``a`` keys, shared by the
     step's tokens with the same ``a``, and adds its last ``n - a`` keys' product, one per token.
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kvboost_rag.errors import InvalidInputError
-from kvboost_rag.hf.transfer import host_to_device
+from kvboost_rag.transfer import host_to_device
 from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.thread_state import thread_setting
 
