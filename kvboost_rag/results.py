@@ -74,6 +74,9 @@ class GenerationResult(BaseModel):
         documents_found: Document occurrences located in the prompt (warmed, named, or stored
             from an earlier prompt; not the blocks of this prompt seen for the first time).
         kv_reuse_ratio: ``cached_tokens / prompt_tokens``.
+        loaded_kv_bytes: Bytes of K/V copied from the cache's entries into this call's buffers
+            (the prefix hit's rows and the documents' rows; a row is copied once, the
+            entries stay where they are).
         strategy: Repair strategy used (``"exact"`` when only prefix hits were used).
         first_token_logits: Logits of the first generated position (``return_logits=True``).
         step_logits: Logits of every decoding step, ``[steps, vocab]``, the model's own
@@ -103,6 +106,7 @@ class GenerationResult(BaseModel):
     boundary_merged_tokens: int = 0
     documents_found: int = 0
     kv_reuse_ratio: float = 0.0
+    loaded_kv_bytes: int = 0
     strategy: str = "full"
     first_token_logits: torch.Tensor | None = None
     step_logits: torch.Tensor | None = None

@@ -356,3 +356,24 @@ def test_document_longer_than_the_context_window_is_warmed_once_up_to_it(make_en
     again = engine.warm_documents([document])[0]
     assert again.already_warm and again.new_tokens == 0
     assert again.cached_tokens == first.new_tokens and again.skipped_tokens == first.skipped_tokens
+
+
+def test_loaded_kv_bytes_count_the_rows_copied_from_the_cache(make_engine, docs):
+    """A miss copies nothing; an exact prefix repeat copies its prefix rows; a prompt of
+    documents found by content copies those rows too: each a row's K and V in the buffers'
+    dtype, counted once."""
+    from kvboost_rag.dev.testing import tiny_config
+
+    engine = make_engine()
+    config = tiny_config("llama")
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    row = 2 * config.num_hidden_layers * heads * dim * 4  # float32 buffers
+    prompt = "A prompt seen once, then repeated word for word. " * 4
+    miss = engine.generate(prompt, max_new_tokens=2)
+    repeat = engine.generate(prompt, max_new_tokens=2)
+    assert miss.loaded_kv_bytes == 0 and repeat.prefix_hit_tokens > 0
+    assert repeat.loaded_kv_bytes == repeat.prefix_hit_tokens * row
+    engine.warm_documents(docs[:2])
+    found = engine.generate(f"{docs[1]}\n\n{docs[0]}\n\nWhich is first?", max_new_tokens=2)
+    assert found.content_hit_tokens > 0
+    assert found.loaded_kv_bytes == (found.prefix_hit_tokens + found.content_hit_tokens) * row

@@ -80,6 +80,7 @@ class Completion:
             boundary_merged_tokens=outcome.merged_tokens,
             documents_found=len(plan.known(outcome.documents)),
             kv_reuse_ratio=cached / n,
+            loaded_kv_bytes=outcome.loaded_kv_bytes,
             strategy=outcome.strategy,
             first_token_logits=outcome.logits.detach().cpu() if options.return_logits else None,
             step_logits=step_logits,

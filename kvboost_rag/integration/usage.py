@@ -31,6 +31,7 @@ RESULT_FIGURES = (
     "boundary_merged_tokens",
     "documents_found",
     "kv_reuse_ratio",
+    "loaded_kv_bytes",
     "strategy",
 )
 

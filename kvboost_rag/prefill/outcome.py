@@ -35,6 +35,8 @@ class PrefillOutcome:
         recomputed_tokens: Of those, tokens the repair recomputed.
         live_tokens: Tokens computed because nothing was cached for them.
         merged_tokens: Document tokens merged with a neighbour by the tokenizer.
+        loaded_kv_bytes: Bytes of K/V copied from loaded entries into the prompt's buffers
+            (its prefix rows and its documents' rows).
         strategy: ``"full"``, ``"exact"``, or the repair strategy used.
         recompute_ratio: Share of the loaded document tokens the repair recomputed.
         follow_up: The lookahead repair (``lookahead_ratio``), to run once the first token is
@@ -54,6 +56,7 @@ class PrefillOutcome:
     recomputed_tokens: int = 0
     live_tokens: int = 0
     merged_tokens: int = 0
+    loaded_kv_bytes: int = 0
     strategy: str = "full"
     recompute_ratio: float = 0.0
     follow_up: Callable[[int], int] | None = None

@@ -45,7 +45,7 @@ from kvboost_rag.hf import BufferedCache, ModelAdapter
 from kvboost_rag.hf.captured import CapturedRows, Row, Slot
 from kvboost_rag.hf.passes import ModelCall, PassResult, PassSteps, TokenPass, run_now
 from kvboost_rag.prefill.outcome import PrefillOutcome
-from kvboost_rag.prefill.stitch import Run, stitch_documents, stitch_prefix
+from kvboost_rag.prefill.stitch import Run, row_bytes, stitch_documents, stitch_prefix
 from kvboost_rag.repair import RepairInputs, RepairStrategy, make_strategy
 from kvboost_rag.repair.base import Selection
 from kvboost_rag.repair.blend_pass import filtered_blend
@@ -209,6 +209,7 @@ class Prefiller:
             outcome = yield from self._blend(plan, keys, values, h, prefix_keys, found.hits, slot)
         outcome.documents = found.documents
         outcome.merged_tokens = sum(d.merged_tokens for d in found.documents)
+        outcome.loaded_kv_bytes = (h + outcome.content_tokens) * row_bytes(keys, values)
         return outcome
 
     # ------------------------------------------------------------------ exact path

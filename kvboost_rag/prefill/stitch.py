@@ -45,6 +45,12 @@ class Run:
     length: int
 
 
+def row_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Bytes one prompt position takes in ``keys`` and ``values`` (``[layers, heads, capacity,
+    dim]`` buffers): what a stitch copies per loaded row."""
+    return (keys[:, :, :1].numel() + values[:, :, :1].numel()) * keys.element_size()
+
+
 def stitch_prefix(keys: torch.Tensor, values: torch.Tensor, pieces: Sequence[tuple[KVBlock, int]]) -> int:
     """Copy the leading rows of consecutive prefix blocks into the buffers' first rows.
 
