@@ -58,6 +58,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["GenerationStream", "KVBoost"]
 
 
+def _check_position_independence(adapter: ModelAdapter, strict: bool) -> None:
+    """Raise (``strict``) or warn once when the model's documents cannot be reused at other
+    positions (reuse falls back to exact prefixes)."""
+    if adapter.position_independent:
+        return
+    reason = adapter.position_independent_reason
+    if strict:
+        raise UnsupportedModelError(
+            f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
+        )
+    logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
+
 class KVBoost:
     """Reuses the K/V of text the model has already read.
 
@@ -112,31 +124,26 @@ class KVBoost:
         self._constraints = ConstraintCompiler(tokenizer, adapter.vocab_width, eos_ids)
         parts = EngineParts(adapter, cache, settings, tokenizing, planner, prefiller, self._loop)
         self._warming = Warming(parts)
-        slots = None if self._captured is None else self._captured.pool
-        # On a CPU, prefill buffers are reused across requests (fresh ones page-fault on every
-        # call); idle ones are kept within a quarter of the decode budget.
-        on_cpu = adapter.device.type == "cpu"
-        host_buffers = (
-            HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4, settings.max_batch_cache_bytes)
-            if on_cpu
-            else None
-        )
-        self._host_buffers = host_buffers
-        memory = RequestMemory(self._places, adapter.kv_bytes_per_token, slots, host_buffers)
-        self._requests = Requests(parts, memory, self._constraints, eos_ids)
+        self._requests = Requests(parts, self._request_memory(adapter, settings), self._constraints, eos_ids)
         self._batches = Batches(self._requests)
         self._tokenizing = tokenizing
-        if not adapter.position_independent:
-            reason = adapter.position_independent_reason
-            if settings.strict:
-                raise UnsupportedModelError(
-                    f"position-independent reuse is not possible: {reason} (strict=False falls back to prefix-only reuse)"
-                )
-            logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
+        _check_position_independence(adapter, settings.strict)
         # The loading thread's OpenMP workers (loading and the checks at load ran torch on it):
         # while they exist the engine loop's workers sleep between parallel regions. A server
         # whose requests arrive on other threads would otherwise never give them back.
         release_idle_workers()
+
+    def _request_memory(self, adapter: ModelAdapter, settings: KVBoostSettings) -> RequestMemory:
+        """Where requests' K/V buffers come from: the captured steps' slots, or on a CPU host
+        buffers reused across requests (fresh ones page-fault on every call), idle ones kept
+        within a quarter of the decode budget."""
+        slots = None if self._captured is None else self._captured.pool
+        self._host_buffers = (
+            HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4, settings.max_batch_cache_bytes)
+            if adapter.device.type == "cpu"
+            else None
+        )
+        return RequestMemory(self._places, adapter.kv_bytes_per_token, slots, self._host_buffers)
 
     @staticmethod
     def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:
