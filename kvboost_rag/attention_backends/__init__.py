@@ -1,6 +1,8 @@
 """The attention kernels the model boundary's passes call, one module per kind, over plain
 tensors (queries, the K/V of a cache, positions); nothing here imports transformers or the
-model boundary (:mod:`kvboost_rag.hf` registers them with transformers and calls them):
+model boundary (:mod:`kvboost_rag.hf` registers them with transformers and calls them). Each
+takes a layer's scale, sliding window and softcap as one
+:class:`~kvboost_rag.attention_backends.spec.AttentionSpec`:
 
 - :mod:`~kvboost_rag.attention_backends.sparse`: queries at scattered positions over a full
   cache (a blend pass, the tokens after a prefix hit), with three interchangeable backends
@@ -11,3 +13,7 @@ model boundary (:mod:`kvboost_rag.hf` registers them with transformers and calls
   float32 products round each row alike (measured once), so a short row's product rounds as a
   one-token step's.
 """
+
+from kvboost_rag.attention_backends.spec import AttentionSpec
+
+__all__ = ["AttentionSpec"]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from kvboost_rag.attention_backends.spec import AttentionSpec
 from kvboost_rag.attention_backends.row_rounding import product, rows_rounding_alike
 from kvboost_rag.thread_state import thread_setting
 from kvboost_rag.transfer import host_to_device
@@ -170,13 +171,16 @@ def in_one_call(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     counts: list[int],
-    scale: float,
-    window: int | None,
+    spec: AttentionSpec,
     groups: int,
 ) -> torch.Tensor:
     """Every row's attention in one SDPA call: the rows' K/V padded to the longest, each new
-    token masked to its row's keys up to its own position (and window). Row lengths are
-    shapes, read on the host: no sync. A padded token attends like its row's last real one."""
+    token masked to its row's keys up to its own position (and ``spec``'s window; no softcap).
+    Row lengths are shapes, read on the host: no sync. A padded token attends like its row's
+    last real one."""
+    if spec.softcap is not None:
+        raise ValueError("rows attended in one call take no softcap")
+    window = spec.window
     lengths = [k.shape[-2] for k in keys]
     longest = max(lengths)
     batch, kv_heads, dim = len(keys), keys[0].shape[1], keys[0].shape[-1]
@@ -195,7 +199,7 @@ def in_one_call(
         visible &= index >= end - window
     mask = visible.view(batch, 1, width, longest)
     return F.scaled_dot_product_attention(
-        query, padded_keys, padded_values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+        query, padded_keys, padded_values, attn_mask=mask, scale=spec.scale, enable_gqa=groups > 1
     )
 
 

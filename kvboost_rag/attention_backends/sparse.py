@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from kvboost_rag.attention_backends.spec import AttentionSpec
 from kvboost_rag.errors import InvalidInputError
 from kvboost_rag.transfer import host_to_device
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -185,14 +186,12 @@ def sparse_causal_attention(
     positions: QueryPositions | None = getattr(_state, "positions", None)
     if positions is None or len(positions.listed) != query.shape[2]:
         raise RuntimeError("sparse causal attention used outside query_positions()")
-    window = kwargs.get("sliding_window") or None
-    softcap = kwargs.get("softcap") or None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    spec = AttentionSpec.of_call(query, scaling, kwargs)
     recorded: list[torch.Tensor] | None = getattr(_state, "recorded", None)
     if recorded is not None:
         count = min(getattr(_state, "recorded_queries", 1), query.shape[2])
-        recorded.append(last_queries_weights(query[:, :, -count:], key, positions, count, scale, window, softcap))
-    out = attend(query, key, value, positions, scale, window, softcap)
+        recorded.append(last_queries_weights(query[:, :, -count:], key, positions, count, spec))
+    out = attend(query, key, value, positions, spec)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -201,9 +200,7 @@ def attend(
     key: torch.Tensor,
     value: torch.Tensor,
     positions: QueryPositions,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """Queries at sorted absolute ``positions`` over keys ``0..N-1``, causal by position, on
     the backend of this thread or device (see the module's doc).
@@ -213,21 +210,19 @@ def attend(
         key: ``[batch, kv_heads, N, dim]``.
         value: ``[batch, kv_heads, N, dim]``.
         positions: The queries' positions.
-        scale: Softmax scale.
-        window: Sliding window, or ``None``.
-        softcap: Logit softcapping, or ``None``.
+        spec: The layer's scale, sliding window and softcap.
 
     Returns:
         ``[batch, heads, queries, dim]``.
     """
     backend = getattr(_state, "backend", None) or default_backend(query.device, positions.contiguous)
     if backend == "blocks":
-        return attend_blocks(query, key, value, positions.listed, scale, window, softcap, positions.on_device)
+        return attend_blocks(query, key, value, positions.listed, spec, positions.on_device)
     if backend == "flex":
-        out = _flex(query, key, value, positions, scale, window, softcap)
+        out = _flex(query, key, value, positions, spec)
         if out is not None:
             return out
-    return _masked(query, key, value, positions, scale, window, softcap)
+    return _masked(query, key, value, positions, spec)
 
 
 def last_queries_weights(
@@ -235,20 +230,19 @@ def last_queries_weights(
     key: torch.Tensor,
     positions: QueryPositions,
     count: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """``[N]`` attention weights of ``query``'s queries (the last ``count`` of ``positions``)
     over ``key``, mean over heads and batch rows, summed over the queries (zero beyond the last
     query's position and outside its sliding window)."""
+    window, softcap = spec.window, spec.softcap
     last = positions.listed[-1]
     first = max(0, positions.listed[-count] - window + 1) if window else 0
     k = key[:, :, first : last + 1]  # [batch, kv_heads, keys, dim], a view: no copy of K
     batch, kv_heads = k.shape[:2]
     # [batch, kv_heads, groups, queries, dim]
     q = query.to(k.dtype).view(batch, kv_heads, -1, count, query.shape[-1])
-    scores = torch.matmul(q, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [..., queries, keys]
+    scores = torch.matmul(q, k.transpose(-1, -2).unsqueeze(2)).float() * spec.scale  # [..., queries, keys]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     if count > 1 or window:
@@ -285,14 +279,14 @@ def _allowed(positions: QueryPositions, first: int, last: int, window: int | Non
     return cache[tag]
 
 
-def _masked(query, key, value, positions: QueryPositions, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def _masked(query, key, value, positions: QueryPositions, spec: AttentionSpec) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
-    first, last = _key_range(positions, window)
-    allowed = _allowed(positions, first, last, window, query.device)
+    first, last = _key_range(positions, spec.window)
+    allowed = _allowed(positions, first, last, spec.window, query.device)
     k, v = key[:, :, first:last], value[:, :, first:last]
-    if softcap:
-        return _eager_softcap(query, k, v, allowed, scale, softcap, groups)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
+    if spec.softcap:
+        return _eager_softcap(query, k, v, allowed, spec, groups)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=groups > 1)
 
 
 # ---------------------------------------------------------------------- FlexAttention
@@ -358,15 +352,14 @@ def _flex_uses_compiled(device: torch.device) -> bool:
     return device.type == "cuda" or getattr(_state, "flex_backend", None) is not None
 
 
-def _flex(
-    query, key, value, positions: QueryPositions, scale: float, window: int | None, softcap: float | None
-) -> torch.Tensor | None:
+def _flex(query, key, value, positions: QueryPositions, spec: AttentionSpec) -> torch.Tensor | None:
     """One FlexAttention call; ``None`` when the compiled kernel cannot be built (the caller
     then uses one masked SDPA call)."""
     functions = _flex_functions(getattr(_state, "flex_backend", None) or "inductor")
     if functions is None:
         raise InvalidInputError("attention backend 'flex' needs torch>=2.5 (FlexAttention); use 'masked_sdpa'")
     eager, compiled, create_block_mask = functions
+    window, softcap = spec.window, spec.softcap
     first, last = _key_range(positions, window)
     k, v = key[:, :, first:last], value[:, :, first:last]
     device = query.device
@@ -383,7 +376,7 @@ def _flex(
 
         cache[tag] = create_block_mask(mask_mod, None, None, query.shape[2], last - first, device=device)
     groups = query.shape[1] // key.shape[1]
-    call = dict(score_mod=_softcap_score(softcap), block_mask=cache[tag], scale=scale, enable_gqa=groups > 1)
+    call = dict(score_mod=_softcap_score(softcap), block_mask=cache[tag], scale=spec.scale, enable_gqa=groups > 1)
     if compiled is None or not _flex_uses_compiled(device):
         return eager(query, k, v, **call)
     signature = (query.dtype, query.shape[-1], groups, window is not None, softcap is not None, device.type)
@@ -413,9 +406,7 @@ def attend_blocks(
     key: torch.Tensor,
     value: torch.Tensor,
     positions: list[int],
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
     on_device: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries at sorted ``positions`` over keys ``0..N-1``, in blocks of 32 queries, each
@@ -426,16 +417,14 @@ def attend_blocks(
         key: ``[batch, kv_heads, N, dim]``.
         value: ``[batch, kv_heads, N, dim]``.
         positions: Absolute position of each query, ascending.
-        scale: Softmax scale.
-        window: Sliding window, or ``None``.
-        softcap: Logit softcapping, or ``None``.
+        spec: The layer's scale, sliding window and softcap.
         on_device: ``positions`` as a tensor on the queries' device (else each block's
             positions are copied there).
 
     Returns:
         ``[batch, heads, queries, dim]``.
     """
-    groups = query.shape[1] // key.shape[1]
+    groups, window = query.shape[1] // key.shape[1], spec.window
     out = torch.empty_like(query)
     for start in range(0, len(positions), _QUERY_BLOCK):
         end = min(start + _QUERY_BLOCK, len(positions))
@@ -452,21 +441,21 @@ def attend_blocks(
         k = key[:, :, first_key:last]
         v = value[:, :, first_key:last]
         q = query[:, :, start:end]
-        if softcap:
-            out[:, :, start:end] = _eager_softcap(q, k, v, allowed, scale, softcap, groups)
+        if spec.softcap:
+            out[:, :, start:end] = _eager_softcap(q, k, v, allowed, spec, groups)
         else:
             out[:, :, start:end] = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, scale=scale, enable_gqa=groups > 1
+                q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=groups > 1
             )
     return out
 
 
-def _eager_softcap(q, k, v, allowed, scale: float, softcap: float, groups: int) -> torch.Tensor:
+def _eager_softcap(q, k, v, allowed, spec: AttentionSpec, groups: int) -> torch.Tensor:
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 

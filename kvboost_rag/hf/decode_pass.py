@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as torch_module
 
+from kvboost_rag.attention_backends.spec import AttentionSpec
 from kvboost_rag.hf.caches import BufferedCache, BufferedLayer, cache_tensors, truncate_cache
 from kvboost_rag.decode_weights.int8_siblings import SiblingProduct
 from kvboost_rag.hf.packed import (
@@ -145,8 +146,7 @@ class DecoderParts:
     activation: Product
     down: LinearProduct
     head_dim: int
-    scale: float
-    window: int | None
+    attention: AttentionSpec
 
 
 def _products(small_rows: SmallRowLinears) -> Callable[[torch.nn.Linear], LinearProduct]:
@@ -171,8 +171,7 @@ def _layer_parts(layer: torch.nn.Module, product: Callable[[torch.nn.Linear], Li
         activation=mlp.act_fn,
         down=product(mlp.down_proj),
         head_dim=int(attention.head_dim),
-        scale=float(attention.scaling),
-        window=window or None,
+        attention=AttentionSpec(float(attention.scaling), window or None),
     )
 
 
@@ -274,7 +273,7 @@ class DecodePass:
             query, key = parts.query_norm(query), parts.key_norm(key)  # type: ignore[misc]
         query, key = parts.rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         keys, values = write_runs(runs, cache_layers, key, value.transpose(1, 2))
-        out = attend_runs(i, query, keys, values, runs, parts.scale, parts.window, None)
+        out = attend_runs(i, query, keys, values, runs, parts.attention)
         return parts.output(out.transpose(1, 2).reshape(1, tokens, -1))
 
     @classmethod

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvboost_rag.attention_backends.spec import AttentionSpec
 from kvboost_rag.hf.caches import BufferedCache, BufferedLayer
 from kvboost_rag.attention_backends.ragged import ONE_CALL_MAX_TOKENS, in_one_call, last_tokens_attention, one_call_setting
 from kvboost_rag.attention_backends.sparse import QueryPositions, attend, last_queries_weights
@@ -234,10 +235,8 @@ def packed_attention(
     layer, keys, values, runs = rows
     _state.rows = None
     _state.calls = getattr(_state, "calls", 0) + 1
-    window = kwargs.get("sliding_window") or None
-    softcap = kwargs.get("softcap") or None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return attend_runs(layer, query, keys, values, runs, scale, window, softcap).transpose(1, 2).contiguous(), None
+    spec = AttentionSpec.of_call(query, scaling, kwargs)
+    return attend_runs(layer, query, keys, values, runs, spec).transpose(1, 2).contiguous(), None
 
 
 def write_runs(
@@ -262,23 +261,21 @@ def attend_runs(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     runs: Sequence[Run],
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """Each run's queries (its span of ``query`` ``[1, heads, T, dim]``) over its own K/V,
-    causal by position, recording what a run asks to record in layer ``layer``; ``[1, heads,
-    T, dim]``."""
+    causal by position (the layer's ``spec``: scale, window, softcap), recording what a run
+    asks to record in layer ``layer``; ``[1, heads, T, dim]``."""
     out = torch.empty_like(query)
-    done = _short_rows_together(query, keys, values, runs, scale, window, softcap, out)
+    done = _short_rows_together(query, keys, values, runs, spec, out)
     for i, (run, k, v) in enumerate(zip(runs, keys, values)):
         q = query[:, :, run.start : run.stop]
         segment = run.segment
         if segment.record and (segment.record_layers is None or layer < segment.record_layers):
             count = min(segment.record, len(segment))
-            run.recorded.append(last_queries_weights(q[:, :, -count:], k, run.positions, count, scale, window, softcap))
+            run.recorded.append(last_queries_weights(q[:, :, -count:], k, run.positions, count, spec))
         if i not in done:
-            out[:, :, run.start : run.stop] = _segment_attention(q, k, v, run, scale, window, softcap)
+            out[:, :, run.start : run.stop] = _segment_attention(q, k, v, run, spec)
     return out
 
 
@@ -287,9 +284,7 @@ def _segment_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     run: Run,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """One segment's queries ``[1, heads, m, dim]`` over its keys, the kernel chosen by its
     shape: one product per K/V head for up to :data:`LAST_TOKENS_MAX` tokens that are the last
@@ -299,13 +294,13 @@ def _segment_attention(
     groups = query.shape[1] // key.shape[1]
     visible = run.last + 1  # no query sees a key past the last one's position
     key, value = key[:, :, :visible], value[:, :, :visible]
-    every_key = softcap is None and (window is None or window >= visible)
+    every_key = spec.softcap is None and (spec.window is None or spec.window >= visible)
     m = query.shape[2]
     if every_key and run.contiguous and m <= LAST_TOKENS_MAX and query.device.type == "cpu" and query.dtype == torch.float32:
-        return last_tokens_attention(query, key, value, scale)
+        return last_tokens_attention(query, key, value, spec.scale)
     if m == 1 and every_key:
-        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=groups > 1)
-    return attend(query, key, value, run.positions, scale, window, softcap)
+        return F.scaled_dot_product_attention(query, key, value, scale=spec.scale, enable_gqa=groups > 1)
+    return attend(query, key, value, run.positions, spec)
 
 
 def _short_rows_together(
@@ -313,15 +308,13 @@ def _short_rows_together(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     runs: Sequence[Run],
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    spec: AttentionSpec,
     out: torch.Tensor,
 ) -> set[int]:
     """Where one call pays (CUDA by default, see :func:`~kvboost_rag.attention_backends.ragged.one_call`),
     the short appended runs (decode and verify rows) attend in one padded SDPA call, written
     into ``out``; the indexes of the runs done."""
-    if softcap is not None:
+    if spec.softcap is not None:
         return set()
     short = [
         i for i, run in enumerate(runs)
@@ -343,7 +336,7 @@ def _short_rows_together(
         padded[b, :, : counts[b]] = query[0, :, run.start : run.stop]
         padded[b, :, counts[b] :] = query[0, :, run.stop - 1 : run.stop]  # padding: never read back
     groups = query.shape[1] // keys[short[0]].shape[1]
-    together = in_one_call(padded, [keys[i] for i in short], [values[i] for i in short], counts, scale, window, groups)
+    together = in_one_call(padded, [keys[i] for i in short], [values[i] for i in short], counts, spec, groups)
     for b, i in enumerate(short):
         run = runs[i]
         out[0, :, run.start : run.stop] = together[b, :, : counts[b]]

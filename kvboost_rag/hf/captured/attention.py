@@ -28,6 +28,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvboost_rag.attention_backends.spec import AttentionSpec
 from kvboost_rag.hf.captured.pool import KV_BLOCK, SlotPool
 
 try:
@@ -126,17 +127,15 @@ class AttentionRecord(NamedTuple):
     last_key: torch.Tensor
 
 
-def record_attention(
-    record: AttentionRecord, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float, window: int | None,
-    softcap: float | None,
-) -> None:
+def record_attention(record: AttentionRecord, layer: int, query: torch.Tensor, key: torch.Tensor, spec: AttentionSpec) -> None:
     """Write layer ``layer``'s weights of the recorded queries into ``record.weights``: scores
     in the keys' dtype, then float32 (softcap as the layer applies it), masked to each query's
     rows (and window), softmax over the pool, mean over heads, sum over the queries."""
+    window, softcap = spec.window, spec.softcap
     kv_heads = key.shape[1]
     q = query[0][:, record.queries].to(key.dtype)  # [heads, count, dim]
     q = q.view(kv_heads, -1, q.shape[1], q.shape[2])  # [kv_heads, groups, count, dim]
-    scores = torch.matmul(q, key[0].transpose(-1, -2).unsqueeze(1)).float() * scale  # [kv_heads, groups, count, pool]
+    scores = torch.matmul(q, key[0].transpose(-1, -2).unsqueeze(1)).float() * spec.scale  # [kv_heads, groups, count, pool]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     rows = torch.arange(key.shape[2], device=key.device).view(1, -1)  # [1, pool]
@@ -251,9 +250,7 @@ def rows_attention(
     # (one token: right), so those steps use the main FlexAttention kernel.
     record = attention_mask.record
     if record is not None:
-        window = kwargs.get("sliding_window") or None
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        record_attention(record, module.layer_idx, query, key, scale, window, softcap)
+        record_attention(record, module.layer_idx, query, key, AttentionSpec.of_call(query, scaling, kwargs))
     options = {"FORCE_USE_FLEX_ATTENTION": True} if query.shape[2] > 1 else None
     out = flex_attention(
         query, key, value, score_mod=score_mod, block_mask=mask, scale=scaling,
