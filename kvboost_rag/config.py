@@ -364,12 +364,6 @@ class KVBoostSettings(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda[:N]', 'mps' or 'xpu', got {value!r}")
         return value
 
-    @property
-    def captured_pool_budget(self) -> int:
-        """Bytes of the captured steps' K/V pool where device memory is not planned (a CPU):
-        ``captured_pool_bytes``, or ``max_batch_cache_bytes`` when that is ``"auto"``."""
-        return self.max_batch_cache_bytes if self.captured_pool_bytes == "auto" else self.captured_pool_bytes
-
     def prefill_chunk_for(self, device_type: str) -> int:
         """Tokens per prefill chunk on a device of this type (``"cpu"``, ``"cuda"``, ...):
         ``prefill_chunk_tokens``, or its ``"auto"`` value for the device."""

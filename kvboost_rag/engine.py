@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvboost_rag.cache.device_memory import DeviceMemoryPlan, free_device_memory, plan_device_memory
+from kvboost_rag.cache.device_memory import DeviceMemoryPlan, device_memory_plan
 from kvboost_rag.cache.manager import STATS_FLUSH_SECONDS, CacheManager, queued_bytes_bound
 from kvboost_rag.cache.storage import build_store
 from kvboost_rag.config import KVBoostSettings
@@ -103,12 +103,12 @@ class KVBoost:
         self.fingerprint = adapter.fingerprint([f"bits={settings.kv_cache_bits}", f"group={settings.kv_group_size}"])
         page_out_input_embeddings(self.model)  # the fingerprint read the whole table; lookups need rows
         memory = self._device_memory_plan(adapter, settings)
-        store = build_store(settings, adapter.device, None if memory is None else memory.device_tier_bytes)
+        store = build_store(settings, adapter.device, memory.device_tier_bytes)
         self._cache = cache = CacheManager(store, self.fingerprint, adapter.layout, settings, adapter.device, adapter.dtype)
         self._chat = ChatTemplate(tokenizer)
         tokenizing = Tokenizing(tokenizer, adapter, cache.index.known_documents)
         planner = Planner(root_hash(self.fingerprint), settings.chunk_size, cache.index.known_documents)
-        self._build_captured(adapter, settings, settings.captured_pool_budget if memory is None else memory.pool_bytes)
+        self._build_captured(adapter, settings, memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes, settings.decode_weights)
             trim_heap()  # the copies' temporaries
@@ -176,21 +176,17 @@ class KVBoost:
             )
 
     @staticmethod
-    def _device_memory_plan(adapter: ModelAdapter, settings: KVBoostSettings) -> DeviceMemoryPlan | None:
-        """The captured steps' pool and the device tier sized together from the device memory
-        free after the model loaded; ``None`` where free memory cannot be read (a CPU)."""
-        free = free_device_memory(adapter.device)
-        if free is None:
-            return None
-        wanted = captured_steps_wanted(settings.captured_steps, adapter.device)
-        plan = plan_device_memory(
-            free, adapter.kv_bytes_per_token, adapter.context_window,
-            pool=settings.captured_pool_bytes if wanted else None, device_tier=settings.device_cache_bytes,
+    def _device_memory_plan(adapter: ModelAdapter, settings: KVBoostSettings) -> DeviceMemoryPlan:
+        """The captured steps' pool and the device tier sized together, by the one rule of
+        :func:`~kvboost_rag.cache.device_memory.device_memory_plan`."""
+        plan = device_memory_plan(
+            settings, adapter.device, adapter.kv_bytes_per_token, adapter.context_window,
+            captured=captured_steps_wanted(settings.captured_steps, adapter.device),
             staged_bytes=queued_bytes_bound(settings),
         )
         logger.info(
-            "device memory: %.1f GiB free; captured steps' pool %.1f GiB, device tier %.1f GiB",
-            free / 1024**3, plan.pool_bytes / 1024**3, plan.device_tier_bytes / 1024**3,
+            "device memory: captured steps' pool %.1f GiB, device tier %.1f GiB",
+            plan.pool_bytes / 1024**3, plan.device_tier_bytes / 1024**3,
         )
         return plan
 

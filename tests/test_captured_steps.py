@@ -420,7 +420,6 @@ def test_settings_and_mode(caplog):
     assert KVBoostSettings(captured_token_buckets=(8, 1, 1)).captured_token_buckets == (1, 8)
     with pytest.raises(ValueError, match="powers of two"):
         KVBoostSettings(captured_token_buckets=(3,))
-    assert KVBoostSettings().captured_pool_budget == KVBoostSettings().max_batch_cache_bytes
     adapter = ModelAdapter(tiny_model("llama"), tiny_tokenizer())
     assert build_captured_rows(adapter, "auto", 10**9, (1,)) is None  # a CPU: not wanted
     assert build_captured_rows(adapter, "on", 1000, (1,)) is None

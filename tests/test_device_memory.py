@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost_rag.cache.device_memory import MIN_HEADROOM_BYTES, plan_device_memory
+from kvboost_rag.cache.device_memory import (
+    DEVICE_TIER_FALLBACK_BYTES,
+    MIN_HEADROOM_BYTES,
+    DeviceMemoryPlan,
+    device_memory_plan,
+    plan_device_memory,
+)
+from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.cache.codec import KVLayout
 from kvboost_rag.hf.captured.pool import SlotPool, plan_capacities, round_to_block
 
@@ -70,3 +77,17 @@ def test_room_for_the_write_backs_staged_device_copies_is_kept_beside_the_headro
     kept = plan_device_memory(free, PER_TOKEN_8B, WINDOW_8B, pool="auto", device_tier="auto", staged_bytes=staged)
     assert kept.pool_bytes + kept.device_tier_bytes <= free - MIN_HEADROOM_BYTES - staged
     assert kept.pool_bytes + kept.device_tier_bytes < plain.pool_bytes + plain.device_tier_bytes
+
+
+def test_where_free_memory_cannot_be_read_the_same_rule_sizes_both():
+    """A CPU (or a CUDA device whose runtime does not answer): an ``"auto"`` pool takes
+    ``max_batch_cache_bytes``, an ``"auto"`` device tier the fallback; numbers are kept."""
+    auto = plan_device_memory(None, PER_TOKEN_8B, WINDOW_8B, pool="auto", device_tier="auto", batch_bytes=3 * GiB)
+    assert auto == DeviceMemoryPlan(pool_bytes=3 * GiB, device_tier_bytes=DEVICE_TIER_FALLBACK_BYTES)
+    assert plan_device_memory(None, PER_TOKEN_8B, WINDOW_8B, pool=None, device_tier=5) == DeviceMemoryPlan(0, 5)
+    assert plan_device_memory(None, PER_TOKEN_8B, WINDOW_8B, pool=7, device_tier=0).pool_bytes == 7
+    settings = KVBoostSettings(max_batch_cache_bytes=2 * GiB)
+    on_cpu = device_memory_plan(settings, torch.device("cpu"), PER_TOKEN_8B, WINDOW_8B, captured=True, staged_bytes=GiB)
+    assert on_cpu.pool_bytes == 2 * GiB
+    eager = device_memory_plan(settings, torch.device("cpu"), PER_TOKEN_8B, WINDOW_8B, captured=False, staged_bytes=GiB)
+    assert eager.pool_bytes == 0

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kvboost_rag.cache.device_memory import free_device_memory
+from kvboost_rag.cache.device_memory import free_device_memory, plan_device_memory
 from kvboost_rag.cache.storage.base import (
     HOST_TENSORS,
     KIND_FIELD,
@@ -51,21 +51,6 @@ logger = logging.getLogger(__name__)
 #: Once per process: a tier other processes write, shared without ``cache_secret_key``.
 _unsigned_tier_warnings = RateLimitedLogger(logger, interval_seconds=math.inf)
 
-#: Share of the GPU memory free at build time that ``device_cache_bytes="auto"`` takes.
-DEVICE_CACHE_SHARE = 0.5
-#: ``device_cache_bytes="auto"`` where the free memory cannot be read (no CUDA runtime).
-DEVICE_CACHE_FALLBACK = 1024**3
-
-
-def device_budget(setting: int | str, device: torch.device | str) -> int:
-    """Bytes of the device tier: the setting, or for ``"auto"`` :data:`DEVICE_CACHE_SHARE` of
-    the device's free memory now (:data:`DEVICE_CACHE_FALLBACK` when it cannot be read)."""
-    if setting != "auto":
-        return int(setting)
-    free = free_device_memory(torch.device(device))
-    return DEVICE_CACHE_FALLBACK if free is None else int(free * DEVICE_CACHE_SHARE)
-
-
 def warn_if_shared_without_key(settings: KVBoostSettings) -> bool:
     """Warn (once per process) when a disk folder or Redis is shared without
     ``cache_secret_key``: its entries then carry a SHA-256 checksum only, so whoever can write
@@ -103,8 +88,7 @@ def build_store(
     tier evicts; a folder given explicitly is a write-through tier (every entry is written, so
     other processes and restarts find it).
 
-    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_cache_bytes`` (unless 0;
-    ``"auto"``: :func:`device_budget`)
+    With ``device`` a CUDA device, a :class:`DeviceTier` of ``device_tier_bytes`` (unless 0)
     goes on top and the memory tier keeps its tensors in pinned memory
     (:class:`PinnedMemoryTier`), so promotions to the device are asynchronous copies.
 
@@ -117,7 +101,8 @@ def build_store(
         device: The device the model runs on; ``None`` or a CPU device adds no device tier.
         device_tier_bytes: The device tier's budget as planned with the rest of the device's
             memory (:func:`~kvboost_rag.cache.device_memory.plan_device_memory`); ``None``:
-            from ``device_cache_bytes`` (:func:`device_budget`).
+            planned by the same rule from ``device_cache_bytes`` alone (no captured steps'
+            pool).
 
     Raises:
         ImportError: ``redis_url`` is set but the ``redis`` package is missing.
@@ -133,7 +118,8 @@ def build_store(
     elif device_tier_bytes is not None:
         device_bytes = device_tier_bytes
     else:
-        device_bytes = device_budget(settings.device_cache_bytes, device)
+        free = free_device_memory(torch.device(device))
+        device_bytes = plan_device_memory(free, 0, 0, pool=None, device_tier=settings.device_cache_bytes).device_tier_bytes
     if device_bytes > 0:
         tiers.append(DeviceTier(device_bytes, device))
     tiers.append(PinnedMemoryTier(settings.max_cache_bytes) if accelerator else MemoryTier(settings.max_cache_bytes))

@@ -13,7 +13,7 @@
 
 How the engine uses them::
 
-    # at load (settings: captured_steps, captured_pool_budget, captured_token_buckets)
+    # at load (settings: captured_steps, captured_pool_bytes, captured_token_buckets)
     steps = build_captured_rows(adapter, mode, pool_bytes, token_buckets)  # None: all eager
     # a prompt: a slot for its prompt and every token it may decode (else the eager path)
     slot = steps.pool.acquire(prompt_tokens + reserve)
