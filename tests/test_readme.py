@@ -203,3 +203,15 @@ DOCS_SAMPLES = [sample for sample in SAMPLES if sample[0] != README]
 def test_docs_sample_runs(sample, capsys):
     page, index, code = sample
     run_sample(page, index, code)
+
+
+def test_the_settings_table_names_every_setting_once():
+    """docs/api.md's table of settings by what they govern lists each field of
+    ``KVBoostSettings`` in exactly one group, and nothing that is no field."""
+    from kvboost_rag.config import KVBoostSettings
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = page.split("## Settings by what they govern", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| governs")]
+    named = [name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split(" | ", 1)[1])]
+    assert sorted(named) == sorted(KVBoostSettings.model_fields), set(named) ^ set(KVBoostSettings.model_fields)
