@@ -130,7 +130,8 @@ def test_the_engine_reads_four_bit_runs_as_stored_only_where_decode_weights_says
     with torch.inference_mode():
         outside = layer(x)
         with auto.active():
-            inside = layer(x)
+            inside = auto.in_view(layer)(x)
+            assert torch.equal(layer(x), outside)  # the model's own module: never routed
     assert torch.equal(outside, F.linear(x, layer.weight))  # outside the steps: the model's own product
     assert not torch.equal(inside, outside) and torch.allclose(inside, outside, rtol=0.05, atol=1e-3)
     auto.restore()
@@ -194,4 +195,4 @@ def test_prompt_work_beside_decode_rows_reads_the_models_own_weights():
     torch.testing.assert_close(together[1].logits, row_alone.logits, rtol=0, atol=1e-5)
     assert not torch.allclose(row_alone.logits, row_on_own_weights.logits, rtol=0, atol=1e-4)  # the rows read the runs
     with adapter.small_rows.active(0):  # no decode rows: the prompt's own weights
-        assert torch.equal(adapter.model.lm_head(torch.ones(1, 2, 64)), F.linear(torch.ones(1, 2, 64), adapter.model.lm_head.weight))
+        assert torch.equal(adapter.decoding_model().lm_head(torch.ones(1, 2, 64)), F.linear(torch.ones(1, 2, 64), adapter.model.lm_head.weight))

@@ -139,9 +139,10 @@ def test_the_int8_copy_serves_only_inside_steps_and_holds_a_quarter_of_the_bytes
         own = F.linear(x, layer.weight, layer.bias)
         assert torch.equal(layer(x), own)  # outside a step: the model's own product
         with torch.inference_mode(), chosen.active():
-            inside = layer(x)
+            inside = chosen.in_view(layer)(x)
+            assert torch.equal(layer(x), own)  # the model's own module: never routed
             wide = torch.randn(small_rows.MAX_ROWS + 1, layer.in_features)
-            assert torch.equal(layer(wide), F.linear(wide, layer.weight, layer.bias))  # a prefill: the own weights
+            assert torch.equal(chosen.in_view(layer)(wide), F.linear(wide, layer.weight, layer.bias))  # a prefill: the own weights
         assert not torch.equal(inside, own)
         dequantized = chosen.weights[layer].dequantized()
         unbiased = inside - (layer.bias if layer.bias is not None else 0)

@@ -84,8 +84,9 @@ def test_the_int8_kernel_check_passes_and_every_grouped_layer_routes_through_its
     assert not isinstance(chosen.weights[model.lm_head], SiblingProduct)
     attention = model.model.layers[0].self_attn
     x = torch.randn(1, 1, attention.q_proj.in_features)
+    view = chosen.in_view(attention)
     with chosen.active():
-        inside = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+        inside = [view.q_proj(x), view.k_proj(x), view.v_proj(x)]
     for layer, got in zip((attention.q_proj, attention.k_proj, attention.v_proj), inside):
         dequantized = chosen.weights[layer].dequantized()
         assert chosen.weights[layer].within_rounding(got - layer.bias, F.linear(x, dequantized), x, dequantized)

@@ -58,12 +58,14 @@ Xeon (AVX-512), over all of Qwen2.5 0.5B's layers on 2 threads (``bench/int8_ker
 ``F.linear`` took 84.5 / 148.3 / 201.4 / 190.9 ms at 1 / 4 / 8 / 16 rows, the packed copy 101.7 /
 114.0 / 131.8 / 160.0, int8 45.0 / 61.4 / 71.6 / 90.5.
 
-The chosen kernel runs only on the decode and verify rows of the engine's steps, in the thread
-that runs them (:meth:`SmallRowLinears.active`), at most :data:`MAX_ROWS` of them: the prompt
-work a packed pass carries beside them (a prefill slice, the tokens after a prefix hit, the
-repair's passes, a document being warmed), prefill passes, and anything else that calls the
-model (``model.generate`` included), run ``F.linear`` over the model's own weights, so reuse
-stays exact whatever decode reads.
+The chosen kernel runs only on the decode and verify rows of the engine's steps, at most
+:data:`MAX_ROWS` of them, through a view of the model (:attr:`SmallRowLinears.view`: its module
+tree copied, sharing every weight, each routed layer's copy calling its kernel): the user's own
+modules are never changed, so anything else that calls the model (``model.generate`` included)
+runs it as it was. Within a pass through the view (:meth:`SmallRowLinears.active`) the prompt
+work it carries beside the decode rows (a prefill slice, the tokens after a prefix hit, the
+repair's passes, a document being warmed) runs ``F.linear`` over the model's own weights, so
+reuse stays exact whatever decode reads.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from kvboost_rag.decode_weights.four_bit_groups import FourBitLinear, four_bit_l
 from kvboost_rag.decode_weights.int8_rows import Int8Linear, dequantize_rows, int8_available, int8_linear, quantize_rows
 from kvboost_rag.decode_weights.int8_siblings import SiblingProduct, fused_int8, sibling_groups
 from kvboost_rag.decode_weights.stored_int8 import stored_int8_linears
+from kvboost_rag.module_views import shared_copy
 from kvboost_rag.thread_state import thread_setting
 
 logger = logging.getLogger(__name__)
@@ -111,13 +114,10 @@ AGREEMENT_ROWS = 512
 #: to the first near tie on at least 95% of the quality bench's prompts with a median per-step
 #: next-token KL of at most 0.001 (``bench/int8_quality.py``; docs/benchmarks.md).
 INT8_BY_DEFAULT: frozenset[tuple[str, int, int, int]] = frozenset({("qwen2", 896, 24, 151936)})
-#: Marks a ``forward`` this module installed (a second engine on the same model re-routes it).
-ROUTED = "_kvboost_small_rows"
-#: Whether this thread's pass decodes on the small-row kernels (``on``, ``rows``) and the
-#: input held between the split head's two products (``head``): the routed ``forward`` is
-#: called by the model's own modules with ``forward``'s arguments only, so the pass sets
-#: these around it; thread-local so that a forward on another thread (the user's own
-#: ``generate`` on the same model) runs the module as it was.
+#: How many of this thread's pass's rows are decode rows (``rows``) and the input held between
+#: the split head's two products (``head``): the routed ``forward`` of the decode view is
+#: called by the model's own modules with ``forward``'s arguments only, so the pass sets these
+#: around it; thread-local so that passes on other threads keep their own.
 _state = threading.local()
 
 
@@ -130,16 +130,11 @@ def _product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
 
 def plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's plain ``nn.Linear`` layers: no subclass, no accelerate hook, no ``forward``
-    another library put in place of theirs (one this module routed counts as theirs)."""
-    found = []
-    for module in model.modules():
-        own = module.__dict__.get("forward")
-        if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
-            continue
-        if own is not None and not getattr(own, ROUTED, False):  # another library's forward
-            continue
-        found.append(module)
-    return found
+    another library put in place of theirs."""
+    return [
+        module for module in model.modules()
+        if type(module) is torch.nn.Linear and not hasattr(module, "_hf_hook") and "forward" not in vars(module)
+    ]
 
 
 def eligible_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -180,6 +175,9 @@ class SmallRowLinears:
         four_bit: The layers whose weights are 4-bit runs, read as stored at every row count
             (:mod:`kvboost_rag.decode_weights.four_bit_groups`); not in :attr:`weights`, their copies'
             bytes in :attr:`copy_bytes`.
+        view: The model as decode and verify steps run it (:meth:`install`): a view of its
+            module tree sharing every weight, whose routed layers call their kernel; the
+            user's own modules are never changed. ``None`` until installed, or nothing routed.
     """
 
     kernel: SmallRowKernel = "off"
@@ -187,6 +185,8 @@ class SmallRowLinears:
     copy_bytes: int = 0
     min_rows: int = 1
     four_bit: dict[torch.nn.Linear, FourBitLinear | SiblingProduct] = field(default_factory=dict)
+    view: torch.nn.Module | None = None
+    _copies: dict[torch.nn.Module, torch.nn.Module] = field(default_factory=dict, repr=False)
 
     @property
     def routed(self) -> bool:
@@ -216,17 +216,39 @@ class SmallRowLinears:
         routes.update((module, (product, 1)) for module, product in self.four_bit.items())
         return routes
 
-    def install(self) -> None:
-        """Route the layers' calls through the kernel while :meth:`active` (once, at load)."""
-        for module, (product, min_rows) in self.routes().items():
-            routed = types.MethodType(_routed_forward(product, min_rows), module)
-            setattr(routed.__func__, ROUTED, True)
-            module.forward = routed
+    def install(self, model: torch.nn.Module) -> bool:
+        """Build :attr:`view`: ``model``'s module tree shared, each routed layer's copy calling
+        its kernel for the decode rows of a pass within :meth:`active` (once, at load).
+
+        Returns:
+            Whether the view was built; where a module of ``model`` overrides ``forward`` on
+            the instance (a dispatch hook), nothing is routed (:meth:`restore`).
+        """
+        routes = self.routes()
+        copies: dict[torch.nn.Module, torch.nn.Module] = {}
+
+        def route(module: torch.nn.Module, copied: torch.nn.Module) -> None:
+            copies[module] = copied
+            if module in routes:
+                copied.forward = types.MethodType(_routed_forward(*routes[module]), copied)
+
+        try:
+            self.view = shared_copy(model, route) if routes else None
+        except ValueError as exc:
+            logger.info("small-row kernel not used: %s", exc)
+            self.restore()
+            return False
+        self._copies = copies
+        return self.view is not None
+
+    def in_view(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The view's copy of one of the model's modules (what decode steps call)."""
+        return self._copies[module]
 
     def restore(self) -> None:
-        """Give the layers back their own ``forward`` and drop the copies."""
-        for module in [*self.weights, *self.four_bit]:
-            module.__dict__.pop("forward", None)
+        """Drop the view and the copies (the model's own modules were never changed)."""
+        self.view = None
+        self._copies = {}
         self.weights.clear()
         self.four_bit.clear()
         self.copy_bytes = 0
@@ -234,15 +256,15 @@ class SmallRowLinears:
 
     @contextmanager
     def active(self, decode_rows: int | None = None) -> Iterator[None]:
-        """Within the block (this thread), the layers take decode and verify rows of up to
-        :data:`MAX_ROWS` through the kernel.
+        """Within the block (this thread), the layers of :attr:`view` take decode and verify
+        rows of up to :data:`MAX_ROWS` through the kernel.
 
         Args:
             decode_rows: How many of each layer input's first rows are decode and verify rows
                 (a packed pass's decode segments come first); the rows after them (prompt work)
                 read the model's own weights. ``None``: every row.
         """
-        with thread_setting(_state, "on", self.routed), thread_setting(_state, "rows", decode_rows):
+        with thread_setting(_state, "rows", decode_rows):
             try:
                 yield
             finally:
@@ -253,8 +275,6 @@ def _routed_forward(
     run: Callable[[torch.Tensor], torch.Tensor], min_rows: int
 ) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
     def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not getattr(_state, "on", False):
-            return F.linear(x, module.weight, module.bias)
         rows = x.numel() // module.in_features
         decode = getattr(_state, "rows", None)
         decode = rows if decode is None else min(decode, rows)
@@ -323,7 +343,7 @@ def choose_kernel(
     timed.
 
     Args:
-        model: The model (its layers' ``forward`` is routed when a kernel is chosen).
+        model: The model (never changed: decode runs a view of it, :attr:`SmallRowLinears.view`).
         setting: The kernel over the model's own float32 weights: ``"auto"`` (the rule in the
             module's doc), or the kernel to use where it applies.
         packed_bytes: Most bytes the packed copies may take (``"packed"`` is not used beyond it).
@@ -340,8 +360,6 @@ def choose_kernel(
     plain = plain_linears(model)
     eligible = [module for module in plain if _dense_float32(module.weight)]  # eligible_linears, one walk
     stored = stored_int8_linears(plain)
-    for module in [*eligible, *stored]:  # routed by an earlier engine on this model: decided anew
-        module.__dict__.pop("forward", None)
     reads = decode_reads(model, decode_weights)
     if stored and reads != "int8" and int8_available():
         logger.info(
@@ -354,7 +372,7 @@ def choose_kernel(
     chosen = _rest_kernel(model, rest, stored, setting, packed_bytes, reads)
     chosen.four_bit = four_bit
     chosen.copy_bytes += sum(copy.nbytes for copy in four_bit.values())
-    return _installed(chosen, len(eligible) + len(stored))
+    return _installed(model, chosen, len(eligible) + len(stored))
 
 
 def _four_bit_copies(model: torch.nn.Module, eligible: Sequence[torch.nn.Linear]) -> dict[torch.nn.Linear, FourBitLinear | SiblingProduct]:
@@ -427,9 +445,8 @@ def float_kernel_min_rows(vendor: str | None = None) -> int:
     return OWN_PRODUCT_ROWS_ON_INTEL + 1 if vendor == "GenuineIntel" else 1
 
 
-def _installed(linears: SmallRowLinears, layers: int) -> SmallRowLinears:
-    if linears.routed:
-        linears.install()
+def _installed(model: torch.nn.Module, linears: SmallRowLinears, layers: int) -> SmallRowLinears:
+    if linears.routed and linears.install(model):
         logger.info(
             "small-row kernel for decode and verify steps: %d of %d layers read as stored 4-bit runs, the others %s "
             "from %d rows (copies %d MiB)",

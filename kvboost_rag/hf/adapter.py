@@ -153,6 +153,12 @@ class ModelAdapter:
 
     # ----------------------------------------------------------------- forward passes
     @torch.inference_mode()
+    def decoding_model(self, decode: bool = True) -> torch.nn.Module:
+        """What a pass runs: for decode and verify rows (``decode``) the small-row kernels' view
+        of the model where one is installed (:attr:`SmallRowLinears.view`), else the model."""
+        view = self.small_rows.view if decode else None
+        return self.model if view is None else view
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -160,6 +166,7 @@ class ModelAdapter:
         cache: ModelCache,
         sparse_queries: bool = False,
         logits_to_keep: int = 1,
+        decode: bool = False,
     ) -> torch.Tensor:
         """Run ``input_ids`` ``[n]`` at ``position_ids`` ``[n]`` on top of ``cache``.
 
@@ -171,11 +178,14 @@ class ModelAdapter:
                 :class:`BufferedCache` that holds every prompt position; attention is made
                 causal by position (:mod:`kvboost_rag.attention_backends.sparse`).
             logits_to_keep: Logits of this many last tokens are returned.
+            decode: The tokens are a decode or verify row: they run through the small-row
+                kernels' view of the model (:meth:`decoding_model`).
 
         Returns:
             Logits of the last input token, ``[vocab]`` float32; with ``logits_to_keep > 1``,
             ``[logits_to_keep, vocab]``.
         """
+        model = self.decoding_model(decode)
         call = dict(
             input_ids=host_to_device(input_ids.view(1, -1), self.device),
             position_ids=host_to_device(position_ids.view(1, -1), self.device),
@@ -185,10 +195,10 @@ class ModelAdapter:
         )
         if not sparse_queries:
             with self._attention.own():
-                logits = self.model(**call).logits
+                logits = model(**call).logits
         else:
             with self._attention.use(ATTENTION_NAME), query_positions(position_ids, self.device):
-                logits = self.model(**call).logits
+                logits = model(**call).logits
         return logits[0, -1].float() if logits_to_keep == 1 else logits[0, -logits_to_keep:].float()
 
     @torch.inference_mode()
@@ -230,7 +240,7 @@ class ModelAdapter:
         index = logits_index(runs)
         decode_rows = sum(len(run.segment) for run in runs if run.segment.decode)
         with self._attention.use(PACKED_ATTENTION), self.small_rows.active(decode_rows):
-            out = self.model(
+            out = self.decoding_model(decode_rows > 0)(
                 input_ids=host_to_device(packed_ids(runs), self.device),
                 position_ids=host_to_device(packed_positions(runs), self.device),
                 **{self._cache_keyword: PackedCache(runs)},
@@ -254,7 +264,8 @@ class ModelAdapter:
         small_rows = self.small_rows.active() if segment.decode else nullcontext()
         with recording as recorded, small_rows:
             logits = self.forward(
-                segment.ids, positions, cache, sparse_queries=not appended or held > 0, logits_to_keep=max(1, segment.logits)
+                segment.ids, positions, cache, sparse_queries=not appended or held > 0,
+                logits_to_keep=max(1, segment.logits), decode=segment.decode,
             )
         rows = None if not segment.logits else logits.view(-1, logits.shape[-1])
         depth = segment.record_layers

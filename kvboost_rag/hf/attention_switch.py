@@ -23,15 +23,9 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 
 from kvboost_rag.hf.packed import PACKED_ATTENTION, packed_attention
+from kvboost_rag.module_views import shared_copy
 from kvboost_rag.attention_backends.sparse import ATTENTION_NAME, sparse_causal_attention
 
-
-#: A module's forward hook tables: a view gets its own, so a hook put on the model for one pass
-#: (stopping after a layer, feeding a hidden state) does not fire in the view's passes.
-_FORWARD_HOOKS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-)
 
 def _no_mask(*_args: Any, **_kwargs: Any) -> None:
     """Mask function of the engine's attention functions: they need none."""
@@ -112,19 +106,9 @@ def model_with_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
             copied._attn_implementation = name
         return copied
 
-    def module_copy(module: torch.nn.Module) -> torch.nn.Module:
-        if "forward" in vars(module):
-            raise ValueError(f"{type(module).__name__} overrides forward on the instance (a dispatch hook)")
-        copied = copy.copy(module)
-        copied._modules = {key: None if child is None else module_copy(child) for key, child in module._modules.items()}
-        copied._parameters = dict(module._parameters)
-        copied._buffers = dict(module._buffers)
-        for hooks in _FORWARD_HOOKS:  # the hooks of now; hooks put on the model later stay its own
-            if hooks in vars(module):
-                setattr(copied, hooks, type(vars(module)[hooks])(vars(module)[hooks]))
+    def own_config(module: torch.nn.Module, copied: torch.nn.Module) -> None:
         config = vars(module).get("config")
         if isinstance(config, PretrainedConfig):
             copied.config = config_copy(config)
-        return copied
 
-    return module_copy(model)
+    return shared_copy(model, own_config)
