@@ -23,10 +23,19 @@ FORWARD_HOOKS = (
 
 
 def shared_copy(
-    model: torch.nn.Module, adjust: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None
+    model: torch.nn.Module,
+    adjust: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None,
+    own_hooks: bool = True,
 ) -> torch.nn.Module:
     """A copy of ``model``'s module tree sharing every parameter and buffer; ``adjust(module,
     copied)`` runs on each module's copy once its children are copied.
+
+    Args:
+        model: The model.
+        adjust: Called with each module and its copy.
+        own_hooks: The copies get copies of the modules' forward hook tables as they are now
+            (:data:`FORWARD_HOOKS`); ``False``: they share the modules' tables, so a hook put
+            on the model later runs in the view's passes too.
 
     Raises:
         ValueError: A module overrides ``forward`` on the instance (accelerate's dispatch
@@ -40,7 +49,7 @@ def shared_copy(
         copied._modules = {key: None if child is None else module_copy(child) for key, child in module._modules.items()}
         copied._parameters = dict(module._parameters)
         copied._buffers = dict(module._buffers)
-        for hooks in FORWARD_HOOKS:
+        for hooks in FORWARD_HOOKS if own_hooks else ():
             if hooks in vars(module):
                 setattr(copied, hooks, type(vars(module)[hooks])(vars(module)[hooks]))
         if adjust is not None:

@@ -15,6 +15,7 @@ from kvboost_rag import KVBoost
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.hf import decode_pass as decode_pass_module
 from kvboost_rag.hf.decode_pass import DecodePass, unsupported_reason
+from kvboost_rag.decode_weights import small_rows
 from kvboost_rag.decode_weights.int8_rows import int8_available
 from kvboost_rag.hf.packed import Segment
 from rag_prompts import rag_prompt
@@ -89,8 +90,16 @@ def test_a_hooked_model_keeps_the_models_pass():
 
 
 @torch.inference_mode()
-def test_a_hook_registered_after_load_is_called_in_decode_steps(tokenizer, docs):
-    engine = _engine(tokenizer, "llama")
+@pytest.mark.parametrize(
+    "kernel",
+    ["off", pytest.param("packed", marks=pytest.mark.skipif(not small_rows.onednn_available(), reason="no oneDNN"))],
+)
+def test_a_hook_registered_after_load_is_called_in_decode_steps(tokenizer, docs, monkeypatch, kernel):
+    if kernel == "packed":
+        monkeypatch.setattr(small_rows, "PACKED_MIN_BYTES", 0)  # tiny layers take the packed copy too
+        monkeypatch.setattr(small_rows, "float_kernel_min_rows", lambda vendor=None: 1)
+    engine = _engine(tokenizer, "llama", small_row_kernels=kernel)
+    assert (engine._adapter.small_rows.view is not None) == (kernel == "packed")
     adapter = engine._adapter
     ids = engine.tokenizer(rag_prompt(docs[:3], "Summarize.")).input_ids
     segments, lengths = _steps(adapter, ids)
@@ -101,6 +110,8 @@ def test_a_hook_registered_after_load_is_called_in_decode_steps(tokenizer, docs)
     _outputs(adapter.forward_packed, segments, lengths)
     assert calls == [1]
     handle.remove()
+    if adapter.small_rows.view is not None:  # decode rows run the view: the model's hooks run there too
+        assert adapter.decoding_model() is not engine.model
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: calls.append(2))
     try:
         assert not adapter.decode_pass.takes(segments)

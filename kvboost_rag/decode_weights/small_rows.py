@@ -233,7 +233,8 @@ class SmallRowLinears:
                 copied.forward = types.MethodType(_routed_forward(*routes[module]), copied)
 
         try:
-            self.view = shared_copy(model, route) if routes else None
+            # Hook tables shared: a hook the user puts on the model later runs in decode steps too.
+            self.view = shared_copy(model, route, own_hooks=False) if routes else None
         except ValueError as exc:
             logger.info("small-row kernel not used: %s", exc)
             self.restore()
