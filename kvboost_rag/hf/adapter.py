@@ -152,13 +152,13 @@ class ModelAdapter:
         return model_fingerprint(self.model, self.tokenizer, self.dtype, extra)
 
     # ----------------------------------------------------------------- forward passes
-    @torch.inference_mode()
     def decoding_model(self, decode: bool = True) -> torch.nn.Module:
         """What a pass runs: for decode and verify rows (``decode``) the small-row kernels' view
         of the model where one is installed (:attr:`SmallRowLinears.view`), else the model."""
         view = self.small_rows.view if decode else None
         return self.model if view is None else view
 
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
