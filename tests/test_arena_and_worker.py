@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import threading
 
-import pytest
 import torch
 
 from kvboost_rag.host_memory.arena import HostArena

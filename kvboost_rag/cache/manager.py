@@ -42,7 +42,7 @@ from kvboost_rag.log_limits import RateLimitedLogger
 from kvboost_rag.request.documents import (
     DocumentRecord,
 )
-from kvboost_rag.request.plan import PlacedDocument, PromptPlan
+from kvboost_rag.request.plan import PromptPlan
 from kvboost_rag.results import CacheStats, KVMemory
 
 logger = logging.getLogger(__name__)
