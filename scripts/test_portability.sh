@@ -12,6 +12,7 @@
 #    transformers, langchain-core and llama-index-core the packages admit
 #    (scripts/lowest_versions.py installs them into .venv-lowest, put first on PYTHONPATH).
 set -uo pipefail
+unset PYTHONDONTWRITEBYTECODE  # as scripts/test.sh: compile each module once, not in every process
 cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
 EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import threading
 
+import pytest
 import torch
 
 from kvboost_rag.host_memory.arena import HostArena
@@ -44,6 +45,28 @@ def test_a_range_comes_back_only_when_its_tensor_and_every_view_are_collected_an
     assert arena.used_bytes == 0
     reused = arena.take((256,))
     assert reused.data_ptr() == address and arena.segments == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_with_torch_asked_to_fill_new_memory_every_range_is_filled_when_taken_and_reused(dtype, monkeypatch):
+    """The suites run with torch's fill of new memory on: a range handed out again holds the
+    fill, not the earlier tensor's values, and a new segment is filled range by range."""
+    arena = HostArena(dtype, segment_bytes=8 * 1024)
+    first = arena.take((64,))
+    fill = torch.tensor(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max, dtype=dtype)
+    assert torch.equal(first, fill.expand(64)) or (dtype.is_floating_point and bool(first.isnan().all()))
+    first.fill_(3)
+    address = first.data_ptr()
+    del first
+    gc.collect()
+    again = arena.take((64,))
+    assert again.data_ptr() == address
+    assert bool(again.isnan().all()) if dtype.is_floating_point else bool((again == torch.iinfo(dtype).max).all())
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", False)
+    again.fill_(5)
+    del again
+    gc.collect()
+    assert bool((arena.take((64,)) == 5).all())  # without the fill a reused range keeps what it held
 
 
 def test_a_view_reads_what_was_written_while_a_later_tensor_takes_other_memory():

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvboost_rag.host_memory.arena import HostArena
+from kvboost_rag.host_memory.arena import HostArena, poison, poison_requested
 from kvboost_rag.generation.slots import Lease
 
 #: Capacities are rounded up to a multiple of this many tokens.
@@ -43,9 +43,9 @@ def _fill_uninitialized(buffers: Buffers) -> None:
     """What ``torch.empty`` does to new memory when torch is asked to fill it (deterministic
     mode with ``fill_uninitialized_memory``): NaN, so a reused range hides no read of a row
     nobody wrote."""
-    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+    if poison_requested():
         for tensor in buffers:
-            tensor.fill_(float("nan"))
+            poison(tensor)
 
 
 class HostBufferPool:

@@ -49,12 +49,36 @@ SEGMENT_BYTES = 64 * 1024**2
 ALIGNMENT = 64
 
 
+def poison_requested() -> bool:
+    """Whether torch is asked to fill new memory (deterministic mode with
+    ``fill_uninitialized_memory``, as the test suites run): then what the arena hands out is
+    filled the same way, each range when it is handed out, reused or not."""
+    return torch.are_deterministic_algorithms_enabled() and bool(torch.utils.deterministic.fill_uninitialized_memory)
+
+
+def poison(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` as torch fills new memory when asked to: NaN (floating point) or the
+    dtype's largest value."""
+    value = float("nan") if tensor.is_floating_point() else torch.iinfo(tensor.dtype).max
+    tensor.fill_(value)
+
+
+def _untouched_memory(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory as a 1-D ``uint8`` tensor, its pages not yet written: torch's
+    fill of new memory (deterministic mode) would write the whole segment at once, so the
+    ranges are filled one by one as they are handed out instead (page-locked memory is always
+    written as it is locked)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage(nbytes))
+
+
 class _Segment:
     """One allocation and its free ranges (``(start, length)`` in bytes, sorted, merged)."""
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         with torch.inference_mode(False):  # an ordinary tensor: views are usable anywhere
-            self.storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)  # [nbytes]
+            self.storage = _untouched_memory(nbytes, pinned)  # [nbytes]
         self.array = self.storage.numpy()  # the same memory, sliced into ranges
         self.nbytes = nbytes
         self.free: list[tuple[int, int]] = [(0, nbytes)]
@@ -132,8 +156,9 @@ class HostArena:
             return self._taken
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` (uninitialized) whose range returns to the arena
-        once it and every view of it are collected."""
+        """A contiguous tensor of ``shape`` (uninitialized, or filled as torch fills new memory
+        where it is asked to: :func:`poison_requested`) whose range returns to the arena once it
+        and every view of it are collected."""
         nbytes = max(1, prod(shape)) * self._element
         length = -(-nbytes // ALIGNMENT) * ALIGNMENT
         with self._locked():
@@ -141,7 +166,10 @@ class HostArena:
             self._taken += length
             self.tensors_taken += 1
         piece = segment.array[start : start + prod(shape) * self._element]
-        return held_alias(piece, self.dtype, partial(self._give_back, segment, start, length)).view(shape)
+        tensor = held_alias(piece, self.dtype, partial(self._give_back, segment, start, length)).view(shape)
+        if poison_requested():
+            poison(tensor)
+        return tensor
 
     def fits(self, nbytes: int) -> bool:
         """Whether a free range of the segments held now takes ``nbytes`` (no new segment)."""
@@ -150,8 +178,8 @@ class HostArena:
             return any(size >= length for segment in self._segments for _, size in segment.free)
 
     def lend(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        """``nbytes`` of uninitialized memory (a 1-D ``uint8`` tensor) held by the caller's
-        handle: the returned call gives the range back (call it once, when no view of the
+        """``nbytes`` of uninitialized memory (a 1-D ``uint8`` tensor; the borrower fills it
+        where :func:`poison_requested`, knowing its dtype) held by the caller's handle: the returned call gives the range back (call it once, when no view of the
         memory is read any more; safe from any thread, the collector's included)."""
         length = -(-max(1, nbytes) // ALIGNMENT) * ALIGNMENT
         with self._locked():
