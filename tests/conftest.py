@@ -22,6 +22,29 @@ from rag_prompts import SYSTEM_PROMPT
 full_precision_float32()  # CUDA's float32 exactness tests compare in full float32 (devices.py)
 
 
+#: The files that take longest (``--durations`` on 2 cores, seconds of one worker), started first:
+#: pytest-xdist hands a worker the next file in collection order as it finishes one, so a long
+#: file collected last would run alone at the end while the other worker sits idle.
+SLOWEST_FILES = (
+    "test_examples.py",  # ~140 s: seven example scripts, each a fresh process
+    "test_warm_job.py",  # ~70 s: two Ray jobs
+    "test_readme.py",  # ~55 s: the README's and docs' samples on the embedded model
+    "test_captured_build.py",  # ~47 s: inductor in two fresh processes
+    "test_embedded_model.py",
+    "test_captured_prefill.py",
+    "test_ray_serve_recipe.py",
+    "test_chunked_prefill.py",
+    "test_low_precision.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest files first, the rest in their order (a stable sort: a file's tests keep
+    theirs)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))
+
+
 # Each test's engines spill to a folder of their own (kvboost_rag.dev.pytest_isolation, loaded in addopts).
 
 
