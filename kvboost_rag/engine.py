@@ -138,12 +138,12 @@ class KVBoost:
         buffers reused across requests (fresh ones page-fault on every call), idle ones kept
         within a quarter of the decode budget."""
         slots = None if self._captured is None else self._captured.pool
-        self._host_buffers = (
+        host_buffers = (
             HostBufferPool(adapter.buffers, settings.max_batch_cache_bytes // 4, settings.max_batch_cache_bytes)
             if adapter.device.type == "cpu"
             else None
         )
-        return RequestMemory(self._places, adapter.kv_bytes_per_token, slots, self._host_buffers)
+        return RequestMemory(self._places, adapter.kv_bytes_per_token, slots, host_buffers)
 
     @staticmethod
     def _keep_compiled_code(model: torch.nn.Module, settings: KVBoostSettings) -> None:
@@ -461,7 +461,7 @@ class KVBoost:
                 leave out the writes a slow tier has not taken yet, and a warning says how
                 many. ``None``: wait for them all; ``0``: the figures as they stand.
         """
-        pool = self._host_buffers
+        pool = self._requests.memory.host_buffers
         held = KVMemory(
             batch_buffers_bytes=self._places.held_bytes,
             idle_buffers_bytes=0 if pool is None else pool.idle_bytes,

@@ -17,7 +17,7 @@ SETTLE_SECONDS = 30.0
 
 def memory_held(engine: KVBoost) -> dict[str, int]:
     """What the engine still holds for requests (every value 0 when idle)."""
-    places, pool = engine._places, engine._host_buffers
+    places, pool = engine._places, engine._requests.memory.host_buffers
     slots = None if engine._captured is None else engine._captured.pool
     return {
         "places": places.admitted,

@@ -47,7 +47,7 @@ def _assert_nothing_held(engine: KVBoost) -> None:
     assert engine._places.admitted == 0 and engine._places.waiting == 0
     assert engine.flush(timeout=60)
     assert engine._places.held_bytes == 0
-    assert engine._host_buffers.lent_bytes == 0
+    assert engine._requests.memory.host_buffers.lent_bytes == 0
 
 
 def _in_time(call, timeout: float = 60.0):

@@ -129,7 +129,7 @@ def _assert_settled(engine, references, answers, warm_docs, warms) -> None:
     for prompt, logits in answers:
         assert torch.allclose(logits, references[prompt], atol=ATOL, rtol=0), (logits - references[prompt]).abs().max()
     memory = engine.cache_stats().memory
-    assert memory.batch_buffers_bytes == 0 and engine._host_buffers.lent_bytes == 0
+    assert memory.batch_buffers_bytes == 0 and engine._requests.memory.host_buffers.lent_bytes == 0
     assert memory.copy_queue_bytes == 0 and memory.write_queue_bytes == 0 and memory.staged_entries == 0
     for doc, warm in zip(warm_docs, warms):
         if warm.kept_in:
@@ -181,7 +181,7 @@ def test_a_blocked_tier_holds_no_lent_buffer_and_its_writes_are_counted_where_th
         assert all(r.generated_tokens for r in results)
         assert engine._cache.copier.flush(timeout=120)
         memory = engine._cache.memory_account(KVMemory())
-        assert engine._host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
+        assert engine._requests.memory.host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
         assert not engine._cache.writer.idle and memory.write_queue_bytes > 0 and memory.copy_queue_bytes == 0
     finally:
         gate.set()
@@ -212,7 +212,7 @@ def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_al
 
     def sample() -> None:
         while not sampling.is_set():
-            lent.append(engine._host_buffers.lent_bytes)
+            lent.append(engine._requests.memory.host_buffers.lent_bytes)
             time.sleep(0.0005)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -230,7 +230,7 @@ def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_al
         sampler.join(10)
     assert all(r.generated_tokens for r in results)
     assert pair < max(lent) <= engine.settings.max_batch_cache_bytes, max(lent)
-    assert engine.flush(timeout=120) and engine._host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
+    assert engine.flush(timeout=120) and engine._requests.memory.host_buffers.lent_bytes == 0 and engine._places.held_bytes == 0
 
 
 def _entry(value: float) -> object:
@@ -289,7 +289,7 @@ def test_a_write_back_refused_at_submit_leaves_its_answer_nothing_staged_and_the
     monkeypatch.setattr(engine._cache.copier, "submit", refuse)
     result = engine.generate(PROMPTS[0], max_new_tokens=3, return_logits=True)
     assert result.generated_tokens == 3
-    assert engine._cache._store.staged_count == 0 and engine._host_buffers.lent_bytes == 0
+    assert engine._cache._store.staged_count == 0 and engine._requests.memory.host_buffers.lent_bytes == 0
     assert engine.cache_stats().memory.batch_buffers_bytes == 0
     monkeypatch.undo()
     again = engine.generate(PROMPTS[0], max_new_tokens=1, return_logits=True)

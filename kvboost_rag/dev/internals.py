@@ -67,7 +67,7 @@ def internals(engine: KVBoost) -> EngineInternals:
         tokenizing=engine._tokenizing,
         planner=engine._requests.planner,
         constraints=engine._constraints,
-        host_buffers=engine._host_buffers,
+        host_buffers=engine._requests.memory.host_buffers,
         captured=engine._captured,
         captured_prefill=engine._captured_prefill,
         captured_probe=engine._captured_probe,
