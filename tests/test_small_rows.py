@@ -19,12 +19,6 @@ from kvboost_rag.attention_backends import ragged as ragged_attention, row_round
 from kvboost_rag.attention_backends.ragged import last_tokens_attention
 from kvboost_rag.decode_weights.small_rows import SmallRowLinears, choose_kernel, eligible_linears
 
-def in_view(chosen: SmallRowLinears, model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
-    """The decode view's copy of ``layer`` (what decode steps call): the module of the same name."""
-    name = next(n for n, m in model.named_modules() if m is layer)
-    return chosen.view.get_submodule(name)
-
-
 needs_onednn = pytest.mark.skipif(not small_rows.onednn_available(), reason="this torch build has no oneDNN")
 
 
@@ -42,11 +36,11 @@ def test_a_chosen_kernel_computes_the_layers_results_only_inside_steps(kernel):
             expected = F.linear(x, layer.weight, layer.bias)
             assert torch.equal(layer(x), expected)  # outside a step: the model's own product
             with torch.inference_mode(), chosen.active():
-                torch.testing.assert_close(in_view(chosen, model, layer)(x), expected, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(chosen.in_view(layer)(x), expected, rtol=1e-5, atol=1e-5)
                 assert torch.equal(layer(x), expected)  # the model's own module: never routed
         wide = torch.randn(small_rows.MAX_ROWS + 1, layer.in_features)
         with torch.inference_mode(), chosen.active():  # beyond MAX_ROWS (a prefill): the model's own
-            assert torch.equal(in_view(chosen, model, layer)(wide), F.linear(wide, layer.weight, layer.bias))
+            assert torch.equal(chosen.in_view(layer)(wide), F.linear(wide, layer.weight, layer.bias))
     chosen.restore()
     assert all("forward" not in layer.__dict__ for layer in layers) and chosen.kernel == "off"
 
@@ -142,7 +136,7 @@ def test_on_intel_the_fewest_rows_keep_the_own_product(monkeypatch, vendor):
         for rows in (1, 2, 3, 8):
             x = torch.randn(rows, layer.in_features)
             expected = kernel(x) if rows >= fewest else F.linear(x, layer.weight, layer.bias)
-            assert torch.equal(in_view(chosen, model, layer)(x), expected)
+            assert torch.equal(chosen.in_view(layer)(x), expected)
     int8 = choose_kernel(model, "off", packed_bytes=0, decode_weights="int8")
     assert int8.min_rows == 1  # the int8 copy serves every row count
     chosen.restore()

@@ -186,6 +186,7 @@ class SmallRowLinears:
     min_rows: int = 1
     four_bit: dict[torch.nn.Linear, FourBitLinear | SiblingProduct] = field(default_factory=dict)
     view: torch.nn.Module | None = None
+    _copies: dict[torch.nn.Module, torch.nn.Module] = field(default_factory=dict, repr=False)
 
     @property
     def routed(self) -> bool:
@@ -224,8 +225,10 @@ class SmallRowLinears:
             the instance (a dispatch hook), nothing is routed (:meth:`restore`).
         """
         routes = self.routes()
+        copies: dict[torch.nn.Module, torch.nn.Module] = {}
 
         def route(module: torch.nn.Module, copied: torch.nn.Module) -> None:
+            copies[module] = copied
             if module in routes:
                 copied.forward = types.MethodType(_routed_forward(*routes[module]), copied)
 
@@ -236,11 +239,17 @@ class SmallRowLinears:
             logger.info("small-row kernel not used: %s", exc)
             self.restore()
             return False
+        self._copies = copies
         return self.view is not None
+
+    def in_view(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The view's copy of one of the model's modules (what decode steps call)."""
+        return self._copies[module]
 
     def restore(self) -> None:
         """Drop the view and the copies (the model's own modules were never changed)."""
         self.view = None
+        self._copies = {}
         self.weights.clear()
         self.four_bit.clear()
         self.copy_bytes = 0
