@@ -88,6 +88,6 @@ def test_where_free_memory_cannot_be_read_the_same_rule_sizes_both():
     assert plan_device_memory(None, PER_TOKEN_8B, WINDOW_8B, pool=7, device_tier=0).pool_bytes == 7
     settings = KVBoostSettings(max_batch_cache_bytes=2 * GiB)
     on_cpu = device_memory_plan(settings, torch.device("cpu"), PER_TOKEN_8B, WINDOW_8B, captured=True, staged_bytes=GiB)
-    assert on_cpu.pool_bytes == 2 * GiB
+    assert on_cpu.pool_bytes == 2 * GiB and on_cpu.device_tier_bytes == 0  # a CPU has no device tier
     eager = device_memory_plan(settings, torch.device("cpu"), PER_TOKEN_8B, WINDOW_8B, captured=False, staged_bytes=GiB)
     assert eager.pool_bytes == 0

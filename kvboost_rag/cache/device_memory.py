@@ -116,11 +116,13 @@ def device_memory_plan(
 ) -> DeviceMemoryPlan:
     """The plan for an engine on ``device``: :func:`plan_device_memory` over the memory free
     now, the settings' ``captured_pool_bytes`` (when ``captured``: the engine builds captured
-    steps), ``device_cache_bytes`` and ``max_batch_cache_bytes``, and ``staged_bytes`` (the
+    steps), ``device_cache_bytes`` (none on a CPU, whose tiers hold no device tier) and
+    ``max_batch_cache_bytes``, and ``staged_bytes`` (the
     write-back's staged device copies: at most the copier's queue bound)."""
     return plan_device_memory(
         free_device_memory(device), kv_bytes_per_token, context_window,
-        pool=settings.captured_pool_bytes if captured else None, device_tier=settings.device_cache_bytes,
+        pool=settings.captured_pool_bytes if captured else None,
+        device_tier=0 if device.type == "cpu" else settings.device_cache_bytes,  # no device tier on a CPU
         staged_bytes=staged_bytes, batch_bytes=settings.max_batch_cache_bytes,
     )
 
