@@ -1,27 +1,33 @@
-"""Every example script runs as is on the embedded model (small settings to stay quick)."""
+"""Every example script runs as is on the embedded model (small settings to stay quick), each in
+a process of its own (forked from one that imported the shared dependencies once)."""
 
 import os
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_scripts import ForkedScripts
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+_scripts: ForkedScripts | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_scripts() -> Iterator[None]:
+    global _scripts
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    _scripts = ForkedScripts(env)
+    yield
+    _scripts.close()
+    _scripts = None
 
 
 def run_example(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    assert _scripts is not None
+    return _scripts.run(ROOT / "examples" / name, list(args), cwd=ROOT, timeout=timeout)
 
 
 def test_quickstart():
@@ -43,9 +49,12 @@ def test_verify_correctness_passes_at_full_recompute():
 
 
 def test_prewarm_store_serves_a_fresh_process_from_disk(tmp_path):
-    out = run_example("prewarm_store.py", "--docs", "6", "--new-tokens", "4", "--store-dir", str(tmp_path / "store"))
+    out = run_example(
+        "prewarm_store.py", "--docs", "3", "--top-k", "2", "--new-tokens", "4", "--store-dir", str(tmp_path / "store")
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert any(tmp_path.joinpath("store").iterdir())
+    assert "corpus registered" in out.stdout and "(0 tokens computed)" in out.stdout  # read, not recomputed
 
 
 def test_langchain_rag_example():
@@ -79,7 +88,7 @@ def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
 def test_agentic_rag_example_calls_the_retriever_and_reuses_its_documents():
     out = run_example(
         "agentic_rag.py", "--question", "What does the pass statement do?", "--docs", "12", "--k", "2",
-        "--max-chars", "200", "--max-new-tokens", "48", "--max-steps", "2",
+        "--max-chars", "200", "--max-new-tokens", "32", "--max-steps", "2",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     steps = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| 1 | ")]
