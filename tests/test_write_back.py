@@ -78,7 +78,8 @@ def test_a_call_puts_and_serializes_nothing_on_its_own_thread(make_engine, devic
     assert result.content_hit_tokens == 0 and pieces and streamed.result is not None
     names = {name for name, _ in calls}
     assert {"memory", "disk", "serialize"} <= names, names
-    assert len({thread for _, thread in calls}) == 1 and calls[0][1].name.startswith(THREAD_NAME)
+    # The worker's thread (a new one once the last ended after LINGER_SECONDS idle, as on a slow machine).
+    assert all(thread.name.startswith(THREAD_NAME) for _, thread in calls), {thread.name for _, thread in calls}
 
 
 @pytest.mark.parametrize("device", DEVICES)
