@@ -52,7 +52,11 @@ class ForkedScripts:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._parent.stdout, selectors.EVENT_READ)
         self._pending = b""  # read from the parent, not yet split into lines
-        assert self._line(300) == "ready", "the parent process did not start"
+        try:
+            assert self._line(300) == "ready", "the parent process did not start"
+        except BaseException:
+            self._parent.kill()
+            raise
         self._dir = tempfile.TemporaryDirectory(prefix="kvboost-scripts-")
 
     def run(self, script: Path, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:

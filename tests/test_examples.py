@@ -3,7 +3,7 @@ a process of its own (forked from one that imported the shared dependencies once
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,25 +12,22 @@ from forked_scripts import ForkedScripts
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-_scripts: ForkedScripts | None = None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forked_scripts() -> Iterator[None]:
-    global _scripts
+@pytest.fixture(scope="module")
+def run_example() -> Iterator[Callable[..., subprocess.CompletedProcess]]:
+    """``run_example(name, *args, timeout=600)``: ``examples/name`` run with ``args``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _scripts = ForkedScripts(env)
-    yield
-    _scripts.close()
-    _scripts = None
+    scripts = ForkedScripts(env)
+
+    def run(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+        return scripts.run(ROOT / "examples" / name, list(args), cwd=ROOT, timeout=timeout)
+
+    yield run
+    scripts.close()
 
 
-def run_example(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    assert _scripts is not None
-    return _scripts.run(ROOT / "examples" / name, list(args), cwd=ROOT, timeout=timeout)
-
-
-def test_quickstart():
+def test_quickstart(run_example):
     out = run_example("quickstart.py", "--doc-chars", "300", "--max-new-tokens", "6")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "TTFT with reuse" in out.stdout
@@ -39,7 +36,7 @@ def test_quickstart():
     assert not reused[0].startswith("reused 0%")
 
 
-def test_verify_correctness_passes_at_full_recompute():
+def test_verify_correctness_passes_at_full_recompute(run_example):
     out = run_example(
         "verify_correctness.py", "--prompts", "2", "--docs-per-prompt", "2", "--max-new-tokens", "4", "--recompute-ratio", "1.0"
     )
@@ -48,7 +45,7 @@ def test_verify_correctness_passes_at_full_recompute():
     assert out.stdout.count("| yes | yes |") == 2
 
 
-def test_prewarm_store_serves_a_fresh_process_from_disk(tmp_path):
+def test_prewarm_store_serves_a_fresh_process_from_disk(run_example, tmp_path):
     out = run_example(
         "prewarm_store.py", "--docs", "3", "--top-k", "2", "--new-tokens", "4", "--store-dir", str(tmp_path / "store")
     )
@@ -57,7 +54,7 @@ def test_prewarm_store_serves_a_fresh_process_from_disk(tmp_path):
     assert "corpus registered" in out.stdout and "(0 tokens computed)" in out.stdout  # read, not recomputed
 
 
-def test_langchain_rag_example():
+def test_langchain_rag_example(run_example):
     out = run_example(
         "langchain_rag.py", "--question", "What does the assert statement do?", "--k", "2", "--max-chars", "300",
         "--max-new-tokens", "6", "--docs", "16",
@@ -66,7 +63,7 @@ def test_langchain_rag_example():
     assert "ms" in out.stdout
 
 
-def test_llamaindex_query_engine_example():
+def test_llamaindex_query_engine_example(run_example):
     out = run_example(
         "llamaindex_query_engine.py", "--question", "What does the assert statement do?", "--top-k", "2", "--max-chars", "300",
         "--max-new-tokens", "6", "--docs", "16",
@@ -75,7 +72,7 @@ def test_llamaindex_query_engine_example():
     assert "ms" in out.stdout
 
 
-def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
+def test_side_by_side_example_prints_both_frameworks_against_their_baselines(run_example):
     out = run_example("side_by_side.py", "--docs", "10", "--max-chars", "300", "--k", "2", "--questions", "1")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| L")]
@@ -85,7 +82,7 @@ def test_side_by_side_example_prints_both_frameworks_against_their_baselines():
     assert all(r.split(" | ")[7].rstrip(" |") in ("0/1", "1/1") for r in rows), rows  # same answers
 
 
-def test_agentic_rag_example_calls_the_retriever_and_reuses_its_documents():
+def test_agentic_rag_example_calls_the_retriever_and_reuses_its_documents(run_example):
     out = run_example(
         "agentic_rag.py", "--question", "What does the pass statement do?", "--docs", "12", "--k", "2",
         "--max-chars", "200", "--max-new-tokens", "32", "--max-steps", "2",
