@@ -177,13 +177,6 @@ class KVBoostSettings(BaseModel):
         max_batch_cache_bytes: Most bytes of K/V buffers (prompt plus room for its new
             tokens) the requests decoded together may hold; a request that would exceed it
             waits (one request is always admitted when none runs).
-        malloc_arenas: Most heaps (arenas) the C allocator may keep, set for the whole
-            process when the engine is built (glibc's ``mallopt(M_ARENA_MAX)``; nothing on
-            other C libraries, nor where ``MALLOC_ARENA_MAX`` is set in the environment).
-            With glibc's default, up to eight per CPU, each thread that allocates keeps its
-            own arena's free space; 2 (default) held about 7% less resident memory under a
-            steady server load, no slower (:mod:`kvboost_rag.malloc_arenas`). ``None`` leaves
-            the C library's default.
         prefill_chunk_tokens: Most prompt tokens one step of the engine loop carries (a
             prefill chunk, the repair's passes, documents being warmed): the budget of a step
             when no answer is decoding; a longer pass runs over several steps, giving what
@@ -349,7 +342,6 @@ class KVBoostSettings(BaseModel):
     warm_batch_tokens: int = Field(4096, ge=0)
     max_batch_size: int = Field(16, ge=1, le=1024)
     max_batch_cache_bytes: int = Field(2 * 1024**3, gt=0)
-    malloc_arenas: int | None = Field(2, ge=1)
     prefill_chunk_tokens: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = "auto"
     max_decode_wait: float = Field(0.7, ge=0.0, le=64.0)
     draft_tokens: int = Field(15, ge=0, le=15)

@@ -36,7 +36,6 @@ from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
 from kvboost_rag.decode_weights.resident import page_out_input_embeddings, trim_heap
-from kvboost_rag.malloc_arenas import limit_malloc_arenas
 from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
@@ -71,13 +70,6 @@ def _check_position_independence(adapter: ModelAdapter, strict: bool) -> None:
         )
     logger.warning("prefix-only reuse for this model: %s; documents are reused only inside an exact prefix", reason)
 
-
-def _cap_malloc_arenas(settings: KVBoostSettings) -> None:
-    """The C allocator's arenas capped for the process (``malloc_arenas``; None: left alone)."""
-    if settings.malloc_arenas is not None:
-        limit_malloc_arenas(settings.malloc_arenas)
-
-
 class KVBoost:
     """Reuses the K/V of text the model has already read.
 
@@ -95,7 +87,6 @@ class KVBoost:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, settings: KVBoostSettings | None = None) -> None:
         self.settings = settings = settings or KVBoostSettings()
-        _cap_malloc_arenas(settings)
         if model is None:
             raise UnsupportedModelError("a model is required")
         if settings.device is not None:
@@ -216,7 +207,6 @@ class KVBoost:
         from kvboost_rag.default_model import default_model_dir
 
         config = KVBoostSettings(**settings)
-        _cap_malloc_arenas(config)  # before the load's threads allocate
         path = default_model_dir() if model_name_or_path is None else model_name_or_path
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         check_device(device)
