@@ -70,6 +70,7 @@ class ForkedScripts:
             code = int(self._line(timeout))
         except TimeoutError:
             os.kill(pid, signal.SIGKILL)
+            self._line(30)  # the killed child's status, so that the next run reads its own
             raise
         return subprocess.CompletedProcess([str(script), *args], code, out.read_text(), err.read_text())
 
