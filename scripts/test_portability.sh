@@ -18,6 +18,11 @@ unset PYTHONDONTWRITEBYTECODE  # as scripts/test.sh: compile each module once, n
 cd "$(dirname "$0")/.."
 PY="$PWD/.venv/bin/python"
 EXACTNESS=(tests/test_exactness.py tests/test_low_precision.py)
+# Not repeated at the lower levels: the 16-bit repairs at ratio 1.0 (36 tests, half of these
+# runs' time), checked within 1-5% of the largest logit, which no kernel's rounding can cross;
+# their float32 form (test_exactness.py, within float32 rounding) and the 16-bit prefix hits
+# run at every level.
+NOT_REPEATED=(--deselect tests/test_low_precision.py::test_cacheblend_full_ratio_same_greedy_tokens_in_16bit)
 # Workers as scripts/test.sh sets them (one per core, at most 4) when run alone.
 PARALLEL=(-n "${KVBOOST_RAG_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}" --dist loadfile)
 source scripts/stage_times.sh
@@ -51,7 +56,7 @@ for level in default:SSE41:AVX2:: avx2:AVX2:COMPATIBLE:tests/test_int8_decode.py
   stage_start
   ATEN_CPU_CAPABILITY=$aten "$PY" -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability())"
   PYTHONPATH="$path" ATEN_CPU_CAPABILITY=$aten ONEDNN_MAX_CPU_ISA=$onednn MKL_CBWR=$mkl "$PY" -m pytest "${PARALLEL[@]}" -q -p no:warnings \
-    "${EXACTNESS[@]}" tests/test_small_rows.py $int8 || status=1
+    "${EXACTNESS[@]}" "${NOT_REPEATED[@]}" tests/test_small_rows.py $int8 || status=1
   stage_end "exactness at $aten, $versions versions"
 done
 

@@ -25,7 +25,7 @@ from kvboost_rag.hf.captured import build_captured_rows
 from kvboost_rag.repair.probe import run_probe
 
 SETTINGS = dict(
-    show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1, 4),
+    show_progress=False, chunk_size=32, captured_pool_bytes=32 * 2**20, captured_token_buckets=(1,),
     captured_prefill_buckets=(16, 64), draft_tokens=0, captured_build="at_load",
 )
 FAMILIES = ("llama", "gemma2")

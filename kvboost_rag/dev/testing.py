@@ -115,7 +115,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, **overrides: Any) -> PretrainedConfig:
-    """Config of a 2-layer model of the given architecture.
+    """Config of a 3-layer model of the given architecture.
 
     Args:
         family: A ``model_type`` such as ``"llama"``, ``"qwen3"``, ``"stablelm"``, ``"gpt2"``.
