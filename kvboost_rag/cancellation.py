@@ -1,9 +1,8 @@
 """A request's cancellation: set from any thread, seen at every stage of its work.
 
 A :class:`Cancellation` is a flag plus the wake-ups of whatever waits for the request: its
-place in the batch (:meth:`~kvboost_rag.engine_loop.places.BatchPlaces.reserve`), its prompt
-work queued in the engine loop (:meth:`~kvboost_rag.engine_loop.work.PromptWork.withdraw`), its
-pieces from the loop. Setting it makes each of them end at once, prompt work the loop runs at
+prompt work queued in the engine loop, for admission or for its first pass
+(:meth:`~kvboost_rag.engine_loop.work.PromptWork.withdraw`), its pieces from the loop. Setting it makes each of them end at once, prompt work the loop runs at
 its next step boundary, and a decoding sequence leave the batch at the next step.
 
 The async bridges (:mod:`kvboost_rag.integration.async_stream`) run each blocking call under
@@ -80,32 +79,6 @@ class Cancellation:
     def _unwatch(self, key: int) -> None:
         with self._lock:
             self._watchers.pop(key, None)
-
-
-def wait_while(condition: threading.Condition, blocked: Callable[[], bool], cancellation: Cancellation | None) -> None:
-    """Wait on ``condition`` (held by the caller) while ``blocked()`` holds; cancelling
-    ``cancellation`` wakes the wait.
-
-    Raises:
-        RequestCancelled: ``cancellation`` was set before ``blocked()`` stopped holding.
-    """
-    if cancellation is None:
-        while blocked():
-            condition.wait()
-        return
-
-    def wake() -> None:
-        with condition:
-            condition.notify_all()
-
-    unwatch = cancellation.watch(wake)
-    try:
-        while blocked():
-            cancellation.check()
-            condition.wait()
-        cancellation.check()
-    finally:
-        unwatch()
 
 
 def ambient() -> Cancellation | None:

@@ -21,7 +21,7 @@ def memory_held(engine: KVBoost) -> dict[str, int]:
     slots = None if engine._captured is None else engine._captured.pool
     return {
         "places": places.admitted,
-        "waiting": places.waiting,
+        "waiting": engine._loop.waiting,
         "counted_bytes": places.held_bytes,
         "lent_bytes": 0 if pool is None else pool.lent_bytes,
         "lent_slots": 0 if slots is None else len(slots.slots) - slots.free_slots,

@@ -88,7 +88,7 @@ def _assert_nothing_held(engine: KVBoost, ledger: Ledger) -> None:
     wait_for(lambda: engine._places.admitted == 0)
     wait_for(ledger.all_back)
     wait_for(lambda: not engine._loop.active)  # the loop's thread ends once nothing is left
-    assert engine._places.waiting == 0
+    assert engine._loop.waiting == 0
 
 
 def test_closing_a_stream_that_waits_for_a_place_takes_it_out_of_the_line(make_engine, docs):
@@ -99,11 +99,11 @@ def test_closing_a_stream_that_waits_for_a_place_takes_it_out_of_the_line(make_e
     second = engine.stream(_prompts(docs)[1], max_new_tokens=8)
     consumer = Consumer(second)
     consumer.start()
-    wait_for(lambda: engine._places.waiting == 1)
+    wait_for(lambda: engine._loop.waiting == 1)
     second.close()  # from another thread than the one inside next()
     consumer.join(HUNG_SECONDS)
     assert not consumer.is_alive() and consumer.pieces == [] and consumer.error is None
-    assert second.result is None and engine._places.waiting == 0
+    assert second.result is None and engine._loop.waiting == 0
     first.close()
     steps.open()
     _assert_nothing_held(engine, ledger)
@@ -217,7 +217,7 @@ def test_cancelling_the_awaiting_task_cancels_the_engine_call(make_engine, docs)
 
     async def cancel_while_queued() -> None:
         task = asyncio.ensure_future(call_in_thread(call))
-        await asyncio.to_thread(wait_for, lambda: engine._places.waiting == 1)
+        await asyncio.to_thread(wait_for, lambda: engine._loop.waiting == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

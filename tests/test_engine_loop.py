@@ -220,7 +220,7 @@ def test_a_request_cancelled_at_any_stage_leaves_every_other_request_running(mak
     assert victim.result is None and (stage != "queued" or pieces == [])
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     wait_for(lambda: engine._places.admitted == 0 and not engine._loop.active)
-    assert engine._places.waiting == 0 and engine._loop.queued == 0
+    assert engine._loop.waiting == 0 and engine._loop.queued == 0
 
 
 # ---------------------------------------------------------------------- the async bridges

@@ -31,6 +31,7 @@ from kvboost_rag.decode import constrained
 from kvboost_rag.decode.drafting import Drafter, Proposal
 from kvboost_rag.decode.step import DecodeSequence
 from kvboost_rag.dev.threads import HUNG_SECONDS, loop_held, wait_for
+from kvboost_rag.engine_loop import Admission
 from kvboost_rag.hf.caches import BufferedCache
 from kvboost_rag.hf.passes import ModelCall, TokenPass
 from kvboost_rag.integration.async_stream import call_in_thread
@@ -147,20 +148,24 @@ def test_a_release_callback_that_raises_fails_its_request_alone_and_the_rest_sti
     engine = _engine(make_engine, docs)
     prompts = _prompts(docs)
     reference = _alone(engine, prompts)
-    places, reserve = engine._places, engine._places.reserve
+    memory, admission = engine._requests.memory, engine._requests.memory.admission
     raised: list[int] = []
 
     def broken_release() -> None:
         raised.append(1)
         raise InjectedFault("releasing its place failed")
 
-    def reserving(*args, **kwargs):
-        reservation = reserve(*args, **kwargs)
-        if threading.current_thread().name == "victim":
-            reservation.on_release.insert(0, broken_release)  # the lease's release comes after it
-        return reservation
+    def with_broken_release(granted):
+        if granted is not None:
+            granted[0].on_release.insert(0, broken_release)  # the lease's release comes after it
+        return granted
 
-    monkeypatch.setattr(places, "reserve", reserving)
+    def victims_admission(*args):  # made on the caller's thread, granted on the loop's
+        if threading.current_thread().name != "victim":
+            return admission(*args)
+        return Admission(lambda: with_broken_release(memory.try_admit(*args)))
+
+    monkeypatch.setattr(memory, "admission", victims_admission)
     ledger = Ledger(engine)
     others, victim = _together(engine, prompts, _victim_generate(engine, docs))
     assert isinstance(victim, InjectedFault) and "releasing" in str(victim) and raised == [1]

@@ -112,24 +112,50 @@ def test_cache_memory_cap_is_respected(make_engine, docs):
     assert max(sizes) == 3
 
 
-def test_admission_is_first_come_first_served():
-    places = BatchPlaces(KVBoostSettings(max_batch_size=1))
-    first = places.reserve(10)
-    admitted: list[tuple[int, object]] = []
+def test_admission_is_first_come_first_served(make_engine, docs):
+    """With one place, four requests queued one after another while a stream holds it hold no
+    buffers while they wait, and are admitted in the order they came (each reaches its first
+    token only once admitted)."""
+    engine = _engine(make_engine, docs, max_batch_size=1)
+    prompts = _prompts(docs)
+    holder = engine.stream(prompts[0], max_new_tokens=200)
+    next(holder)
+    pool = engine._requests.memory.host_buffers
+    holders_bytes = pool.lent_bytes
+    order: list[int] = []
+    streams = [engine.stream(prompts[1 + i], max_new_tokens=200) for i in range(4)]
+
+    def first_token(i: int) -> None:
+        next(streams[i])
+        order.append(i)
+        streams[i].close()  # its place goes back: the next in line is admitted
+
     threads = []
     for i in range(4):
-        thread = threading.Thread(target=lambda i=i: admitted.append((i, places.reserve(10))))
-        thread.start()
-        threads.append(thread)
-        wait_for(lambda: places.waiting == i + 1)  # it waits before the next arrives
-    places.release(first)
-    for expected in range(4):
-        wait_for(lambda: len(admitted) == expected + 1)
-        assert admitted[expected][0] == expected and places.admitted == 1
-        places.release(admitted[expected][1])
+        threads.append(threading.Thread(target=first_token, args=(i,), daemon=True))
+        threads[-1].start()
+        wait_for(lambda: engine._loop.waiting == i + 1)  # it waits before the next arrives
+    assert order == [] and engine._places.admitted == 1 and pool.lent_bytes == holders_bytes
+    holder.close()
     for thread in threads:
-        thread.join(5)
-    assert places.admitted == 0
+        thread.join(60)
+    assert order == [0, 1, 2, 3]
+    wait_for(lambda: engine._places.admitted == 0 and engine._loop.waiting == 0)
+
+
+def test_places_refuse_past_their_bounds_and_tell_listeners_of_room():
+    places = BatchPlaces(KVBoostSettings(max_batch_size=2, max_batch_cache_bytes=100))
+    told: list[int] = []
+    places.listen(lambda: told.append(places.admitted))
+    big = places.try_reserve(1000)  # alone: admitted however large
+    assert big is not None and places.try_reserve(1) is None  # past the bytes
+    places.release(big)
+    assert told == [0]
+    first, second = places.try_reserve(40), places.try_reserve(40)
+    assert first is not None and second is not None
+    assert places.try_reserve(1) is None  # past the places
+    places.release(first)  # the refusals took nothing: one place and 40 bytes held
+    assert places.admitted == 1 and places.held_bytes == 40 and places.try_reserve(40) is not None
 
 
 def test_a_failing_request_does_not_break_the_others(make_engine, docs):
@@ -220,19 +246,3 @@ async def test_async_callers_share_steps(make_engine, docs):
     assert max(sizes) > 1
 
 
-def test_a_raising_on_wait_leaves_the_line_and_the_next_caller_gets_the_place():
-    places = BatchPlaces(KVBoostSettings(max_batch_size=1))
-    first = places.reserve(10)
-
-    def refuse() -> None:
-        raise KeyboardInterrupt  # e.g. Ctrl-C while a batch hands its prompts over
-
-    with pytest.raises(KeyboardInterrupt):
-        places.reserve(10, on_wait=refuse)
-    assert places.waiting == 0
-    admitted = []
-    thread = threading.Thread(target=lambda: admitted.append(places.reserve(10)), daemon=True)
-    thread.start()
-    places.release(first)
-    thread.join(timeout=10)
-    assert len(admitted) == 1 and places.admitted == 1

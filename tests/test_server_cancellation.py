@@ -74,7 +74,7 @@ model_held = loop_held
 
 
 def _waiting_requests(engine) -> int:
-    return engine._loop.queued + engine._places.waiting
+    return engine._loop.queued  # work awaiting admission is queued too
 
 
 def _assert_all_back(engine, server) -> None:

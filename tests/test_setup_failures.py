@@ -1,7 +1,8 @@
 """A failure anywhere in a request's set-up gives back everything it holds.
 
 Each test makes one step of a request's set-up raise something that is not the engine's own
-error (an allocation failing, Ctrl-C while waiting for a place), then checks that no place, no
+error (an allocation failing as the loop admits it, a lookup failing, Ctrl-C while a batch is
+set up), then checks that no place, no
 counted byte and no lent buffer is left behind, and that the next call is answered (before,
 after ``max_batch_size`` such failures every request waited for ever for a place).
 """
@@ -44,7 +45,7 @@ def _fail_lease_calls(engine: KVBoost, monkeypatch, failing: set[int], error: Ba
 
 
 def _assert_nothing_held(engine: KVBoost) -> None:
-    assert engine._places.admitted == 0 and engine._places.waiting == 0
+    assert engine._places.admitted == 0 and engine._loop.waiting == 0
     assert engine.flush(timeout=60)
     assert engine._places.held_bytes == 0
     assert engine._requests.memory.host_buffers.lent_bytes == 0
@@ -105,14 +106,30 @@ def test_a_batch_prompt_whose_allocation_fails_fails_alone_and_the_rest_are_answ
     _answers_in_time(engine, prompts[0])
 
 
+def _fail_lookups(engine: KVBoost, monkeypatch, failing: set[int], error: BaseException) -> None:
+    """Make the ``failing`` calls (counted from 1) of the engine's cache lookup (on the
+    caller's thread, before its work goes to the loop) raise ``error``."""
+    prefiller, original = engine._requests.prefiller, engine._requests.prefiller.lookup
+    calls = [0]
+
+    def lookup(plan):
+        calls[0] += 1
+        if calls[0] in failing:
+            raise error
+        return original(plan)
+
+    monkeypatch.setattr(prefiller, "lookup", lookup)
+
+
 @pytest.mark.parametrize("interrupted", [1, 4])
 def test_an_interrupt_in_a_batch_prompts_set_up_gives_back_every_prompts_place(make_engine, docs, monkeypatch, interrupted):
-    """Ctrl-C while a later prompt is set up ends the call; the prompts already handed to the
-    loop are drained, so nothing stays held (repeated past ``max_batch_size``)."""
+    """Ctrl-C while a later prompt is set up ends the call; the prompts already prepared go to
+    the loop cancelled and are drained, so nothing stays held (repeated past
+    ``max_batch_size``)."""
     engine = _engine(make_engine, docs, max_batch_size=2)
     prompts = [rag_prompt([docs[i % 2]], f"Question {i}?") for i in range(5)]
     for _ in range(3):
-        _fail_lease_calls(engine, monkeypatch, {interrupted}, KeyboardInterrupt())
+        _fail_lookups(engine, monkeypatch, {interrupted}, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             _in_time(lambda: engine.generate_batch(prompts, max_new_tokens=4))
         monkeypatch.undo()
@@ -120,19 +137,10 @@ def test_an_interrupt_in_a_batch_prompts_set_up_gives_back_every_prompts_place(m
     _answers_in_time(engine, prompts[0])
 
 
-def test_a_lookup_failing_after_the_buffers_were_lent_gives_both_back(make_engine, docs, monkeypatch):
+def test_a_lookup_failing_gives_back_everything(make_engine, docs, monkeypatch):
     engine = _engine(make_engine, docs, max_batch_size=1)
     prompt = rag_prompt(docs[:2], "What is it?")
-    prefiller, original = engine._requests.prefiller, engine._requests.prefiller.lookup
-    calls = [0]
-
-    def lookup(plan):
-        calls[0] += 1
-        if calls[0] <= 2:
-            raise AllocationFailed("a lookup's copy could not be allocated")
-        return original(plan)
-
-    monkeypatch.setattr(prefiller, "lookup", lookup)
+    _fail_lookups(engine, monkeypatch, {1, 2}, AllocationFailed("a lookup's copy could not be allocated"))
     for _ in range(2):
         with pytest.raises(AllocationFailed):
             _in_time(lambda: engine.generate(prompt, max_new_tokens=3))

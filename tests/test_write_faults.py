@@ -220,7 +220,7 @@ def test_behind_a_blocked_tier_lent_buffers_never_exceed_the_bytes_the_limits_al
     try:
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(engine.generate, p, max_new_tokens=2) for p in prompts]
-            wait_for(lambda: engine._places.waiting > 0 and not cache.writer.idle, bound=60)
+            wait_for(lambda: engine._loop.waiting > 0 and not cache.writer.idle, bound=60)
             time.sleep(1.0)  # what is admitted behind the blocked tier is admitted by now
             gate.set()
             results = [f.result(timeout=120) for f in futures]

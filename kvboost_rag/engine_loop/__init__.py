@@ -4,6 +4,6 @@ answers' next tokens and slices of waiting prompt work (:mod:`kvboost_rag.engine
 from kvboost_rag.engine_loop.budget import StepBudget
 from kvboost_rag.engine_loop.loop import EngineLoop
 from kvboost_rag.engine_loop.places import BatchPlaces, Reservation
-from kvboost_rag.engine_loop.work import JoinDecode, PromptWork
+from kvboost_rag.engine_loop.work import Admission, JoinDecode, PromptWork
 
-__all__ = ["BatchPlaces", "EngineLoop", "JoinDecode", "PromptWork", "Reservation", "StepBudget"]
+__all__ = ["Admission", "BatchPlaces", "EngineLoop", "JoinDecode", "PromptWork", "Reservation", "StepBudget"]

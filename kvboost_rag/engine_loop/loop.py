@@ -7,6 +7,14 @@ text pieces reach the request through its :class:`~kvboost_rag.decode.handle.Dec
 Nothing else runs the model while the loop does, so nothing is paused mid-pass, lent or
 swapped.
 
+Admission is the loop's decision (as vLLM's scheduler allocates a request's blocks when it
+schedules it): a request's prompt work arrives with an
+:class:`~kvboost_rag.engine_loop.work.Admission` (its place in the batch and its K/V buffers)
+and waits in the loop's queue, holding nothing, until the loop grants it, in arrival order, when
+there is room (:class:`~kvboost_rag.engine_loop.places.BatchPlaces`); a work whose admission
+waits holds back the admission of every later one. While only such work waits, the thread
+sleeps until room is given back.
+
 Each step (as vLLM's engine core schedules one: running requests first, then waiting prompt
 work up to a token budget, one forward pass):
 
@@ -15,8 +23,8 @@ work up to a token budget, one forward pass):
    (:class:`~kvboost_rag.decode.step.DecodeRows`);
 3. fill the step's prompt budget (:class:`~kvboost_rag.engine_loop.budget.StepBudget`) with
    slices of waiting prompt work, oldest first, one slice per work (a prefill chunk, the
-   repair's probe or blend pass, a document being warmed), starting new work as the budget
-   reaches it; the oldest work that waits for a pass that runs whole
+   repair's probe or blend pass, a document being warmed), admitting and starting new work as
+   the budget reaches it; the oldest work that waits for a pass that runs whole
    (:class:`~kvboost_rag.hf.passes.ModelCall`) gets it after the packed pass;
 4. run the rows and the slices as one packed forward pass
    (:meth:`~kvboost_rag.hf.adapter.ModelAdapter.forward_segments`); sequences that decode
@@ -57,7 +65,7 @@ from kvboost_rag.decode.handle import DecodeHandle
 from kvboost_rag.decode.step import DecodeRows, StepResult
 from kvboost_rag.engine_loop.budget import MIN_SLICE, StepBudget
 from kvboost_rag.engine_loop.places import BatchPlaces
-from kvboost_rag.engine_loop.work import JoinDecode, PromptWork
+from kvboost_rag.engine_loop.work import Admission, JoinDecode, PromptWork
 from kvboost_rag.errors import RequestCancelled
 from kvboost_rag.hf import ModelAdapter
 from kvboost_rag.hf.caches import truncate_cache
@@ -77,6 +85,8 @@ LOOP_THREAD = "kvboost-engine"
 #: call right after another does not start a new thread; at interpreter exit this is all it
 #: holds the exit up).
 LINGER_SECONDS = 0.2
+#: Longest sleep while only work awaiting admission is queued (room given back wakes it sooner).
+ADMISSION_WAIT_SECONDS = 0.05
 
 
 class EngineLoop:
@@ -115,10 +125,14 @@ class EngineLoop:
         self.steps = 0
         #: Most sequences one step has decoded.
         self.peak_batch = 0
+        places.listen(self.wake)
         forking.register(self)
 
     # ------------------------------------------------------------------ submitting work
-    def submit(self, steps: PassSteps[T], cancellation: Cancellation | None = None, *, request: bool = False) -> Future:
+    def submit(
+        self, steps: PassSteps[T], cancellation: Cancellation | None = None, *, request: bool = False,
+        admission: Admission | None = None,
+    ) -> Future:
         """Queue prompt work; its future settles with what it returns or the error that
         ended it (:class:`~kvboost_rag.errors.RequestCancelled` once ``cancellation`` is set).
 
@@ -127,15 +141,18 @@ class EngineLoop:
             cancellation: Its request's cancellation.
             request: It is a request's way to its first token (its user waits): while several
                 wait, steps carry more of their prompts (see :mod:`kvboost_rag.engine_loop.budget`).
+            admission: The memory it must be granted before it starts (``None``: none).
 
         Raises:
             RuntimeError: Called from the loop's own thread (it would wait for itself).
         """
-        return self.submit_many([(steps, cancellation)], request=request)[0]
+        return self.submit_many([(steps, cancellation)], request=request, admissions=[admission])[0]
 
     @staticmethod
-    def _work(steps: PassSteps[Any], cancellation: Cancellation | None, request: bool) -> PromptWork:
-        work = PromptWork(steps, cancellation, urgent=request)
+    def _work(
+        steps: PassSteps[Any], cancellation: Cancellation | None, request: bool, admission: Admission | None
+    ) -> PromptWork:
+        work = PromptWork(steps, cancellation, urgent=request, admission=admission)
         if cancellation is not None:  # cancelled before the loop starts it: withdrawn at once
             unwatch = cancellation.watch(work.withdraw)
             work.future.add_done_callback(lambda _: unwatch())
@@ -157,16 +174,25 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=LOOP_THREAD, daemon=False)
         self._thread.start()
 
-    def submit_many(self, works: Sequence[tuple[PassSteps[Any], Cancellation | None]], *, request: bool = False) -> list[Future]:
-        """:meth:`submit` of several pieces of work at once: the loop sees them together, so
-        their first passes share its next step."""
+    def submit_many(
+        self, works: Sequence[tuple[PassSteps[Any], Cancellation | None]], *, request: bool = False,
+        admissions: Sequence[Admission | None] | None = None,
+    ) -> list[Future]:
+        """:meth:`submit` of several pieces of work at once (``admissions``: each one's, in
+        order): the loop sees them together, so their first passes share its next step."""
         if threading.current_thread().name == LOOP_THREAD and self._owns_current_thread():
             for steps, _ in works:
                 steps.close()
             raise RuntimeError("work submitted from the engine loop's own thread would wait for itself")
-        made = [self._work(steps, cancellation, request) for steps, cancellation in works]
+        admissions = list(admissions) if admissions is not None else [None] * len(works)
+        made = [self._work(steps, cancellation, request, a) for (steps, cancellation), a in zip(works, admissions)]
         self._enqueue(made)
         return [work.future for work in made]
+
+    def wake(self) -> None:
+        """Room may have been given back: work awaiting admission is tried at once (any thread)."""
+        with self._lock:
+            self._lock.notify()
 
     def run(self, steps: PassSteps[T], cancellation: Cancellation | None = None) -> T:
         """:meth:`submit` and wait for the result (raises what ended the work)."""
@@ -192,6 +218,13 @@ class EngineLoop:
         with self._lock:
             works = self._incoming + self._works
         return sum(1 for work in works if not work.started and not work.finished)
+
+    @property
+    def waiting(self) -> int:
+        """Requests whose work awaits admission (an estimate from another thread)."""
+        with self._lock:
+            works = self._incoming + self._works
+        return sum(1 for work in works if work.awaiting_admission)
 
     @property
     def decoding(self) -> int:
@@ -261,9 +294,12 @@ class EngineLoop:
         start = self._clock()
         self._drop_cancelled()
         rows = self._plan_rows()
-        requests = sum(1 for work in self._works if work.urgent and not work.finished)
+        requests = sum(1 for work in self._works if work.urgent and not work.finished and not work.awaiting_admission)
         call = self._model_call_due()
         slices = self._slices(self._prompt_budget(rows))
+        if rows is None and not slices and call is None:
+            self._await_room()
+            return True
         self._run_pass(rows, slices)
         if call is not None:
             self._run_call(call)
@@ -273,6 +309,14 @@ class EngineLoop:
             prompt_tokens = sum(len(segment) for _, segment in slices)
             self.budget.record(rows.packed_rows if rows is not None else 0, prompt_tokens, self._clock() - start, requests)
         return True
+
+    def _await_room(self) -> None:
+        """Nothing to run (what is queued awaits admission): sleep until room is given back,
+        new work arrives or :data:`ADMISSION_WAIT_SECONDS` pass."""
+        self._works = [work for work in self._works if not work.finished]
+        with self._lock:
+            if not self._incoming and any(work.awaiting_admission for work in self._works):
+                self._lock.wait(ADMISSION_WAIT_SECONDS)
 
     def _prompt_budget(self, rows: DecodeRows | None) -> int:
         """Prompt tokens this step carries beside ``rows``."""
@@ -313,15 +357,18 @@ class EngineLoop:
 
     def _slices(self, budget: int) -> list[tuple[PromptWork, Segment]]:
         """Slices of the waiting token passes, oldest work first, one per work, within
-        ``budget`` tokens; new work is started (its host work run) as the budget reaches it
-        (a work that then asks for a pass that runs whole waits for the next step's)."""
+        ``budget`` tokens; new work is admitted and started (its host work run) as the budget
+        reaches it, in arrival order: once one awaits admission, no later one is admitted in
+        this step (a work that asks for a pass that runs whole waits for the next step's)."""
         slices: list[tuple[PromptWork, Segment]] = []
         left = budget
+        held_back = False  # an earlier work awaits admission
         for work in self._works:
             if left < MIN_SLICE and slices:
                 break
-            if not work.started:
+            if not work.started and not (held_back and work.admission is not None):
                 self._start(work)
+            held_back = held_back or work.awaiting_admission
             if work.finished or not isinstance(work.request, TokenPass):
                 continue
             try:

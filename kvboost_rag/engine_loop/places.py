@@ -1,10 +1,13 @@
-"""Places in the running batch: requests admitted first come, first served.
+"""Places in the running batch, taken when the engine loop admits a request's prompt work.
 
-A request reserves its place before its prefill (:meth:`BatchPlaces.reserve`) and waits while
-the batch holds ``max_batch_size`` requests (prefilling or decoding), or while its K/V buffers
-would take the requests' buffers past ``max_batch_cache_bytes`` (one request is always admitted
-when no bytes are counted, however large). A place is given back when its sequence leaves the batch, or
-when its request ends before decoding; a request's cancellation ends its wait.
+The loop admits queued prompt work in arrival order (:mod:`kvboost_rag.engine_loop.loop`): a
+request's work takes its place (:meth:`BatchPlaces.try_reserve`) when the batch holds fewer
+than ``max_batch_size`` requests (prefilling or decoding) and its K/V buffers keep the
+requests' buffers within ``max_batch_cache_bytes`` (one request is always admitted when no
+bytes are counted, however large); otherwise it stays queued in the loop, holding nothing. A
+place is given back when its sequence leaves the batch, or when its request ends before
+decoding. Every change that may make room is told to the listeners (the loop, which then
+admits what waits).
 
 The bytes a request reserves are those of the buffers it will be lent (a CPU's host buffers
 are lent at exactly the rounded capacity reserved). A reservation made ``until_stored`` keeps its bytes
@@ -16,19 +19,20 @@ room instead of memory growing.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvboost_rag import forking
-from kvboost_rag.cancellation import Cancellation, wait_while
 from kvboost_rag.config import KVBoostSettings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class Reservation:
-    """A request's place in the batch, held from before its prefill until it leaves.
+    """A request's place in the batch, held from its admission until it leaves.
 
     Attributes:
         nbytes: Bytes of the K/V buffers its sequence holds.
@@ -60,73 +64,40 @@ class BatchPlaces:
 
     def __init__(self, settings: KVBoostSettings) -> None:
         self._settings = settings
-        self._state = threading.Condition()
-        self._waiting: deque[Reservation] = deque()
+        self._lock = threading.Lock()
         self._admitted = 0
         self._admitted_bytes = 0
         self._generation = 0
+        self._listeners: list[Callable[[], None]] = []
         forking.register(self)
 
     @property
     def admitted(self) -> int:
         """Requests holding a place now (prefilling or decoding)."""
-        with self._state:
+        with self._lock:
             return self._admitted
 
     @property
     def held_bytes(self) -> int:
         """Bytes of K/V buffers counted now: requests holding a place, and finished ones that
         have not handed their buffers to the write-back yet."""
-        with self._state:
+        with self._lock:
             return self._admitted_bytes
 
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for a place now."""
-        with self._state:
-            return len(self._waiting)
+    def listen(self, on_room: Callable[[], None]) -> None:
+        """Call ``on_room()`` (without the places' lock, on the releasing thread) whenever a
+        place or counted bytes are given back."""
+        self._listeners.append(on_room)
 
-    def reserve(
-        self, nbytes: int, cancellation: Cancellation | None = None, on_wait: Callable[[], None] | None = None
-    ) -> Reservation:
-        """Wait, in arrival order, for a place for a sequence of ``nbytes`` of K/V buffers.
-
-        Args:
-            nbytes: Bytes of the K/V buffers its prefill allocates.
-            cancellation: The request's: once set, it leaves the line.
-            on_wait: Called once (without the lock) if there is no place now, before waiting
-                for one (a batch hands the engine loop the prompts it holds back, so their
-                places can free up).
-
-        Raises:
-            RequestCancelled: ``cancellation`` was set before a place came.
-        """
-        reservation = Reservation(nbytes, generation=self._generation)
-        with self._state:
-            self._waiting.append(reservation)
-            ready = self._waiting[0] is reservation and self._fits(nbytes)
-        if not ready and on_wait is not None:
-            try:
-                on_wait()
-            except BaseException:  # a raising callback must not leave a dead reservation ahead of the line
-                with self._state:
-                    self._waiting.remove(reservation)
-                    self._state.notify_all()
-                raise
-        with self._state:
-            try:
-                wait_while(
-                    self._state, lambda: self._waiting[0] is not reservation or not self._fits(nbytes), cancellation
-                )
-            except BaseException:  # interrupted while waiting: leave the line
-                self._waiting.remove(reservation)
-                self._state.notify_all()
-                raise
-            self._waiting.popleft()
+    def try_reserve(self, nbytes: int) -> Reservation | None:
+        """A place for a sequence of ``nbytes`` of K/V buffers if the batch has room for it now,
+        else ``None`` (nothing taken). The engine loop calls it, in arrival order."""
+        with self._lock:
+            if not self._fits(nbytes):
+                return None
             self._admitted += 1
             self._admitted_bytes += nbytes
-            self._state.notify_all()
-        return reservation
+            return Reservation(nbytes, generation=self._generation)
 
     def release(self, reservation: Reservation) -> None:
         """Give a place back (once; later calls do nothing), with its bytes unless it was made
@@ -137,14 +108,13 @@ class BatchPlaces:
             Exception: The first exception a callback raised, once they all ran (the place
                 is back whatever they did).
         """
-        with self._state:
+        with self._lock:
             if reservation.released:
                 return
             reservation.released = True
             self._admitted -= reservation.generation == self._generation
             if not reservation.until_stored:
                 self._free_bytes(reservation)
-            self._state.notify_all()
         callbacks, reservation.on_release = reservation.on_release, []  # no cycle left with a lease
         first: Exception | None = None
         for callback in callbacks:
@@ -152,26 +122,36 @@ class BatchPlaces:
                 callback()
             except Exception as error:  # noqa: BLE001 - the others still run; the first is raised
                 first = first or error
+        self._tell_listeners()
         if first is not None:
             raise first
 
     def release_bytes(self, reservation: Reservation) -> None:
         """Stop counting the reservation's bytes (once; its place goes back on its own)."""
-        with self._state:
-            self._free_bytes(reservation)
-            self._state.notify_all()
+        with self._lock:
+            freed = self._free_bytes(reservation)
+        if freed:
+            self._tell_listeners()
 
-    def _free_bytes(self, reservation: Reservation) -> None:
-        if not reservation.bytes_released:
-            reservation.bytes_released = True
-            if reservation.generation == self._generation:
-                self._admitted_bytes -= reservation.nbytes
+    def _free_bytes(self, reservation: Reservation) -> bool:
+        if reservation.bytes_released:
+            return False
+        reservation.bytes_released = True
+        if reservation.generation == self._generation:
+            self._admitted_bytes -= reservation.nbytes
+        return True
+
+    def _tell_listeners(self) -> None:
+        for on_room in self._listeners:
+            try:
+                on_room()
+            except Exception:  # noqa: BLE001 - a listener's fault is not the releasing request's
+                logger.exception("a listener of the batch's places failed")
 
     def _after_fork_in_child(self) -> None:
-        """In a forked child: no request of the parent's runs or waits here; every place is
-        free and the parent's reservations count for nothing (a new generation)."""
-        self._state = threading.Condition()
-        self._waiting.clear()
+        """In a forked child: no request of the parent's runs here; every place is free and
+        the parent's reservations count for nothing (a new generation)."""
+        self._lock = threading.Lock()
         self._admitted = self._admitted_bytes = 0
         self._generation += 1
 

@@ -7,15 +7,20 @@ and is sent the results. Besides model passes it may yield :class:`JoinDecode`, 
 request as a generation: its sequence joins the running batch and the loop answers with the
 sequence's :class:`~kvboost_rag.decode.handle.DecodeHandle`. The loop runs the generator's host
 work (between two requests) on its own thread; the caller waits on :attr:`PromptWork.future`.
+
+A request's work comes with an :class:`Admission`: the memory it must be granted (a place in
+the batch, its K/V buffers) before it starts. The loop grants it when there is room, in
+arrival order; until then the work waits in the loop's queue and holds nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.decode.step import DecodeSequence
@@ -28,6 +33,33 @@ from kvboost_rag.log_limits import RateLimitedLogger
 
 logger = logging.getLogger(__name__)
 _warnings = RateLimitedLogger(logger)
+
+G = TypeVar("G")
+
+
+class Admission(Generic[G]):
+    """The memory a request's prompt work must be granted before the loop starts it.
+
+    Args:
+        take: Takes the memory if there is room now and returns what it holds (``None``: no
+            room, nothing taken). It runs on the loop's thread, in arrival order; when it
+            raises, it has given back what it took, and the error ends the work alone.
+
+    Attributes:
+        granted: What ``take`` returned, once granted (the work reads it when it starts).
+    """
+
+    def __init__(self, take: Callable[[], G | None]) -> None:
+        self._take = take
+        self.granted: G | None = None
+
+    def try_grant(self) -> bool:
+        """Take the memory if there is room now; whether it was granted."""
+        granted = self._take()
+        if granted is None:
+            return False
+        self.granted = granted
+        return True
 
 
 @dataclass(eq=False)
@@ -54,16 +86,21 @@ class PromptWork:
         cancellation: Its request's: once set, the loop drops it at the next step boundary and
             its future ends with :class:`~kvboost_rag.errors.RequestCancelled`.
         urgent: A request's way to its first token (a user waits for it), not background work.
+        admission: The memory it must be granted before it starts (``None``: none).
 
     Attributes:
         future: Settled with what the work returns, or the exception that ended it.
         request: What it waits for (``None`` before it starts and once it is done).
     """
 
-    def __init__(self, steps: PassSteps[Any], cancellation: Cancellation | None = None, urgent: bool = False) -> None:
+    def __init__(
+        self, steps: PassSteps[Any], cancellation: Cancellation | None = None, urgent: bool = False,
+        admission: Admission | None = None,
+    ) -> None:
         self.steps = steps
         self.cancellation = cancellation
         self.urgent = urgent
+        self.admission = admission
         self.recording = stage_times.current()  # the submitting call's stage times, if it records them
         self.future: Future = Future()
         self.request: TokenPass | ModelCall | JoinDecode | None = None
@@ -84,13 +121,25 @@ class PromptWork:
             self.future.set_exception(RequestCancelled("the request was cancelled before its prompt work started"))
 
     def start(self) -> TokenPass | ModelCall | JoinDecode | None:
-        """Start the work (the loop's thread): :meth:`advance` from its beginning; ``None`` when
-        it was withdrawn or is already done."""
-        with self._claim:
+        """Start the work (the loop's thread) once its admission is granted: :meth:`advance`
+        from its beginning; ``None`` when it was withdrawn, is already done, or waits for room
+        (:attr:`awaiting_admission` then holds).
+
+        Raises:
+            Exception: What its admission raised (it took nothing).
+        """
+        with self._claim:  # granted and started together: a withdrawal never strands a grant
             if self.future.done():
+                return None
+            if self.admission is not None and not self.admission.try_grant():
                 return None
             self.started = True
         return self.advance(None)
+
+    @property
+    def awaiting_admission(self) -> bool:
+        """Whether it waits for its admission (not started, not withdrawn)."""
+        return self.admission is not None and not self.started and not self.future.done()
 
     @property
     def finished(self) -> bool:

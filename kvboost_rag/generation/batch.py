@@ -2,15 +2,15 @@
 
 :class:`Batches` prepares every prompt of a call through the engine's
 :class:`~kvboost_rag.generation.lifecycle.Requests` and hands them to the engine loop together
-(their passes then share its steps); when a prompt has to wait for a place, those prepared so
-far are handed over first and reach their first token, so places can free up. A prompt that
+(their passes then share its steps); the loop admits them in order as places free up (a
+prompt whose first token ends it gives its place back at once). A prompt that
 fails (its set-up, its prefill, its decoding) fails alone, with its error in its entry; an
 interrupt ends the call, and every prompt already handed over is drained first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from kvboost_rag.cancellation import Cancellation, ambient
@@ -58,27 +58,13 @@ class Batches:
         cancellation = Cancellation()
         unfollow = cancellation.follow(ambient())
         pending: list[tuple[int, Pending]] = []
-        firsts: dict[int, Request] = {}  # reached their first token while a later prompt waited
         started: list[Request] = []
         waited = 0
-
-        def first_tokens() -> None:
-            """A later prompt waits for a place: the prompts handed over reach their first
-            token, and those that end there give their places back (nothing else would)."""
-            for i, waiting in pending:
-                if i not in firsts and outputs[i] is None:
-                    try:
-                        firsts[i] = waiting.wait(self.places)
-                    except Exception as error:  # noqa: BLE001 - it ends this prompt alone
-                        outputs[i] = error
-
         try:
-            self._submit_batch(tokenized, resolved, start, cancellation, outputs, pending, first_tokens)
+            self._submit_batch(tokenized, resolved, start, cancellation, outputs, pending)
             for waited, (i, waiting) in enumerate(pending, start=1):
-                if outputs[i] is not None:
-                    continue
                 try:
-                    request = firsts.pop(i) if i in firsts else waiting.wait(self.places)
+                    request = waiting.wait(self.places)
                 except Exception as error:  # noqa: BLE001 - it ends this prompt alone
                     outputs[i] = error
                     continue
@@ -86,10 +72,9 @@ class Batches:
                 outputs[i] = self._follow_to_end(request)
         finally:
             cancellation.cancel()  # what was not followed (an error above) stops
-            for i, waiting in pending[waited:]:
-                if i not in firsts and outputs[i] is None:
-                    drain(waiting, self.places)
-            for request in [*started, *firsts.values()]:
+            for _, waiting in pending[waited:]:
+                drain(waiting, self.places)
+            for request in started:
                 request.close(self.places)
                 request.release_slot()
             unfollow()
@@ -103,35 +88,20 @@ class Batches:
         cancellation: Cancellation,
         outputs: list[GenerationResult | Exception | None],
         pending: list[tuple[int, Pending]],
-        on_full: Callable[[], None],
     ) -> None:
-        """Prepare every prompt of a batch and hand them to the loop together (their passes
-        then share its steps), each appended to ``pending``; when a prompt has to wait for a
-        place, those prepared so far are handed over first and ``on_full`` runs, so places
-        can free up. A prompt refused alone gets its error in ``outputs``."""
-        held: list[Pending] = []
-
-        def hand_over() -> None:
-            self.requests.hand_over(held)
-            held.clear()
-
-        def make_room() -> None:
-            hand_over()
-            on_full()
-
+        """Prepare every prompt of a batch and hand them to the loop together (it admits them
+        in order as places free up; their passes share its steps), each appended to
+        ``pending``. A prompt refused alone gets its error in ``outputs``."""
         try:
             for i, tokens in tokenized:
                 try:
-                    prepared = self.requests.prepare(
-                        tokens, options, start, cancellation=cancellation, on_wait=make_room, until_stored=False
-                    )
-                except Exception as error:  # noqa: BLE001 - its set-up gave back what it held; it fails alone
+                    prepared = self.requests.prepare(tokens, options, start, cancellation=cancellation, until_stored=False)
+                except Exception as error:  # noqa: BLE001 - its set-up held nothing yet; it fails alone
                     outputs[i] = error
                     continue
-                held.append(prepared)
                 pending.append((i, prepared))
-        finally:
-            hand_over()
+        finally:  # an interrupt mid-way: those prepared go over too, and are drained by the caller
+            self.requests.hand_over([prepared for _, prepared in pending])
 
     def _follow_to_end(self, request: Request) -> GenerationResult | Exception:
         """A batch prompt's result, or what ended its decoding."""

@@ -1,7 +1,8 @@
 """A request's memory: its place in the batch, the bytes counted for it and its K/V buffers on loan.
 
-:class:`RequestMemory` takes them together and gives them back in one place. It admits a
-request (:meth:`~kvboost_rag.engine_loop.places.BatchPlaces.reserve`), then lends it K/V buffers
+:class:`RequestMemory` takes them together and gives them back in one place. The engine loop
+admits a request's work (:meth:`RequestMemory.admission`) when the batch has room for it
+(:meth:`~kvboost_rag.engine_loop.places.BatchPlaces.try_reserve`), then lends it K/V buffers
 (a slot of the captured steps' pool, else buffers of the host pool): when the loan fails, the
 place goes back before the error leaves. The loop's hold on the buffers ends when the place goes
 back; a request admitted ``until_stored`` keeps its bytes counted until its lent buffers are
@@ -12,11 +13,9 @@ back for a request that did not start.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
-from kvboost_rag.cancellation import Cancellation
-from kvboost_rag.engine_loop import BatchPlaces, Reservation
+from kvboost_rag.engine_loop import Admission, BatchPlaces, Reservation
 from kvboost_rag.generation.host_buffers import HostBufferPool
 from kvboost_rag.generation.slots import Lease, SlotLease
 from kvboost_rag.hf.captured import SlotPool
@@ -39,26 +38,30 @@ class RequestMemory:
         self.places, self.kv_bytes_per_token = places, kv_bytes_per_token
         self.slots, self.host_buffers = slots, host_buffers
 
-    def admit(
-        self, capacity: int, cancellation: Cancellation, on_wait: Callable[[], None] | None = None,
-        until_stored: bool = True,
-    ) -> tuple[Reservation, Lease | None]:
-        """Wait for a place for ``capacity`` positions, then lend their buffers.
+    def admission(self, capacity: int, until_stored: bool = True) -> Admission[tuple[Reservation, Lease | None]]:
+        """What a request's work must be granted before the loop starts it: a place for
+        ``capacity`` positions and their buffers (:meth:`try_admit`).
 
         Args:
             capacity: Positions of K/V the request writes.
-            cancellation: Ends the wait once set.
-            on_wait: Called once if it must wait for a place.
             until_stored: Its bytes stay counted after its place went back, until its lent
                 buffers are back (else they go with the place).
+        """
+        return Admission(partial(self.try_admit, capacity, until_stored))
+
+    def try_admit(self, capacity: int, until_stored: bool = True) -> tuple[Reservation, Lease | None] | None:
+        """A place for ``capacity`` positions and their buffers on loan if the batch has room
+        now, else ``None`` (nothing taken).
 
         Returns:
-            Its place and its buffers on loan (``None``: buffers of its own).
+            Its place and its buffers on loan (``None``: buffers of its own), or ``None``.
 
         Raises:
-            RequestCancelled: ``cancellation`` was set before a place came.
+            Exception: Lending the buffers failed (the place went back first).
         """
-        reservation = self.places.reserve(self.reserved_bytes(capacity), cancellation, on_wait)
+        reservation = self.places.try_reserve(self.reserved_bytes(capacity))
+        if reservation is None:
+            return None
         reservation.until_stored = until_stored
         lease: Lease | None = None
         try:

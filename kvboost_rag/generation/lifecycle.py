@@ -2,11 +2,11 @@
 
 :class:`Requests` runs ``generate`` and ``stream`` (and prepares the prompts of
 ``generate_batch``, :mod:`~kvboost_rag.generation.batch`). On the caller's thread: the prompt's
-tokens and plan, its memory (a place in the batch and K/V buffers,
-:class:`~kvboost_rag.generation.holdings.RequestMemory`), the cache lookup. Then its prompt work
-goes to the engine loop (:class:`~kvboost_rag.engine_loop.loop.EngineLoop`): stitch, repair,
-prefill in slices beside the running answers, the first token, and the sequence joining the
-running batch. The caller reads the text pieces as the loop decodes them; its end (the result,
+tokens and plan and the cache lookup. Then its prompt work goes to the engine loop
+(:class:`~kvboost_rag.engine_loop.loop.EngineLoop`), which admits it when its memory fits (a
+place in the batch and K/V buffers, :class:`~kvboost_rag.generation.holdings.RequestMemory`)
+and runs it: stitch, repair, prefill in slices beside the running answers, the first token, and
+the sequence joining the running batch. The caller reads the text pieces as the loop decodes them; its end (the result,
 the write-back) is :class:`~kvboost_rag.generation.completion.Completion`'s. Nothing here calls
 back into the engine facade.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kvboost_rag.cancellation import Cancellation, ambient
 from kvboost_rag.decode.constrained import ConstraintCompiler, GrammarGuide
@@ -23,7 +23,7 @@ from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.errors import RequestCancelled, UnsupportedModelError
 from kvboost_rag.generation.completion import Completion
 from kvboost_rag.generation.completion import decoded as decoded_output
-from kvboost_rag.generation.holdings import RequestMemory, give_back
+from kvboost_rag.generation.holdings import RequestMemory
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.generation.request_work import RequestWork
 from kvboost_rag.generation.started import Pending, Request
@@ -108,11 +108,10 @@ class Requests:
         *,
         guide: GrammarGuide | None = None,
         cancellation: Cancellation,
-        on_wait: Callable[[], None] | None = None,
         until_stored: bool = True,
     ) -> Pending:
-        """Plan a prompt, wait for its place in the batch, take its buffers, look it up, and
-        make its prompt work (prefill, first token, joining the batch).
+        """Plan a prompt, look it up, and make its prompt work (admission, prefill, first
+        token, joining the batch), not yet handed to the loop.
 
         Args:
             tokens: The prompt.
@@ -120,38 +119,31 @@ class Requests:
             start: ``perf_counter`` at the call.
             guide: The state of the output constraint, already compiled (else compiled here
                 from ``options.constraint``, when set: every sequence has its own).
-            cancellation: The call's: waiting for a place ends once it is set, the loop drops
-                its prompt work at the next step, its sequence leaves the batch.
-            on_wait: Called once if it must wait for a place.
+            cancellation: The call's: its work leaves the loop's queue (or its sequence the
+                batch) once it is set.
             until_stored: Its bytes stay counted in the batch's until its lent buffers are
                 back (whoever read them last), not only while it runs (one call; a batch's
                 prompts are followed by one thread once they all ran, so they count while
                 they run).
-
-        Raises:
-            RequestCancelled: ``cancellation`` was set before a place came.
         """
         n = len(tokens)
         budget = self._output_budget(n, options)
         if guide is None and options.constraint is not None:
             guide = self.constraints.compile(options.constraint, budget)
         plan = self._plan_generation(tokens, options, budget)
-        capacity = n + budget + SPARE_ROWS
-        reservation, lease = self.memory.admit(capacity, cancellation, on_wait, until_stored)
-        try:  # from the place on, whatever fails gives back all it holds
-            found = self.prefiller.lookup(plan) if options.reuse else None
-            work = RequestWork(plan, options, budget, guide, reservation, self.eos_ids)
-            steps = work.steps(self.prefiller, found, self.adapter, lease)
-        except BaseException:
-            give_back(self.places, reservation, lease)
-            raise
-        return Pending(plan, options, start, steps, reservation, lease, cancellation)
+        found = self.prefiller.lookup(plan) if options.reuse else None
+        admission = self.memory.admission(n + budget + SPARE_ROWS, until_stored)
+        work = RequestWork(plan, options, budget, guide, self.eos_ids)
+        steps = work.steps(self.prefiller, found, self.adapter, admission, self.places)
+        return Pending(plan, options, start, steps, admission, cancellation)
 
     def hand_over(self, pending: Sequence[Pending]) -> None:
-        """Hand prepared prompts' work to the engine loop together."""
+        """Hand prepared prompts' work to the engine loop together (it admits them in order)."""
         if not pending:
             return
-        futures = self.loop.submit_many([(p.steps, p.cancellation) for p in pending], request=True)
+        futures = self.loop.submit_many(
+            [(p.steps, p.cancellation) for p in pending], request=True, admissions=[p.admission for p in pending]
+        )
         for waiting, future in zip(pending, futures):
             waiting.future, waiting.steps = future, None
 

@@ -1,8 +1,8 @@
 """A request between its hand-over to the engine loop and its end.
 
-:class:`Pending` is a request whose prompt work the loop runs; :meth:`Pending.wait` gives the
-:class:`Request` once its first token is chosen (or gives back all it holds when it failed or
-was cancelled first). :func:`drain` lets a request that will not be followed go.
+:class:`Pending` is a request whose prompt work the loop admits and runs; :meth:`Pending.wait`
+gives the :class:`Request` once its first token is chosen (its work gave back all it held when
+it failed or was cancelled first). :func:`drain` lets a request that will not be followed go.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from functools import partial
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.decode.handle import DecodeHandle
 from kvboost_rag.decode.step import DecodeSequence
-from kvboost_rag.engine_loop import BatchPlaces, Reservation
-from kvboost_rag.generation.holdings import give_back
+from kvboost_rag.engine_loop import Admission, BatchPlaces, Reservation
 from kvboost_rag.generation.request_work import Started
 from kvboost_rag.generation.slots import Lease
 from kvboost_rag.hf.passes import PassSteps
@@ -103,8 +102,7 @@ class Pending:
         options: Its options.
         start: ``perf_counter`` at the call.
         steps: Its prompt work, until it is handed to the loop.
-        reservation: Its place in the batch.
-        lease: Its K/V buffers on loan.
+        admission: Its place and buffers, granted by the loop before the work starts.
         cancellation: The call's cancellation.
         future: The prompt work's future (a :class:`Started`), once handed to the loop.
     """
@@ -113,31 +111,26 @@ class Pending:
     options: GenerationOptions
     start: float
     steps: PassSteps[Started] | None
-    reservation: Reservation
-    lease: Lease | None
+    admission: Admission[tuple[Reservation, Lease | None]]
     cancellation: Cancellation
     future: Future | None = None
 
     def wait(self, places: BatchPlaces) -> Request:
-        """The request once its first token is chosen (its place and buffers go back when it
-        failed or was cancelled first).
+        """The request once its first token is chosen (when it failed or was cancelled first,
+        its work gave back all it held).
 
         Raises:
             RequestCancelled: The call was cancelled before its first token.
             Exception: What ended its prompt work.
         """
         assert self.future is not None, "wait for a request handed to the engine loop"
-        try:
-            started: Started = _settled(self.future, self.cancellation)
-        except BaseException:
-            give_back(places, self.reservation, self.lease)
-            raise
-        joined = started.handle is not None
+        started: Started = _settled(self.future, self.cancellation)
+        joined, reservation, lease = started.handle is not None, started.reservation, started.lease
         request = Request(
             self.plan, self.options, self.start, started.outcome, started.sequence,
             (started.first_token_at - self.start) * 1000, started.first_pieces,
-            None if joined else self.reservation, started.handle, self.lease, self.cancellation,
-            counted=None if self.lease is not None else partial(places.release_bytes, self.reservation),
+            None if joined else reservation, started.handle, lease, self.cancellation,
+            counted=None if lease is not None else partial(places.release_bytes, reservation),
         )
         if joined:
             request.unwatch = self.cancellation.watch(started.handle.cancel)
@@ -160,7 +153,7 @@ def _settled(future: Future, cancellation: Cancellation):
 
 def drain(waiting: Pending, places: BatchPlaces) -> None:
     """Let a request that will not be followed go (its work is cancelled): its place and
-    buffers go back once the loop dropped it."""
+    buffers go back once the loop dropped it (or it reached its first token)."""
     try:
         request = waiting.wait(places)
     except BaseException:  # noqa: BLE001 - cancelled or failed: already given back
