@@ -104,6 +104,29 @@ def test_the_next_request_finds_every_document_before_the_tiers_hold_it(make_eng
     assert staged.token_ids == stored.token_ids
 
 
+def test_a_lookup_while_the_copier_is_held_copies_the_staged_views_and_the_buffers_go_back_after(make_engine, monkeypatch):
+    """The copier waits at a gate: the first call's buffers stay lent (its job holds them),
+    the next request finds its documents from the staged views, and once the copier staged
+    its copies the buffers go back; the answers are those the stored entries give."""
+    engine = make_engine("llama")
+    copies, pool = engine._cache.copies, engine._requests.memory.host_buffers
+    opened, to_host = threading.Event(), copies.to_host
+    monkeypatch.setattr(copies, "to_host", lambda tensors: (opened.wait(60), to_host(tensors))[1])
+    docs = DOCS[44:47]
+    try:
+        engine.generate(rag_prompt(docs), max_new_tokens=4, documents=docs)
+        held = pool.lent_bytes
+        staged = engine.generate(rag_prompt(_reordered(docs)), max_new_tokens=6, documents=_reordered(docs), return_logits=True)
+        assert held > 0 and pool.lent_bytes >= held  # the first call's buffers wait for the copier
+    finally:
+        opened.set()
+    assert engine.flush(timeout=60) and pool.lent_bytes == 0
+    stored = engine.generate(rag_prompt(_reordered(docs)), max_new_tokens=6, documents=_reordered(docs), return_logits=True)
+    assert staged.content_hit_tokens > 0 and staged.content_hit_tokens == stored.content_hit_tokens
+    assert torch.equal(staged.first_token_logits, stored.first_token_logits)
+    assert staged.token_ids == stored.token_ids
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_eight_threads_each_find_what_their_own_call_stored(make_engine, device):
     """Eight threads at once, each with documents of its own: right after its call returns, each

@@ -8,13 +8,16 @@ own thread:
    chunks are new (the prompt's exact leading part as prefix chunks, and the chunks of its
    documents that no tier holds), indexes them, and *stages* them in the tier stack
    (:meth:`~kvboost_rag.cache.storage.TieredStore.stage`) over the prompt's own buffers, so a
-   request that starts after this call returned finds every one of them. On CUDA the chunks are
+   request that starts after this call returned finds every one of them (a lookup copies such
+   a view out under a counted hold on the buffers,
+   :class:`~kvboost_rag.host_memory.counted_hold.CountedHold`). On CUDA the chunks are
    first copied on the device (:meth:`~kvboost_rag.cache.host_copies.HostCopies.gather`), those
    copies go into the device tier as they are, and the prompt's buffers are handed back at
    once. Nothing is copied to the host, put into a host tier, serialized or hashed here.
 2. the *copier* (a :class:`~kvboost_rag.cache.write_worker.WriteWorker`): copies the chunks
    into host memory the cache owns (:class:`~kvboost_rag.host_memory.arena.HostArena`), stages those
-   copies in place of the views, and hands the prompt's buffers back. Its jobs wait only for
+   copies in place of the views, and releases the job's hold on the prompt's buffers (they go
+   back once no lookup is copying a view of them). Its jobs wait only for
    each other (copies), never for a slow tier, so buffers go back within a copy's time.
 3. the *writer* (another worker): puts the copies into the memory, disk and Redis tiers,
    settles them, and fixes the index for what no tier kept.
@@ -40,12 +43,12 @@ from typing import Protocol
 import torch
 
 from kvboost_rag.cache.codec import KVBlock, encode_block, entry_in_place
-from kvboost_rag.host_memory.held_views import watched_aliases
 from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import StoredEntry, TieredStore
-from kvboost_rag.cache.storage.base import TierWriteError
+from kvboost_rag.cache.storage.base import LentEntry, TierWriteError
 from kvboost_rag.cache.write_worker import WriteWorker
+from kvboost_rag.host_memory.counted_hold import CountedHold
 from kvboost_rag.request.documents import DocumentRecord
 from kvboost_rag.request.plan import PlacedDocument, PromptPlan
 
@@ -112,11 +115,13 @@ class WriteJob:
         pins: Keys to pin in every tier once stored.
         records: Document records to register once the job is handed to the copier (not
             before: a job refused at submit leaves no record behind).
-        release: Hands back lent buffers no watched alias views (on CUDA, once the chunks are
-            gathered into device copies; called once); lent host buffers go back when the last
-            view of their watched aliases is gone.
+        release: Lets go of the prompt's buffers (called once): hands lent buffers back on
+            CUDA, once the chunks are gathered into device copies; on a CPU, releases the job's
+            reference on their :attr:`hold` (once the copier staged copies of the chunks).
         owned: The chunks' copies in memory of the cache's own, once the copier made them.
         source: The prompt's K and V the chunks are cut from, while they are planned.
+        hold: The hold on lent host buffers whose views it stages (a lookup copying a staged
+            view holds them too); ``None`` on CUDA and for buffers of the prompt's own.
     """
 
     chunks: list[ChunkWrite] = field(default_factory=list)
@@ -126,6 +131,7 @@ class WriteJob:
     release: Callable[[], None] | None = None
     owned: list[StoredEntry] = field(default_factory=list)
     source: tuple[torch.Tensor, torch.Tensor] | None = None
+    hold: CountedHold | None = None
 
     def release_buffers(self) -> None:
         """Hand the prompt's buffers back (again: nothing)."""
@@ -198,9 +204,9 @@ class WriteBack:
             store_documents: Store document chunks too.
             pin: Pin the prefix chunks that serve the leading part (an explicit warm).
             on_read: Hands the prompt's lent buffers back once they are no longer read: at
-                once on CUDA, else once every view of them is gone (the copier done, the
-                staged views replaced, any lookup that got one done with it; at once when
-                nothing is new). Called once even when this raises. ``None``: the buffers are
+                once on CUDA, else once the copier staged copies of the chunks in place of
+                the views and no lookup is copying a staged view (at once when nothing is
+                new). Called once even when this raises. ``None``: the buffers are
                 the outcome's own. Either way they count, whole, in the copier's queue until
                 it ran the job.
 
@@ -241,15 +247,17 @@ class WriteBack:
             self._store.delete(self._index.record_key(record))
 
     def _job(self, outcome: Prefilled, on_read: Callable[[], None] | None) -> WriteJob:
-        """A job over ``outcome``'s buffers. Lent host buffers are viewed through watched
-        aliases: they go back (``on_read``) once every view of them is gone (the staged
-        entries, the chunks, a lookup's block), never while a view may still be read."""
+        """A job over ``outcome``'s buffers. Lent host buffers are held by a counted hold whose
+        first reference is the job's (released once the copier staged copies of the chunks,
+        or when the job fails); a lookup copying a staged view holds them while it copies.
+        They go back (``on_read``) when the last reference is released, never while a view of
+        them may still be read."""
         if outcome.keys is None or outcome.values is None:
             return WriteJob(release=on_read)
         if on_read is None or self._copies.frees_buffers_at_once:
             return WriteJob(release=on_read, source=(outcome.keys, outcome.values))
-        keys, values = watched_aliases([outcome.keys, outcome.values], on_read)
-        return WriteJob(source=(keys, values))
+        hold = CountedHold(on_read)
+        return WriteJob(release=hold.release, source=(outcome.keys, outcome.values), hold=hold)
 
     def _held_bytes(self, job: WriteJob, outcome: Prefilled) -> int:
         """Bytes ``job`` holds until the copier ran it: its device copies (CUDA), or the
@@ -324,9 +332,8 @@ class WriteBack:
         gathered = self._copies.gather([t for chunk in job.chunks for t in (chunk.keys, chunk.values)])
         for i, chunk in enumerate(job.chunks):
             chunk.keys, chunk.values = gathered[2 * i], gathered[2 * i + 1]
-            chunk.staged = entry_in_place(
-                KVBlock(chunk.keys, chunk.values, chunk.token_ids, chunk.start), fingerprint=self._fingerprint
-            )
+            entry = entry_in_place(KVBlock(chunk.keys, chunk.values, chunk.token_ids, chunk.start), fingerprint=self._fingerprint)
+            chunk.staged = entry if job.hold is None else LentEntry(entry.tensors, entry.metadata, hold=job.hold)
             self._store.stage(chunk.key, chunk.staged)
         if self._on_device and job.chunks:
             self._store.put_device([(chunk.key, chunk.staged) for chunk in job.chunks])
@@ -344,7 +351,8 @@ class WriteBack:
             job.owned = self._owned(job.chunks)
             for chunk, copy in zip(job.chunks, job.owned):
                 self._stage_copy(chunk, copy)
-                chunk.let_go()  # the buffers go back (or, a warm's own, are freed) once no view is left
+                chunk.let_go()
+            job.release_buffers()  # no view of them is staged any more: they go back (or, a warm's own, are freed)
             self._writer.submit(partial(self._store_copies, job), job.owned_bytes)
         except BaseException:
             self._drop(job)  # nothing staged may outlive the buffers it views

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvboost_rag.host_memory.counted_hold import CountedHold
+
 #: Metadata field naming what an entry that describes rather than holds K/V is (a document
 #: record: ``"document"``). Such entries are host metadata: a tier in device memory never holds
 #: them, whatever their tensors.
@@ -50,6 +52,30 @@ class StoredEntry:
         """Whether the entry is host metadata (it names a :data:`KIND_FIELD`), never placed
         in device memory."""
         return KIND_FIELD in self.metadata
+
+
+@dataclass(frozen=True)
+class LentEntry(StoredEntry):
+    """A staged entry whose tensors view memory lent to a request (its K/V buffers, until the
+    write-back has copied them): a lookup reads a copy of it, made while it holds ``hold``
+    (:meth:`~kvboost_rag.cache.storage.TieredStore.fetch`), so no view of the lent memory
+    outlives the hold.
+
+    Attributes:
+        hold: The hold on the lent memory (the write-back's job owns its first reference).
+    """
+
+    hold: CountedHold | None = None
+
+    def copied(self) -> StoredEntry | None:
+        """A copy in memory of its own, made under a reference on :attr:`hold`; ``None`` when
+        the lent memory already went back (nothing to read)."""
+        if self.hold is None or not self.hold.acquire():
+            return None
+        try:
+            return StoredEntry({name: tensor.clone() for name, tensor in self.tensors.items()}, dict(self.metadata))
+        finally:
+            self.hold.release()
 
 
 class StorageTier(ABC):

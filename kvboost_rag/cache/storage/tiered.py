@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TypeVar
 
-from kvboost_rag.cache.storage.base import StorageTier, StoredEntry, TierWriteError
+from kvboost_rag.cache.storage.base import LentEntry, StorageTier, StoredEntry, TierWriteError
 from kvboost_rag.cache.storage.device import DeviceTier
 from kvboost_rag.cache.storage.memory import MemoryTier
 from kvboost_rag.log_limits import RateLimitedLogger
@@ -104,8 +104,8 @@ class TieredStore:
         """Like :meth:`get`, and whether the entry came from a tier of this process's own
         memory (memory or device tier: entries this process wrote, or read from a shared tier
         and checked then), so its values need no checking again. A staged entry is served
-        first (it is this process's own)."""
-        staged = self.staged(key)
+        first (it is this process's own; one over lent memory is served as a copy)."""
+        staged = self._staged_to_read(key)
         if staged is not None:
             return staged, True
         for depth, tier in enumerate(self.tiers):
@@ -184,6 +184,20 @@ class TieredStore:
         """The entry staged under ``key``, if any."""
         with self._lock:
             return self._staged.get(key)
+
+    def _staged_to_read(self, key: str) -> StoredEntry | None:
+        """The entry staged under ``key`` as a lookup may keep it: a :class:`LentEntry` (a view
+        of a request's lent buffers) is copied under a reference on their hold; when they went
+        back meanwhile, what is staged now (their copy) is served instead."""
+        while True:
+            entry = self.staged(key)
+            if not isinstance(entry, LentEntry):
+                return entry
+            copy = entry.copied()
+            if copy is not None:
+                return copy
+            if self.staged(key) is entry:  # buffers go back only once their views are unstaged
+                raise RuntimeError(f"a staged entry outlived the lent buffers it views: {key}")
 
     def restage(self, key: str, before: StoredEntry, after: StoredEntry) -> bool:
         """Replace the staged ``before`` with ``after`` (a copy that owns its memory); whether
