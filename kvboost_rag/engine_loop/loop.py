@@ -294,7 +294,7 @@ class EngineLoop:
         start = self._clock()
         self._drop_cancelled()
         rows = self._plan_rows()
-        requests = sum(1 for work in self._works if work.urgent and not work.finished and not work.awaiting_admission)
+        requests = sum(1 for work in self._works if work.urgent and not work.finished and not work.refused)
         call = self._model_call_due()
         slices = self._slices(self._prompt_budget(rows))
         if rows is None and not slices and call is None:

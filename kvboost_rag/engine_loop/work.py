@@ -101,6 +101,8 @@ class PromptWork:
         self.cancellation = cancellation
         self.urgent = urgent
         self.admission = admission
+        #: Its admission was tried and found no room (it waits for memory, not for the budget).
+        self.refused = False
         self.recording = stage_times.current()  # the submitting call's stage times, if it records them
         self.future: Future = Future()
         self.request: TokenPass | ModelCall | JoinDecode | None = None
@@ -132,8 +134,9 @@ class PromptWork:
             if self.future.done():
                 return None
             if self.admission is not None and not self.admission.try_grant():
+                self.refused = True
                 return None
-            self.started = True
+            self.started, self.refused = True, False
         return self.advance(None)
 
     @property
