@@ -116,6 +116,7 @@ class EngineLoop:
         self.budget = StepBudget(settings, adapter.device.type)
         self._lock = threading.Condition()
         self._incoming: list[PromptWork] = []
+        self._room_given = False  # room given back since the loop last slept for it
         self._thread: threading.Thread | None = None
         # Touched by the loop's thread only:
         self._works: list[PromptWork] = []
@@ -190,8 +191,10 @@ class EngineLoop:
         return [work.future for work in made]
 
     def wake(self) -> None:
-        """Room may have been given back: work awaiting admission is tried at once (any thread)."""
+        """Room may have been given back: work awaiting admission is tried at once (any thread;
+        given while the loop is between a refusal and its sleep, the sleep is skipped)."""
         with self._lock:
+            self._room_given = True
             self._lock.notify()
 
     def run(self, steps: PassSteps[T], cancellation: Cancellation | None = None) -> T:
@@ -315,8 +318,10 @@ class EngineLoop:
         new work arrives or :data:`ADMISSION_WAIT_SECONDS` pass."""
         self._works = [work for work in self._works if not work.finished]
         with self._lock:
-            if not self._incoming and any(work.awaiting_admission for work in self._works):
+            waiting = any(work.awaiting_admission for work in self._works)
+            if waiting and not self._incoming and not self._room_given:
                 self._lock.wait(ADMISSION_WAIT_SECONDS)
+            self._room_given = False
 
     def _prompt_budget(self, rows: DecodeRows | None) -> int:
         """Prompt tokens this step carries beside ``rows``."""
