@@ -300,8 +300,8 @@ class EngineLoop:
         requests = sum(1 for work in self._works if work.urgent and not work.finished and not work.refused)
         call = self._model_call_due()
         slices = self._slices(self._prompt_budget(rows))
-        if rows is None and not slices and call is None:
-            self._await_room()
+        if rows is None and not slices and call is None and any(work.awaiting_admission for work in self._works):
+            self._await_room()  # nothing else to run: only work that waits for room is queued
             return True
         self._run_pass(rows, slices)
         if call is not None:
@@ -315,11 +315,10 @@ class EngineLoop:
 
     def _await_room(self) -> None:
         """Nothing to run (what is queued awaits admission): sleep until room is given back,
-        new work arrives or :data:`ADMISSION_WAIT_SECONDS` pass."""
+        new work arrives or :data:`ADMISSION_WAIT_SECONDS` pass (the step is not recorded)."""
         self._works = [work for work in self._works if not work.finished]
         with self._lock:
-            waiting = any(work.awaiting_admission for work in self._works)
-            if waiting and not self._incoming and not self._room_given:
+            if not self._incoming and not self._room_given:
                 self._lock.wait(ADMISSION_WAIT_SECONDS)
             self._room_given = False
 
