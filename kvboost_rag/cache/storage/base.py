@@ -73,7 +73,8 @@ class LentEntry(StoredEntry):
         if self.hold is None or not self.hold.acquire():
             return None
         try:
-            return StoredEntry({name: tensor.clone() for name, tensor in self.tensors.items()}, dict(self.metadata))
+            tensors = {name: t if name in HOST_TENSORS else t.clone() for name, t in self.tensors.items()}
+            return StoredEntry(tensors, dict(self.metadata))  # token ids are the entry's own, not lent
         finally:
             self.hold.release()
 
