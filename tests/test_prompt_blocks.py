@@ -77,7 +77,7 @@ def test_a_block_is_where_it_stands_even_when_the_opening_quotes_it(make_engine)
     assert block.start == text.index("\n\n") + 2 and block.text == DOCS[0][:-1]
     engine = make_engine("llama")
     tokenizing = engine._tokenizing
-    (occurrence,) = tokenizing.new_blocks(text, [], engine._cache.index.known_documents(), engine.fingerprint, engine.settings.chunk_size)
+    _, (occurrence,) = tokenizing.new_blocks(text, [], engine._cache.index.known_documents(), engine.fingerprint, engine.settings.chunk_size)
     assert occurrence.char_start == block.start
 
 
@@ -107,6 +107,21 @@ def test_a_plain_prompts_documents_are_found_in_another_order_next_time(make_eng
     assert again.documents_found == 3
     doc_tokens = sum(engine.count_tokens(d) for d in DOCS[:3])
     assert again.content_hit_tokens >= doc_tokens - 3 * 4  # all but boundary merges
+
+
+def test_a_block_that_opens_as_a_stored_one_does_is_stored_and_found_whole_next_time(make_engine) -> None:
+    """A block whose first sentence a stored block shares (the stored one is found at its
+    start, matched only there) is stored all the same, and read from cache whole next time."""
+    engine = make_engine("llama")
+    opening = "The following methods can be defined to change what the objects of a class do. "
+    first, second = opening + DOCS[0], opening + DOCS[1]
+    engine.generate(chat([DOCS[3], first], "Where do the boats wait?"), max_new_tokens=1)
+    engine.generate(chat([DOCS[3], second], "Where do the flocks rest?"), max_new_tokens=1)
+
+    again = engine.generate(chat([DOCS[2], second], "What do the meadows hold?"), max_new_tokens=1)
+
+    assert again.documents_found == 1  # DOCS[2] is new here
+    assert again.content_hit_tokens >= engine.count_tokens(second) - 2 * 4  # all but boundary merges
 
 
 def test_with_blocks_off_a_plain_prompt_stores_no_document(make_engine) -> None:

@@ -81,6 +81,12 @@ def _special_texts(tokenizer: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*named, *(t.content for t in added.values() if getattr(t, "special", False))]))
 
 
+def _yields_to(occurrence: DocumentOccurrence, block_chars: int) -> bool:
+    """Whether a found document gives way to an overlapping block of ``block_chars``
+    characters: the prompt holds only a leading part of it, shorter than the block."""
+    return occurrence.matched_chars < len(occurrence.record.text) and occurrence.matched_chars < block_chars
+
+
 class Tokenizing:
     """Tokenizes text for the engine, the way full prefill sees it.
 
@@ -122,23 +128,37 @@ class Tokenizing:
 
     def new_blocks(
         self, text: str, found: Sequence[DocumentOccurrence], registry: DocumentRegistry, fingerprint: str, chunk_size: int
-    ) -> list[DocumentOccurrence]:
+    ) -> tuple[list[DocumentOccurrence], list[DocumentOccurrence]]:
         """Where the blocks of a prompt (:func:`~kvboost_rag.request.blocks.prompt_blocks`) that
         no known or named document ``found`` covers sit, with their records: tokenized here,
-        not registered (the write-back registers each once its chunks are stored). A known
-        document wins over a block that overlaps it: it is read from cache."""
-        taken = [(o.char_start, o.char_start + o.matched_chars) for o in found]
+        not registered (the write-back registers each once its chunks are stored).
+
+        A known document wins over a block that overlaps it (it is read from cache), unless it
+        is only a leading part of itself that the prompt holds, shorter than the block: a
+        document that opens as the block opens (a shared first sentence) and then goes
+        another way. That occurrence is dropped for the block, which the next prompt holding
+        it reads whole (its longer match wins there); otherwise the block would never be
+        stored, and the prompt would read next to nothing of the document (whole chunks of
+        its matched part only).
+
+        Returns:
+            ``found`` less the occurrences dropped for blocks, and the blocks' occurrences.
+        """
+        kept = list(found)
         added: list[DocumentOccurrence] = []
         for block in prompt_blocks(text, self.special_tokens):
-            if any(block.start < stop and begin < block.end for begin, stop in taken):
+            overlapping = [o for o in kept if block.start < o.char_start + o.matched_chars and o.char_start < block.end]
+            if any(not _yields_to(o, block.end - block.start) for o in overlapping):
+                continue
+            if any(block.start < o.char_start + o.matched_chars and o.char_start < block.end for o in added):
                 continue
             if registry.lookup(block.text) is not None:
                 continue
             record = self.record(block.text, fingerprint, chunk_size)
             record.ngrams  # noqa: B018 - indexed once, when the block is read: decoding drafts from it
+            kept = [o for o in kept if not any(o is dropped for dropped in overlapping)]
             added.append(DocumentOccurrence(record, block.start, len(block.text)))
-            taken.append((block.start, block.end))
-        return added
+        return kept, added
 
     def _alone(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int]]:
         """``(ids, spans, word starts)`` of ``text`` tokenized alone (no special tokens)."""
@@ -177,7 +197,8 @@ class Tokenizing:
             with stage("find"):
                 registry = self._documents() if self._documents is not None else DocumentRegistry()
                 found = registry.find(text, explicit)
-                blocks = self.new_blocks(text, found, registry, *blocks_as) if blocks_as is not None else []
+                if blocks_as is not None:
+                    found, blocks = self.new_blocks(text, found, registry, *blocks_as)
                 found = sorted([*found, *blocks], key=lambda o: o.char_start) if blocks else found
         with stage("tokenize"):
             tokens = self._tokens(text, found)
