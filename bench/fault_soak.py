@@ -12,8 +12,9 @@ the embedded model with default settings except two tiers made to misbehave:
 
 A pool of documents of Python's reference (``pydoc_data.topics``) is warmed first through
 ``POST /v1/documents``; ``--requests`` RAG chat requests (system prompt, ``--docs`` documents
-of the pool in random order, a question; greedy, ``--tokens`` new tokens) are answered one at a
-time first (the reference). Then rounds run until ``--minutes`` have passed: ``--clients``
+of the pool in random order, or ``--docs`` to ``--max-docs`` of them for requests of different
+lengths, a question; greedy, ``--tokens`` new tokens) are answered one at a time first (the
+reference). Then rounds run until ``--minutes`` have passed: ``--clients``
 clients at once, most repeating one of the reference requests (about half streamed), a share
 (``--novel-share``) sending new prompts that name new documents in ``documents`` (stored after
 the answer: the writes that meet the faults), a share (``--hang-up-share``) sending new prompts
@@ -344,7 +345,8 @@ class Soak:
         self.spare = corpus[args.pool :] or corpus  # new texts of the rounds (each made unique)
         self.acked: dict[str, str] = {}  # documents POST /v1/documents acknowledged: id -> text
         self.requests = [
-            rag_messages(self.rng.sample(self.pool, args.docs), QUESTIONS[i % len(QUESTIONS)].format(i=i))
+            rag_messages(self.rng.sample(self.pool, self.rng.randint(args.docs, max(args.docs, args.max_docs or 0))),
+                         QUESTIONS[i % len(QUESTIONS)].format(i=i))
             for i in range(args.requests)
         ]
         self.reference: list[str] = []
@@ -554,6 +556,11 @@ def _summary_rows(soak: Soak, end: dict[str, Any], checks: dict[str, Any], warni
     return lines
 
 
+def doc_range(args: argparse.Namespace) -> str:
+    """Documents per repeated request: ``--docs``, or ``--docs``-``--max-docs``."""
+    return f"{args.docs}-{args.max_docs}" if (args.max_docs or 0) > args.docs else str(args.docs)
+
+
 def report(soak: Soak, end: dict[str, Any], checks: dict[str, Any], warnings: WarningCount, head: list[str]) -> str:
     """The Markdown report: how it ran, a row per round, the checks at the end."""
     args = soak.args
@@ -563,7 +570,7 @@ def report(soak: Soak, end: dict[str, Any], checks: dict[str, Any], warnings: Wa
         "# Soak of the server under storage faults (issue 54)", "",
         f"Command: `python bench/fault_soak.py {' '.join(sys.argv[1:])}`", "", *head, "",
         f"{args.clients} clients at once per round: {compared} repeat one of {args.requests} RAG chat requests of "
-        f"{args.docs} documents ({args.doc_chars} characters at most, from a pool of {args.pool} warmed through "
+        f"{doc_range(args)} documents ({args.doc_chars} characters at most, from a pool of {args.pool} warmed through "
         f"`POST /v1/documents`), about half streamed; {novel} send new prompts whose {args.docs // 2} new documents "
         f"are named in `documents` (stored after the answer); {leaving} send new prompts of pool documents streamed "
         "and hang up after "
@@ -607,6 +614,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hang-up-events", type=int, default=2, help="events a leaving client reads first")
     parser.add_argument("--requests", type=int, default=24, help="distinct requests with a one-at-a-time answer")
     parser.add_argument("--docs", type=int, default=4, help="documents per request")
+    parser.add_argument("--max-docs", type=int,
+                        help="each repeated request takes --docs to this many documents (requests of different "
+                             "lengths; default: --docs each)")
     parser.add_argument("--doc-chars", type=int, default=1200, help="characters per document at most")
     parser.add_argument("--pool", type=int, default=16, help="documents warmed before the rounds")
     parser.add_argument("--warm-per-round", type=int, default=2, help="new documents warmed beside each round")

@@ -26,8 +26,9 @@ question; greedy (temperature 0), a fixed seed, ``--tokens`` new tokens, streame
 
 Also, per round, the share of prompt tokens each server reports as read from its cache
 (``usage.prompt_tokens_details.cached_tokens``; vLLM reports it with
-``--enable-prompt-tokens-details``, which changes nothing else) and how many answers equal
-vLLM's.
+``--enable-prompt-tokens-details``, which changes nothing else), the share of the documents'
+tokens kvboost-rag read from cache (stored documents, and an exact prefix hit past the opening),
+and how many answers equal vLLM's.
 
 Run (from the repository root, with the repository's ``.venv``)::
 
@@ -77,6 +78,11 @@ QUESTIONS = ("What do these documents say about the statement the first one desc
              "Which of these documents explains how names are bound, and what does it say?",
              "Summarize what the last document says in one sentence.",
              "What do these documents say about exceptions?")
+DOCUMENT_SHARE_NOTE = ("Document tokens read from cache: per request, the prompt tokens kvboost-rag reports as read "
+                       "from stored documents (`content_hit_tokens` of its `kvboost` figures) plus those its exact "
+                       "prefix hit read past the prompt's opening (`prefix_hit_tokens` less the tokens before the "
+                       "first document), over the requests' document tokens (each document tokenized alone); vLLM "
+                       "reports no such count.")
 SETUP_HINT = "create it with `bash bench/setup_vllm_peer.sh` (VLLM_VENV=DIR for another place), or pass --vllm-python"
 
 
@@ -88,6 +94,12 @@ class Workload:
     warm: list[list[int]]
     sequential: list[list[int]]
     together: list[list[int]]
+    doc_tokens: list[int] = field(default_factory=list)
+    opening_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def document_tokens(self, name: str) -> list[int]:
+        """Each request's document tokens in round ``name`` (each document tokenized alone)."""
+        return [sum(self.doc_tokens[j] for j in chunk) for chunk in getattr(self, name)]
 
 
 @dataclass
@@ -155,7 +167,22 @@ def build_workload(args: argparse.Namespace) -> Workload:
     seen = {frozenset(chunk) for chunk in warm}
     sequential = fresh(rng, args.pool, args.docs, args.requests, seen)
     together = fresh(rng, args.pool, args.docs, args.requests, seen)
-    return Workload(docs, warm, sequential, together)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_folder(args)))
+    workload = Workload(docs, warm, sequential, together, [len(tokenizer(d, add_special_tokens=False).input_ids) for d in docs])
+    for name, offset in (("warm", 0), ("sequential", 100), ("together", 200)):
+        workload.opening_tokens[name] = [opening_tokens(tokenizer, request_body(args, "", workload, chunk, offset + i, False))
+                                         for i, chunk in enumerate(getattr(workload, name))]
+    return workload
+
+
+def opening_tokens(tokenizer: Any, body: dict[str, Any]) -> int:
+    """Tokens of a request's chat prompt before its first document (the system message and
+    the user turn's start): what an exact prefix hit reads before any document token."""
+    text = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+    first = text.index(body["messages"][-1]["content"][:200])
+    return len(tokenizer(text[:first], add_special_tokens=False).input_ids)
 
 
 def request_body(args: argparse.Namespace, model: str, workload: Workload, chunk: list[int], i: int,
@@ -304,8 +331,10 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, bind: str 
     return result
 
 
-def round_figures(answers: list[Reply], wall: float) -> dict[str, float]:
-    """Wall time, TTFT p50, decode ms per token after the first (p50), cached share of prompt tokens, mean prompt tokens, failures."""
+def round_figures(answers: list[Reply], wall: float, document_tokens: list[int], openings: list[int]) -> dict[str, float]:
+    """Wall time, TTFT p50, decode ms per token after the first (p50), cached share of prompt
+    tokens, share of document tokens read from cache (:func:`documents_read`), mean prompt
+    tokens, failures."""
     ttfts = [a.ttft * 1000 for a in answers if a.ttft is not None]
     steps = [(a.done - a.first) * 1000 / (a.tokens - 1) for a in answers
              if a.first is not None and a.done is not None and a.tokens > 1]
@@ -315,30 +344,41 @@ def round_figures(answers: list[Reply], wall: float) -> dict[str, float]:
             "ttft_max_ms": max(ttfts) if ttfts else float("nan"),
             "pause_max_ms": max((a.longest_pause for a in answers), default=0.0) * 1000,
             "cached_share": sum(a.cached_tokens for a in answers) / prompt if prompt else float("nan"),
+            "document_share": documents_read(answers, document_tokens, openings) / max(1, sum(document_tokens)),
             "prompt_tokens": prompt / len(answers) if answers else float("nan"),
             "failed": sum(a.status != 200 or a.first is None for a in answers)}
 
 
-def figures_of(result: ModeResult) -> dict[str, dict[str, float]]:
-    return {name: round_figures(answers, result.walls[name]) for name, answers in result.answers.items()}
+def documents_read(answers: list[Reply], document_tokens: list[int], openings: list[int]) -> int:
+    """Document tokens kvboost-rag read from cache over ``answers``: per request, the tokens it
+    read from stored documents (``content_hit_tokens``) plus those its exact prefix hit read
+    past the prompt's opening (``prefix_hit_tokens`` less ``openings``: documents in the same
+    order as an earlier prompt's are read as its prefix), at most its ``document_tokens``."""
+    return sum(min(tokens, a.document_hit_tokens + max(0, a.prefix_hit_tokens - opening))
+               for a, tokens, opening in zip(answers, document_tokens, openings, strict=True))
+
+
+def figures_of(result: ModeResult, workload: Workload) -> dict[str, dict[str, float]]:
+    return {name: round_figures(answers, result.walls[name], workload.document_tokens(name), workload.opening_tokens[name])
+            for name, answers in result.answers.items()}
 
 
 def _ratio(peer: float, ours: float) -> str:
     return f"{peer / ours:.2f}x" if ours and ours == ours and peer == peer else "-"
 
 
-def main_table(args: argparse.Namespace, results: list[ModeResult]) -> list[str]:
+def main_table(args: argparse.Namespace, results: list[ModeResult], workload: Workload) -> list[str]:
     """| server | one after another | TTFT p50 | N at once | TTFT p50 (at once) | ratios vs vLLM |"""
     n = args.requests
     lines = [f"| server | one after another | TTFT p50 | {n} at once | TTFT p50 (at once) | ratios vs vLLM |",
              "|---|---:|---:|---:|---:|---|"]
     reference = next((r for r in results if r.mode == "vllm" and not r.error), None)
-    peer = figures_of(reference) if reference else None
+    peer = figures_of(reference, workload) if reference else None
     for result in results:
         if result.error:
             lines.append(f"| {result.label} | {result.error} | | | | |")
             continue
-        f = figures_of(result)
+        f = figures_of(result, workload)
         seq, tog = f["sequential"], f["together"]
         ratios = "-" if peer is None or result is reference else ", ".join(
             _ratio(peer[r][k], f[r][k]) for r, k in (("sequential", "wall_s"), ("sequential", "ttft_p50_ms"),
@@ -355,24 +395,28 @@ def _same_as(peer: ModeResult | None, result: ModeResult, name: str) -> str:
     return f"{same}/{len(result.answers[name])}"
 
 
-def detail_table(results: list[ModeResult]) -> list[str]:
-    """Startup, prompt tokens, cached share per round, answers equal to vLLM's, failures."""
+def detail_table(results: list[ModeResult], workload: Workload) -> list[str]:
+    """Startup, prompt tokens, cached share per round, document tokens read from stored documents
+    (kvboost-rag only), answers equal to vLLM's, failures."""
     peer = next((r for r in results if r.mode == "vllm" and not r.error), None)
     lines = ["| server | startup s | prompt tokens (mean) | cached share: untimed / one after another / at once | "
+             "document tokens read from cache: one after another / at once | "
              "TTFT max ms (one after another / at once) | decode ms/token p50 (one after another / at once) | "
              "a stream's longest pause, ms (at once) | answers = vLLM's (one after another / at once) | failed |",
-             "|---|---:|---:|---|---|---|---:|---|---:|"]
+             "|---|---:|---:|---|---|---|---|---:|---|---:|"]
     for result in results:
         if result.error:
             continue
-        f = figures_of(result)
+        f = figures_of(result, workload)
         shares = " / ".join(f"{f[r]['cached_share']:.0%}" for r in ("warm", "sequential", "together"))
+        documents = ("-" if result.mode == "vllm" else
+                     f"{f['sequential']['document_share']:.0%} / {f['together']['document_share']:.0%}")
         maxes = f"{f['sequential']['ttft_max_ms']:.0f} / {f['together']['ttft_max_ms']:.0f}"
         steps = f"{f['sequential']['step_p50_ms']:.0f} / {f['together']['step_p50_ms']:.0f}"
         same = f"{_same_as(peer, result, 'sequential')} / {_same_as(peer, result, 'together')}"
         failed = sum(v["failed"] for v in f.values())
         lines.append(f"| {result.label} | {result.startup_s:.0f} | {f['sequential']['prompt_tokens']:.0f} | "
-                     f"{shares} | {maxes} | {steps} | {f['together']['pause_max_ms']:.0f} | {same} | {failed} |")
+                     f"{shares} | {documents} | {maxes} | {steps} | {f['together']['pause_max_ms']:.0f} | {same} | {failed} |")
     return lines
 
 
@@ -401,7 +445,7 @@ def server_checkout(args: argparse.Namespace) -> str:
     return engine_checkout()
 
 
-def report(args: argparse.Namespace, machine: str, results: list[ModeResult]) -> str:
+def report(args: argparse.Namespace, machine: str, results: list[ModeResult], workload: Workload) -> str:
     """The Markdown report."""
     n = args.requests
     lines = ["# kvboost-rag serve against vLLM's CPU server", "",
@@ -417,7 +461,8 @@ def report(args: argparse.Namespace, machine: str, results: list[ModeResult]) ->
              "then new combinations in new orders one after another, then other new combinations all at once. TTFT: "
              "from sending to the first content piece. Ratios vs vLLM: vLLM's figure / this row's, in the columns' "
              "order (above 1: faster than vLLM; vLLM: its first row).", "",
-             *main_table(args, results), "", *detail_table(results), ""]
+             *main_table(args, results, workload), "", *detail_table(results, workload), "",
+             DOCUMENT_SHARE_NOTE, ""]
     return "\n".join(lines) + "\n"
 
 
@@ -460,7 +505,7 @@ def main(argv: list[str] | None = None) -> str:
     workload = build_workload(args)
     results = [run_mode(args, mode, workload, bind) for mode in MODES if mode in args.modes
                for bind in (args.vllm_cpu_bind if mode == "vllm" else [None])]
-    text = report(args, machine, results)
+    text = report(args, machine, results, workload)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -71,6 +71,8 @@ class Reply:
     tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    document_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0
     status: int = 0
 
     @property
@@ -83,12 +85,17 @@ class Reply:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
 
     def read_event(self, event: dict[str, Any]) -> None:
-        """Take one streamed event: its content piece (timed) and the usage it reports."""
+        """Take one streamed event: its content piece (timed), the usage it reports and
+        kvboost-rag's counts of prompt tokens read from stored documents and by an exact prefix hit."""
         usage = event.get("usage") or {}
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
             self.tokens = usage.get("completion_tokens", self.tokens)
             self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        figures = event["choices"][0].get("kvboost") if event.get("choices") else None
+        if figures:
+            self.document_hit_tokens = figures.get("content_hit_tokens", 0)
+            self.prefix_hit_tokens = figures.get("prefix_hit_tokens", 0)
         content = event["choices"][0]["delta"].get("content") if event.get("choices") else None
         if content:
             now = time.perf_counter()
