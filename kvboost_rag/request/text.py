@@ -18,7 +18,7 @@ from typing import Any
 from kvboost_rag.diagnosis.stage_times import stage
 from kvboost_rag.errors import InvalidInputError, PromptTooLongError
 from kvboost_rag.log_limits import RateLimitedLogger
-from kvboost_rag.request.blocks import prompt_blocks
+from kvboost_rag.request.blocks import PromptBlock, prompt_blocks
 from kvboost_rag.request.documents import DocumentOccurrence, DocumentRecord, DocumentRegistry, make_record
 from kvboost_rag.request.inputs import check_text
 from kvboost_rag.request.plan import PromptTokens
@@ -81,10 +81,12 @@ def _special_texts(tokenizer: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*named, *(t.content for t in added.values() if getattr(t, "special", False))]))
 
 
-def _yields_to(occurrence: DocumentOccurrence, block_chars: int) -> bool:
-    """Whether a found document gives way to an overlapping block of ``block_chars``
-    characters: the prompt holds only a leading part of it, shorter than the block."""
-    return occurrence.matched_chars < len(occurrence.record.text) and occurrence.matched_chars < block_chars
+def _yields_to(occurrence: DocumentOccurrence, block: PromptBlock) -> bool:
+    """Whether a found document gives way to ``block``, which it overlaps: the prompt holds
+    only a leading part of it, within the block and shorter than it (a document found
+    before the block, with more of it outside, stays)."""
+    partial = occurrence.matched_chars < len(occurrence.record.text)
+    return partial and block.start <= occurrence.char_start and occurrence.char_start + occurrence.matched_chars < block.end
 
 
 class Tokenizing:
@@ -133,8 +135,8 @@ class Tokenizing:
         no known or named document ``found`` covers sit, with their records: tokenized here,
         not registered (the write-back registers each once its chunks are stored).
 
-        A known document wins over a block that overlaps it (it is read from cache), unless it
-        is only a leading part of itself that the prompt holds, shorter than the block: a
+        A known document wins over a block that overlaps it (it is read from cache), unless the
+        prompt holds only a leading part of it, within the block and shorter than it: a
         document that opens as the block opens (a shared first sentence) and then goes
         another way. That occurrence is dropped for the block, which the next prompt holding
         it reads whole (its longer match wins there); otherwise the block would never be
@@ -148,9 +150,7 @@ class Tokenizing:
         added: list[DocumentOccurrence] = []
         for block in prompt_blocks(text, self.special_tokens):
             overlapping = [o for o in kept if block.start < o.char_start + o.matched_chars and o.char_start < block.end]
-            if any(not _yields_to(o, block.end - block.start) for o in overlapping):
-                continue
-            if any(block.start < o.char_start + o.matched_chars and o.char_start < block.end for o in added):
+            if any(not _yields_to(o, block) for o in overlapping):
                 continue
             if registry.lookup(block.text) is not None:
                 continue
