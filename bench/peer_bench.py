@@ -95,7 +95,7 @@ class Workload:
     sequential: list[list[int]]
     together: list[list[int]]
     doc_tokens: list[int] = field(default_factory=list)
-    opening_tokens: dict[str, list[int]] = field(default_factory=dict)
+    opening_tokens: int = 0
 
     def document_tokens(self, name: str) -> list[int]:
         """Each request's document tokens in round ``name`` (each document tokenized alone)."""
@@ -170,19 +170,16 @@ def build_workload(args: argparse.Namespace) -> Workload:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_folder(args)))
-    workload = Workload(docs, warm, sequential, together, [len(tokenizer(d, add_special_tokens=False).input_ids) for d in docs])
-    for name, offset in (("warm", 0), ("sequential", 100), ("together", 200)):
-        workload.opening_tokens[name] = [opening_tokens(tokenizer, request_body(args, "", workload, chunk, offset + i, False))
-                                         for i, chunk in enumerate(getattr(workload, name))]
-    return workload
+    doc_tokens = [len(tokenizer(d, add_special_tokens=False).input_ids) for d in docs]
+    return Workload(docs, warm, sequential, together, doc_tokens, opening_tokens(tokenizer, docs[0]))
 
 
-def opening_tokens(tokenizer: Any, body: dict[str, Any]) -> int:
-    """Tokens of a request's chat prompt before its first document (the system message and
-    the user turn's start): what an exact prefix hit reads before any document token."""
-    text = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
-    first = text.index(body["messages"][-1]["content"][:200])
-    return len(tokenizer(text[:first], add_special_tokens=False).input_ids)
+def opening_tokens(tokenizer: Any, first_document: str) -> int:
+    """Tokens of every request's chat prompt before its first document (the system message and
+    the user turn's start, the same in each): what an exact prefix hit reads before any
+    document token."""
+    text = tokenizer.apply_chat_template(user_message([first_document], "?"), tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text[: text.index(first_document)], add_special_tokens=False).input_ids)
 
 
 def request_body(args: argparse.Namespace, model: str, workload: Workload, chunk: list[int], i: int,
@@ -331,7 +328,7 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, bind: str 
     return result
 
 
-def round_figures(answers: list[Reply], wall: float, document_tokens: list[int], openings: list[int]) -> dict[str, float]:
+def round_figures(answers: list[Reply], wall: float, document_tokens: list[int], opening: int) -> dict[str, float]:
     """Wall time, TTFT p50, decode ms per token after the first (p50), cached share of prompt
     tokens, share of document tokens read from cache (:func:`documents_read`), mean prompt
     tokens, failures."""
@@ -344,22 +341,22 @@ def round_figures(answers: list[Reply], wall: float, document_tokens: list[int],
             "ttft_max_ms": max(ttfts) if ttfts else float("nan"),
             "pause_max_ms": max((a.longest_pause for a in answers), default=0.0) * 1000,
             "cached_share": sum(a.cached_tokens for a in answers) / prompt if prompt else float("nan"),
-            "document_share": documents_read(answers, document_tokens, openings) / max(1, sum(document_tokens)),
+            "document_share": documents_read(answers, document_tokens, opening) / max(1, sum(document_tokens)),
             "prompt_tokens": prompt / len(answers) if answers else float("nan"),
             "failed": sum(a.status != 200 or a.first is None for a in answers)}
 
 
-def documents_read(answers: list[Reply], document_tokens: list[int], openings: list[int]) -> int:
+def documents_read(answers: list[Reply], document_tokens: list[int], opening: int) -> int:
     """Document tokens kvboost-rag read from cache over ``answers``: per request, the tokens it
     read from stored documents (``content_hit_tokens``) plus those its exact prefix hit read
-    past the prompt's opening (``prefix_hit_tokens`` less ``openings``: documents in the same
+    past the prompt's opening (``prefix_hit_tokens`` less ``opening``: documents in the same
     order as an earlier prompt's are read as its prefix), at most its ``document_tokens``."""
     return sum(min(tokens, a.document_hit_tokens + max(0, a.prefix_hit_tokens - opening))
-               for a, tokens, opening in zip(answers, document_tokens, openings, strict=True))
+               for a, tokens in zip(answers, document_tokens, strict=True))
 
 
 def figures_of(result: ModeResult, workload: Workload) -> dict[str, dict[str, float]]:
-    return {name: round_figures(answers, result.walls[name], workload.document_tokens(name), workload.opening_tokens[name])
+    return {name: round_figures(answers, result.walls[name], workload.document_tokens(name), workload.opening_tokens)
             for name, answers in result.answers.items()}
 
 
