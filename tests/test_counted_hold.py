@@ -1,12 +1,15 @@
-"""Lent buffers go back by name: a counted hold, and staged views a lookup copies out."""
+"""Lent buffers go back by name: a counted hold, and staged views a lookup copies out (or\nwaits for the write-back's copy of, once the copier took them)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
-from kvboost_rag.cache.storage import MemoryTier, TieredStore
-from kvboost_rag.cache.storage.base import LentEntry
+from kvboost_rag.cache.storage import MemoryTier, StoredEntry, TieredStore, tiered
+from kvboost_rag.cache.storage.base import CopyUnderWay, LentEntry
 from kvboost_rag.host_memory.counted_hold import CountedHold
 
 
@@ -53,3 +56,66 @@ def test_a_staged_view_whose_buffer_went_back_is_an_error_not_a_read():
     entry.hold.release()  # wrongly released while still staged
     with pytest.raises(RuntimeError, match="outlived"):
         store.fetch("chunk")
+
+
+def _staged_view_being_copied(store: TieredStore, buffer: torch.Tensor) -> LentEntry:
+    entry = LentEntry(
+        {"keys": buffer[:, :4], "values": buffer[:, 4:]}, {"start_position": "0"},
+        hold=CountedHold(lambda: None), copy=CopyUnderWay(),
+    )
+    store.stage("chunk", entry)
+    return entry
+
+
+def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_one_of_its_own():
+    store = TieredStore([MemoryTier(1 << 20)])
+    buffer = torch.arange(16.0).reshape(2, 8)
+    entry = _staged_view_being_copied(store, buffer)
+    owned = StoredEntry({name: t.clone() for name, t in entry.tensors.items()}, dict(entry.metadata))
+    entry.copy.start()
+
+    def copier() -> None:
+        time.sleep(0.2)
+        assert store.restage("chunk", entry, owned)
+        entry.copy.advance()
+
+    thread = threading.Thread(target=copier)
+    thread.start()
+    found, trusted = store.fetch("chunk")
+    thread.join()
+    assert trusted and found is owned  # waited for the copier's copy, made none of its own
+
+
+def test_a_view_whose_copy_is_queued_or_stalled_is_copied_by_the_lookup_and_a_stall_is_waited_for_once(monkeypatch):
+    monkeypatch.setattr(tiered, "COPY_WAIT_SECONDS", 1.0)
+    store = TieredStore([MemoryTier(1 << 20)])
+    buffer = torch.arange(16.0).reshape(2, 8)
+    entry = _staged_view_being_copied(store, buffer)
+    started = time.perf_counter()
+    queued, _ = store.fetch("chunk")  # the copier has not taken the job: no wait
+    assert time.perf_counter() - started < 0.9
+    entry.copy.start()  # taken, but no copy comes
+    stalled, _ = store.fetch("chunk")
+    waited = time.perf_counter() - started
+    again, _ = store.fetch("chunk")
+    assert 1.0 <= waited and time.perf_counter() - started - waited < 0.9  # the second lookup does not wait
+    for found in (queued, stalled, again):
+        assert found is not entry and torch.equal(found.tensors["keys"], buffer[:, :4])
+        assert found.tensors["keys"].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+
+
+def test_a_lookup_waiting_for_a_copy_whose_job_fails_gets_what_the_tiers_hold():
+    store = TieredStore([MemoryTier(1 << 20)])
+    entry = _staged_view_being_copied(store, torch.zeros(2, 8))
+    entry.copy.start()
+
+    def failing_copier() -> None:
+        time.sleep(0.2)
+        store.settle("chunk", entry)  # the job failed: its views are unstaged
+        entry.copy.finish()
+        entry.hold.release()
+
+    thread = threading.Thread(target=failing_copier)
+    thread.start()
+    assert store.fetch("chunk") is None  # a miss, not a read of a buffer that went back
+    thread.join()

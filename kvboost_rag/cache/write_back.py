@@ -46,7 +46,7 @@ from kvboost_rag.cache.codec import KVBlock, encode_block, entry_in_place
 from kvboost_rag.cache.host_copies import HostCopies
 from kvboost_rag.cache.index import CacheIndex
 from kvboost_rag.cache.storage import StoredEntry, TieredStore
-from kvboost_rag.cache.storage.base import LentEntry, TierWriteError
+from kvboost_rag.cache.storage.base import CopyUnderWay, LentEntry, TierWriteError
 from kvboost_rag.cache.write_worker import WriteWorker
 from kvboost_rag.host_memory.counted_hold import CountedHold
 from kvboost_rag.request.documents import DocumentRecord
@@ -122,6 +122,8 @@ class WriteJob:
         source: The prompt's K and V the chunks are cut from, while they are planned.
         hold: The hold on lent host buffers whose views it stages (a lookup copying a staged
             view holds them too); ``None`` on CUDA and for buffers of the prompt's own.
+        copy: The copier's progress on the views of lent buffers (with ``hold``), which lookups
+            of them wait for once it started.
     """
 
     chunks: list[ChunkWrite] = field(default_factory=list)
@@ -132,6 +134,7 @@ class WriteJob:
     owned: list[StoredEntry] = field(default_factory=list)
     source: tuple[torch.Tensor, torch.Tensor] | None = None
     hold: CountedHold | None = None
+    copy: CopyUnderWay | None = None
 
     def release_buffers(self) -> None:
         """Hand the prompt's buffers back (again: nothing)."""
@@ -257,7 +260,7 @@ class WriteBack:
         if on_read is None or self._copies.frees_buffers_at_once:
             return WriteJob(release=on_read, source=(outcome.keys, outcome.values))
         hold = CountedHold(on_read)
-        return WriteJob(release=hold.release, source=(outcome.keys, outcome.values), hold=hold)
+        return WriteJob(release=hold.release, source=(outcome.keys, outcome.values), hold=hold, copy=CopyUnderWay())
 
     def _held_bytes(self, job: WriteJob, outcome: Prefilled) -> int:
         """Bytes ``job`` holds until the copier ran it: its device copies (CUDA), or the
@@ -333,7 +336,7 @@ class WriteBack:
         for i, chunk in enumerate(job.chunks):
             chunk.keys, chunk.values = gathered[2 * i], gathered[2 * i + 1]
             entry = entry_in_place(KVBlock(chunk.keys, chunk.values, chunk.token_ids, chunk.start), fingerprint=self._fingerprint)
-            chunk.staged = entry if job.hold is None else LentEntry(entry.tensors, entry.metadata, hold=job.hold)
+            chunk.staged = entry if job.hold is None else LentEntry(entry.tensors, entry.metadata, hold=job.hold, copy=job.copy)
             self._store.stage(chunk.key, chunk.staged)
         if self._on_device and job.chunks:
             self._store.put_device([(chunk.key, chunk.staged) for chunk in job.chunks])
@@ -348,15 +351,30 @@ class WriteBack:
         """Copy the job's chunks into memory of the cache's own and stage those copies instead
         of the views, hand the buffers back, then queue the copies for the tiers."""
         try:
-            job.owned = self._owned(job.chunks)
-            for chunk, copy in zip(job.chunks, job.owned):
-                self._stage_copy(chunk, copy)
-                chunk.let_go()
+            if job.copy is None:
+                job.owned = self._owned(job.chunks)
+                for chunk, copy in zip(job.chunks, job.owned):
+                    self._stage_copy(chunk, copy)
+                    chunk.let_go()
+            else:
+                self._copy_one_by_one(job, job.copy)
             job.release_buffers()  # no view of them is staged any more: they go back (or, a warm's own, are freed)
             self._writer.submit(partial(self._store_copies, job), job.owned_bytes)
         except BaseException:
             self._drop(job)  # nothing staged may outlive the buffers it views
             raise
+
+    def _copy_one_by_one(self, job: WriteJob, copy: CopyUnderWay) -> None:
+        """Copy a job's views of lent buffers chunk by chunk, in the prompt's order, staging
+        each copy as it is made: a lookup waiting for the first chunks reads them while the
+        copier makes the next."""
+        copy.start()
+        for chunk in job.chunks:
+            job.owned.extend(self._owned([chunk]))
+            self._stage_copy(chunk, job.owned[-1])
+            chunk.let_go()
+            copy.advance()
+        copy.finish()
 
     def _stage_copy(self, chunk: ChunkWrite, copy: StoredEntry) -> None:
         """What lookups of ``chunk`` find until the tiers hold it: ``copy`` in place of a
@@ -422,6 +440,8 @@ class WriteBack:
         for key in job.indexed_prefixes:
             if not self._store.contains(key):
                 self._index.prefixes.drop(key)
+        if job.copy is not None:
+            job.copy.finish()  # nothing of it is staged: lookups waiting for it go on
         job.release_buffers()
 
     def _put_staged(self, key: str, entry: StoredEntry, on_missing: Callable[[], None] | None) -> None:

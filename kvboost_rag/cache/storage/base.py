@@ -7,8 +7,9 @@ quantizing on the way) is the codec's job (:mod:`kvboost_rag.cache.codec`).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,18 +55,65 @@ class StoredEntry:
         return KIND_FIELD in self.metadata
 
 
+class CopyUnderWay:
+    """The write-back's copies of a job's lent chunks into memory the cache owns, each staged
+    in place of its view as soon as it is made: *started* once the copier took the job,
+    *finished* once every copy is staged (or the job failed and unstaged the views). A lookup
+    that finds a view whose job has started waits for that chunk's copy and reads it rather
+    than making one of its own (the same bytes copied twice on the same cores, into memory
+    touched for the first time)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._started = False
+        self._finished = False
+        self._stalled = False  # a waiter timed out: later lookups copy for themselves at once
+
+    def start(self) -> None:
+        """The copier began the job."""
+        with self._changed:
+            self._started = True
+
+    def advance(self) -> None:
+        """One more chunk's copy is staged: waiters look again."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """Every copy is staged, or the views unstaged (a failed job): waiters go on."""
+        with self._changed:
+            self._started = self._finished = True
+            self._changed.notify_all()
+
+    def wait_if_started(self, done: Callable[[], bool], timeout: float) -> bool:
+        """When the job has started (not while it is queued), wait up to ``timeout`` seconds
+        until ``done()`` holds (looked at as each copy is staged) or the job finished; whether
+        ``done()`` holds. Once a wait timed out, later ones do not wait."""
+        with self._changed:
+            if not self._started or self._stalled:
+                return False
+            if not self._changed.wait_for(lambda: self._finished or done(), timeout):
+                self._stalled = True
+                return False
+            return done()
+
+
 @dataclass(frozen=True)
 class LentEntry(StoredEntry):
     """A staged entry whose tensors view memory lent to a request (its K/V buffers, until the
-    write-back has copied them): a lookup reads a copy of it, made while it holds ``hold``
+    write-back has copied them): a lookup reads the write-back's copy once its job is under
+    way (``copy``), else a copy of its own, made while it holds ``hold``
     (:meth:`~kvboost_rag.cache.storage.TieredStore.fetch`), so no view of the lent memory
     outlives the hold.
 
     Attributes:
         hold: The hold on the lent memory (the write-back's job owns its first reference).
+        copy: The write-back's copies of the job's chunks, staged one by one once the
+            copier runs it.
     """
 
     hold: CountedHold | None = None
+    copy: CopyUnderWay | None = None
 
     def copied(self) -> StoredEntry | None:
         """A copy in memory of its own, made under a reference on :attr:`hold`; ``None`` when

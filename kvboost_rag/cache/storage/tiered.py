@@ -30,6 +30,11 @@ _warnings = RateLimitedLogger(logger)
 
 _T = TypeVar("_T")
 
+#: Seconds a lookup waits for the write-back's copy of a lent chunk once the copier began its
+#: job (copying the chunks before it: a few hundred MB take well under one); past that it
+#: copies the view itself, as do later lookups of the job's chunks.
+COPY_WAIT_SECONDS = 1.0
+
 
 def _unless_it_fails(tier: StorageTier, what: str, call: Callable[..., _T], *args: object) -> _T | None:
     """``call(*args)``, or ``None`` when it raises: a tier that fails to read, to take a
@@ -186,18 +191,25 @@ class TieredStore:
             return self._staged.get(key)
 
     def _staged_to_read(self, key: str) -> StoredEntry | None:
-        """The entry staged under ``key`` as a lookup may keep it: a :class:`LentEntry` (a view
-        of a request's lent buffers) is copied under a reference on their hold; when they went
-        back meanwhile, what is staged now (their copy) is served instead."""
+        """The entry staged under ``key`` as a lookup may keep it. For a :class:`LentEntry` (a
+        view of a request's lent buffers): the write-back's own copy when the copier has begun
+        its job (waited for, then served as staged), else a copy made here under a reference on the
+        buffers' hold; when they went back meanwhile, what is staged now is served instead."""
         while True:
             entry = self.staged(key)
             if not isinstance(entry, LentEntry):
                 return entry
+            if entry.copy is not None and entry.copy.wait_if_started(partial(self._unstaged, key, entry), COPY_WAIT_SECONDS):
+                continue  # its copy (or nothing, when the job failed or it was deleted) is staged now
             copy = entry.copied()
             if copy is not None:
                 return copy
             if self.staged(key) is entry:  # buffers go back only once their views are unstaged
                 raise RuntimeError(f"a staged entry outlived the lent buffers it views: {key}")
+
+    def _unstaged(self, key: str, entry: StoredEntry) -> bool:
+        """Whether ``entry`` is no longer the one staged under ``key``."""
+        return self.staged(key) is not entry
 
     def restage(self, key: str, before: StoredEntry, after: StoredEntry) -> bool:
         """Replace the staged ``before`` with ``after`` (a copy that owns its memory); whether
