@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvboost_rag import c_heap
 from kvboost_rag.cache.device_memory import DeviceMemoryPlan, device_memory_plan
 from kvboost_rag.cache.manager import STATS_FLUSH_SECONDS, CacheManager, queued_bytes_bound
 from kvboost_rag.cache.storage import build_store
@@ -35,7 +36,7 @@ from kvboost_rag.generation.holdings import RequestMemory
 from kvboost_rag.generation.lifecycle import GenerationStream, Requests
 from kvboost_rag.generation.parts import EngineParts
 from kvboost_rag.hf import ModelAdapter, ModelFeatures
-from kvboost_rag.decode_weights.resident import page_out_input_embeddings, trim_heap
+from kvboost_rag.decode_weights.resident import page_out_input_embeddings
 from kvboost_rag.openmp_workers import release_idle_workers
 from kvboost_rag.prefill.prefiller import Prefiller
 from kvboost_rag.request.chat import ChatTemplate
@@ -111,7 +112,7 @@ class KVBoost:
         self._build_captured(adapter, settings, memory.pool_bytes)
         if self._captured is None:  # eager decode and verify steps: their linear layers' kernel
             adapter.choose_small_row_kernel(settings.small_row_kernels, settings.packed_weights_bytes, settings.decode_weights)
-            trim_heap()  # the copies' temporaries
+            c_heap.trim()  # the copies' temporaries
         elif (unread := unread_decode_copies(adapter, settings.decode_weights)) is not None:
             logger.warning("%s", unread)
         prefiller = Prefiller(

@@ -15,6 +15,7 @@ from kvboost_rag import RequestCancelled
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.dev.threads import HUNG_SECONDS, loop_held, wait_for
+import kvboost_rag.engine_loop.loop as loop_module
 from kvboost_rag.engine_loop.budget import MIN_SLICE, PRIOR_TOKENS, ROW_TOKENS_BESIDE_PROMPTS, StepBudget, usual_step
 from kvboost_rag.hf.passes import ModelCall
 from kvboost_rag.integration.async_stream import MAX_CALL_THREADS, call_in_thread, call_threads
@@ -113,6 +114,20 @@ def test_the_loop_runs_on_one_thread_of_its_own_that_is_no_daemon_and_ends_when_
     caller.join()
     assert threads and {t.name for t in threads} == {"kvboost-engine"} and not any(t.daemon for t in threads)
     wait_for(lambda: not engine._loop.active)
+
+
+def test_the_loops_thread_hands_the_heaps_free_memory_back_once_as_it_ends(make_engine, docs, monkeypatch):
+    engine = _engine(make_engine, docs)
+    trims: list[tuple[str, int]] = []
+    monkeypatch.setattr(loop_module.c_heap, "trim", lambda: trims.append((threading.current_thread().name, engine._loop.queued)) or True)
+    engine.generate(_prompts(docs)[0], max_new_tokens=6)
+    engine.generate(_prompts(docs)[1], max_new_tokens=6)
+    wait_for(lambda: not engine._loop.active)
+    assert trims == [("kvboost-engine", 0)] or trims == [("kvboost-engine", 0)] * 2  # once per idle end, nothing queued
+    count = len(trims)
+    engine.generate(_prompts(docs)[2], max_new_tokens=2)
+    wait_for(lambda: not engine._loop.active)
+    assert len(trims) == count + 1
 
 
 def test_work_submitted_from_the_loops_own_thread_is_refused(make_engine):

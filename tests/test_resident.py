@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvboost_rag import c_heap
 from kvboost_rag.dev.testing import tiny_model
 from kvboost_rag.decode_weights import resident
 from kvboost_rag.decode_weights.resident import MIN_BYTES, page_out, page_out_input_embeddings
@@ -75,5 +76,5 @@ def test_trimming_the_heap_keeps_what_is_in_use():
     copies = [t.clone() for t in kept]
     freed = [torch.randn(1 << 16) for _ in range(64)]
     del freed
-    resident.trim_heap()
+    c_heap.trim()
     assert all(torch.equal(a, b) for a, b in zip(kept, copies))

@@ -14,8 +14,8 @@ where the bytes live.
 
 Making the decode weights' int8 copies (:mod:`kvboost_rag.decode_weights.int8_rows`) quantizes each layer
 through temporaries that the C allocator keeps once freed (40-130 MB over Qwen2.5 0.5B's
-layers, varying from one start to the next); :func:`trim_heap` hands such free memory back
-(glibc's ``malloc_trim``; nothing elsewhere).
+layers, varying from one start to the next); :func:`kvboost_rag.c_heap.trim` hands such free memory
+back (glibc's ``malloc_trim``; nothing elsewhere).
 """
 
 from __future__ import annotations
@@ -85,18 +85,3 @@ def page_out_input_embeddings(model: torch.nn.Module) -> int:
 def _plain(tensor: object) -> bool:
     """Whether ``tensor`` is a tensor with storage of its own (not a subclass wrapping others)."""
     return isinstance(tensor, torch.Tensor) and not is_traceable_wrapper_subclass(tensor)
-
-
-def trim_heap() -> bool:
-    """Return the C heap's free memory to the system (glibc's ``malloc_trim(0)``).
-
-    Returns:
-        Whether any memory was returned (``False`` where there is no glibc).
-    """
-    if sys.platform != "linux":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False

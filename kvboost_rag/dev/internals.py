@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from kvboost_rag.cache.manager import CacheManager
     from kvboost_rag.cache.storage import StorageTier, TieredStore
     from kvboost_rag.engine import KVBoost
+    from kvboost_rag.engine_loop import EngineLoop
     from kvboost_rag.generation.host_buffers import HostBufferPool
     from kvboost_rag.hf import ModelAdapter
     from kvboost_rag.request.plan import Planner
@@ -36,6 +37,7 @@ class EngineInternals:
         captured: The captured decode steps (``None`` when off).
         captured_prefill: The captured prompt passes (``None`` when off).
         captured_probe: The captured probe passes (``None`` when off).
+        loop: The engine loop (``active``: whether its thread runs; it ends once idle).
     """
 
     cache: CacheManager
@@ -47,6 +49,7 @@ class EngineInternals:
     captured: Any
     captured_prefill: Any
     captured_probe: Any
+    loop: EngineLoop
 
     @property
     def store(self) -> TieredStore:
@@ -71,4 +74,5 @@ def internals(engine: KVBoost) -> EngineInternals:
         captured=engine._captured,
         captured_prefill=engine._captured_prefill,
         captured_probe=engine._captured_probe,
+        loop=engine._loop,
     )

@@ -44,7 +44,9 @@ cleanup raises, and work queued meanwhile goes to a fresh thread.
 
 The thread starts with the first work and ends once nothing is left for
 :data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
-before the interpreter tears down). In a process forked from this one the loop starts afresh
+before the interpreter tears down); as it ends it hands the C heaps' free memory back to the
+system (:func:`kvboost_rag.c_heap.trim`: the passes' temporaries, freed but kept by the
+allocator, would otherwise let resident memory creep up under a steady load). In a process forked from this one the loop starts afresh
 with the next work (:mod:`kvboost_rag.forking`).
 """
 
@@ -57,7 +59,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvboost_rag import forking
+from kvboost_rag import c_heap, forking
 from kvboost_rag.cancellation import Cancellation
 from kvboost_rag.config import KVBoostSettings
 from kvboost_rag.decode.draft_policy import DraftPolicy
@@ -245,6 +247,7 @@ class EngineLoop:
         try:
             while self._step():
                 pass
+            c_heap.trim()  # idle for a linger: nothing waits for this thread
         except BaseException as exc:  # the loop itself failed: nobody may wait forever
             logger.exception("the engine loop failed; its work and sequences end with the error")
             self._fail_everything(exc)
