@@ -67,7 +67,8 @@ def _staged_view_being_copied(store: TieredStore, buffer: torch.Tensor) -> LentE
     return entry
 
 
-def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_one_of_its_own():
+def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_one_of_its_own(monkeypatch):
+    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
     store = TieredStore([MemoryTier(1 << 20)])
     buffer = torch.arange(16.0).reshape(2, 8)
     entry = _staged_view_being_copied(store, buffer)
@@ -87,7 +88,7 @@ def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_on
 
 
 def test_a_view_whose_copy_is_queued_or_stalled_is_copied_by_the_lookup_and_a_stall_is_waited_for_once(monkeypatch):
-    monkeypatch.setattr(tiered, "COPY_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
     store = TieredStore([MemoryTier(1 << 20)])
     buffer = torch.arange(16.0).reshape(2, 8)
     entry = _staged_view_being_copied(store, buffer)
@@ -104,7 +105,8 @@ def test_a_view_whose_copy_is_queued_or_stalled_is_copied_by_the_lookup_and_a_st
         assert found.tensors["keys"].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
 
 
-def test_a_lookup_waiting_for_a_copy_whose_job_fails_gets_what_the_tiers_hold():
+def test_a_lookup_waiting_for_a_copy_whose_job_fails_gets_what_the_tiers_hold(monkeypatch):
+    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
     store = TieredStore([MemoryTier(1 << 20)])
     entry = _staged_view_being_copied(store, torch.zeros(2, 8))
     entry.copy.start()
@@ -119,3 +121,24 @@ def test_a_lookup_waiting_for_a_copy_whose_job_fails_gets_what_the_tiers_hold():
     thread.start()
     assert store.fetch("chunk") is None  # a miss, not a read of a buffer that went back
     thread.join()
+
+
+def test_a_lookup_waits_as_long_as_the_copier_keeps_staging_copies(monkeypatch):
+    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
+    store = TieredStore([MemoryTier(1 << 20)])
+    entry = _staged_view_being_copied(store, torch.arange(16.0).reshape(2, 8))
+    owned = StoredEntry({name: t.clone() for name, t in entry.tensors.items()}, dict(entry.metadata))
+    entry.copy.start()
+
+    def copier() -> None:
+        for _ in range(6):  # the chunks before this one: 1.2 s in all, a copy every 0.2 s
+            time.sleep(0.2)
+            entry.copy.advance()
+        assert store.restage("chunk", entry, owned)
+        entry.copy.advance()
+
+    thread = threading.Thread(target=copier)
+    thread.start()
+    found, _ = store.fetch("chunk")
+    thread.join()
+    assert found is owned  # longer than the stall bound in all, but never that long without a copy

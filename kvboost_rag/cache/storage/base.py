@@ -59,15 +59,17 @@ class CopyUnderWay:
     """The write-back's copies of a job's lent chunks into memory the cache owns, each staged
     in place of its view as soon as it is made: *started* once the copier took the job,
     *finished* once every copy is staged (or the job failed and unstaged the views). A lookup
-    that finds a view whose job has started waits for that chunk's copy and reads it rather
+    that finds a view whose job is under way waits for that chunk's copy and reads it rather
     than making one of its own (the same bytes copied twice on the same cores, into memory
-    touched for the first time)."""
+    touched for the first time), as long as the copier keeps staging copies: the copier runs
+    at a lower priority, and beside the engine loop's passes it may stage none for a while."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._started = False
         self._finished = False
-        self._stalled = False  # a waiter timed out: later lookups copy for themselves at once
+        self._staged = 0  # copies staged so far
+        self._stalled = False  # a waiter saw no progress: later lookups copy for themselves at once
 
     def start(self) -> None:
         """The copier began the job."""
@@ -77,6 +79,7 @@ class CopyUnderWay:
     def advance(self) -> None:
         """One more chunk's copy is staged: waiters look again."""
         with self._changed:
+            self._staged += 1
             self._changed.notify_all()
 
     def finish(self) -> None:
@@ -85,16 +88,19 @@ class CopyUnderWay:
             self._started = self._finished = True
             self._changed.notify_all()
 
-    def wait_if_started(self, done: Callable[[], bool], timeout: float) -> bool:
-        """When the job has started (not while it is queued), wait up to ``timeout`` seconds
-        until ``done()`` holds (looked at as each copy is staged) or the job finished; whether
-        ``done()`` holds. Once a wait timed out, later ones do not wait."""
+    def wait_if_started(self, done: Callable[[], bool], stall_seconds: float) -> bool:
+        """When the job has started (not while it is queued), wait until ``done()`` holds
+        (looked at as each copy is staged) or the job finished, unless no copy is staged for
+        ``stall_seconds``; whether ``done()`` holds. Once a wait saw no progress, later ones do
+        not wait."""
         with self._changed:
             if not self._started or self._stalled:
                 return False
-            if not self._changed.wait_for(lambda: self._finished or done(), timeout):
-                self._stalled = True
-                return False
+            while not (self._finished or done()):
+                staged = self._staged
+                if not self._changed.wait_for(lambda: self._finished or self._staged != staged, stall_seconds):
+                    self._stalled = True
+                    return False
             return done()
 
 

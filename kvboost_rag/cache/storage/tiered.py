@@ -30,10 +30,11 @@ _warnings = RateLimitedLogger(logger)
 
 _T = TypeVar("_T")
 
-#: Seconds a lookup waits for the write-back's copy of a lent chunk once the copier began its
-#: job (copying the chunks before it: a few hundred MB take well under one); past that it
-#: copies the view itself, as do later lookups of the job's chunks.
-COPY_WAIT_SECONDS = 1.0
+#: Seconds without a copy staged after which a lookup waiting for the write-back's copy of a
+#: lent chunk stops waiting and copies the view itself, as do later lookups of the job's chunks.
+#: A chunk's copy takes a few ms on an idle CPU (128 tokens of a 135M model: 6 MB); beside
+#: the engine loop's passes the copier, at a lower priority, may take far longer.
+COPY_STALL_SECONDS = 0.05
 
 
 def _unless_it_fails(tier: StorageTier, what: str, call: Callable[..., _T], *args: object) -> _T | None:
@@ -193,13 +194,13 @@ class TieredStore:
     def _staged_to_read(self, key: str) -> StoredEntry | None:
         """The entry staged under ``key`` as a lookup may keep it. For a :class:`LentEntry` (a
         view of a request's lent buffers): the write-back's own copy when the copier has begun
-        its job (waited for, then served as staged), else a copy made here under a reference on the
+        its job (waited for while it makes progress, then served as staged), else a copy made here under a reference on the
         buffers' hold; when they went back meanwhile, what is staged now is served instead."""
         while True:
             entry = self.staged(key)
             if not isinstance(entry, LentEntry):
                 return entry
-            if entry.copy is not None and entry.copy.wait_if_started(partial(self._unstaged, key, entry), COPY_WAIT_SECONDS):
+            if entry.copy is not None and entry.copy.wait_if_started(partial(self._unstaged, key, entry), COPY_STALL_SECONDS):
                 continue  # its copy (or nothing, when the job failed or it was deleted) is staged now
             copy = entry.copied()
             if copy is not None:
