@@ -67,15 +67,16 @@ def _staged_view_being_copied(store: TieredStore, buffer: torch.Tensor) -> LentE
     return entry
 
 
-def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_one_of_its_own(monkeypatch):
-    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
-    store = TieredStore([MemoryTier(1 << 20)])
-    buffer = torch.arange(16.0).reshape(2, 8)
-    entry = _staged_view_being_copied(store, buffer)
+def _fetched_while_copying(store: TieredStore, entry: LentEntry, chunks_before: int) -> tuple[StoredEntry, StoredEntry]:
+    """What a lookup of ``entry`` gets while a copier, started on its job, stages ``chunks_before``
+    other copies and then ``entry``'s, one every 0.2 s; and that copy."""
     owned = StoredEntry({name: t.clone() for name, t in entry.tensors.items()}, dict(entry.metadata))
     entry.copy.start()
 
     def copier() -> None:
+        for _ in range(chunks_before):
+            time.sleep(0.2)
+            entry.copy.advance()
         time.sleep(0.2)
         assert store.restage("chunk", entry, owned)
         entry.copy.advance()
@@ -84,7 +85,15 @@ def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_on
     thread.start()
     found, trusted = store.fetch("chunk")
     thread.join()
-    assert trusted and found is owned  # waited for the copier's copy, made none of its own
+    assert trusted
+    return found, owned
+
+
+def test_a_lookup_of_a_view_whose_copy_has_started_reads_the_copiers_copy_not_one_of_its_own(monkeypatch):
+    monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
+    store = TieredStore([MemoryTier(1 << 20)])
+    found, owned = _fetched_while_copying(store, _staged_view_being_copied(store, torch.arange(16.0).reshape(2, 8)), 0)
+    assert found is owned  # waited for the copier's copy, made none of its own
 
 
 def test_a_view_whose_copy_is_queued_or_stalled_is_copied_by_the_lookup_and_a_stall_is_waited_for_once(monkeypatch):
@@ -126,19 +135,5 @@ def test_a_lookup_waiting_for_a_copy_whose_job_fails_gets_what_the_tiers_hold(mo
 def test_a_lookup_waits_as_long_as_the_copier_keeps_staging_copies(monkeypatch):
     monkeypatch.setattr(tiered, "COPY_STALL_SECONDS", 1.0)
     store = TieredStore([MemoryTier(1 << 20)])
-    entry = _staged_view_being_copied(store, torch.arange(16.0).reshape(2, 8))
-    owned = StoredEntry({name: t.clone() for name, t in entry.tensors.items()}, dict(entry.metadata))
-    entry.copy.start()
-
-    def copier() -> None:
-        for _ in range(6):  # the chunks before this one: 1.2 s in all, a copy every 0.2 s
-            time.sleep(0.2)
-            entry.copy.advance()
-        assert store.restage("chunk", entry, owned)
-        entry.copy.advance()
-
-    thread = threading.Thread(target=copier)
-    thread.start()
-    found, _ = store.fetch("chunk")
-    thread.join()
-    assert found is owned  # longer than the stall bound in all, but never that long without a copy
+    found, owned = _fetched_while_copying(store, _staged_view_being_copied(store, torch.arange(16.0).reshape(2, 8)), 5)
+    assert found is owned  # 1.2 s in all, longer than the stall bound, but never that long without a copy
