@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import sys
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache

@@ -351,30 +351,31 @@ class WriteBack:
         """Copy the job's chunks into memory of the cache's own and stage those copies instead
         of the views, hand the buffers back, then queue the copies for the tiers."""
         try:
-            if job.copy is None:
-                job.owned = self._owned(job.chunks)
-                for chunk, copy in zip(job.chunks, job.owned):
-                    self._stage_copy(chunk, copy)
-                    chunk.let_go()
-            else:
-                self._copy_one_by_one(job, job.copy)
+            self._copy_and_stage(job)
             job.release_buffers()  # no view of them is staged any more: they go back (or, a warm's own, are freed)
             self._writer.submit(partial(self._store_copies, job), job.owned_bytes)
         except BaseException:
             self._drop(job)  # nothing staged may outlive the buffers it views
             raise
 
-    def _copy_one_by_one(self, job: WriteJob, copy: CopyUnderWay) -> None:
-        """Copy a job's views of lent buffers chunk by chunk, in the prompt's order, staging
-        each copy as it is made: a lookup waiting for the first chunks reads them while the
-        copier makes the next."""
-        copy.start()
-        for chunk in job.chunks:
-            job.owned.extend(self._owned([chunk]))
-            self._stage_copy(chunk, job.owned[-1])
-            chunk.let_go()
-            copy.advance()
-        copy.finish()
+    def _copy_and_stage(self, job: WriteJob) -> None:
+        """Copy the job's chunks and stage each copy in place of its view. Views of lent host
+        buffers (``job.copy``) go one chunk at a time, in the prompt's order, so a lookup
+        waiting for the first chunks reads them while the copier makes the next; other chunks
+        go in one batch (on CUDA, one wait for the copies)."""
+        groups = [[chunk] for chunk in job.chunks] if job.copy is not None else [job.chunks]
+        if job.copy is not None:
+            job.copy.start()
+        for group in groups:
+            owned = self._owned(group)
+            job.owned.extend(owned)
+            for chunk, copy in zip(group, owned):
+                self._stage_copy(chunk, copy)
+                chunk.let_go()
+            if job.copy is not None:
+                job.copy.advance()
+        if job.copy is not None:
+            job.copy.finish()
 
     def _stage_copy(self, chunk: ChunkWrite, copy: StoredEntry) -> None:
         """What lookups of ``chunk`` find until the tiers hold it: ``copy`` in place of a
