@@ -30,14 +30,28 @@ from kvboost_rag.decode_weights.small_rows import choose_kernel, decode_reads, e
 from rag_prompts import rag_prompt
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="no int8 kernel with a vectorized CPU path here")
-#: Both int8 kernels, each where this torch build and CPU have it.
-KERNELS = [
-    pytest.param(DynamicInt8Linear, marks=pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")),
-    pytest.param(
-        WeightOnlyInt8Linear,
-        marks=pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm") or not int8_available(), reason="no int8pack here"),
-    ),
-]
+
+
+def kernels_used_here() -> list[type]:
+    """The int8 kernels the engine may run on this CPU and torch build: FBGEMM's dynamic linear
+    only where its 8-bit sums are exact (CPUs with VNNI; on an AVX2 CPU without it, such as an
+    AMD EPYC of family 25, pairs of products saturate in 16 bits and the engine never runs it,
+    which :func:`test_the_engine_chooses_the_dynamic_kernel_only_where_its_sums_are_exact`
+    checks), the weight-only kernel wherever torch has it with a vectorized path."""
+    kernels: list[type] = [DynamicInt8Linear] if dynamic_int8_available() else []
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm") and int8_available():
+        kernels.append(WeightOnlyInt8Linear)
+    return kernels
+
+
+#: The int8 kernels, each where the engine may run it (the products of a kernel it never runs
+#: here are not checked here: on a CPU whose sums saturate, FBGEMM's product is off its bound).
+KERNELS = kernels_used_here()
+#: FBGEMM's quantized ops are in this torch build (x86): its layout and checks can be built,
+#: whether or not its sums are exact on this CPU.
+has_fbgemm = pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="no FBGEMM in this torch build"
+)
 
 
 def test_quantized_rows_are_within_half_a_scale_step_of_the_weights():
@@ -81,15 +95,13 @@ def test_the_int8_product_is_f_linear_within_its_rounding_bound(kernel, rows):
     assert bool((off_own <= weights_rounding * 1.01 + activations_rounding + 1e-5 * F.linear(flat, weight).abs() + 1e-5).all())
 
 
-@needs_int8
+@has_fbgemm
 def test_the_dynamic_rounding_bound_rejects_a_product_off_by_more():
     generator = torch.Generator().manual_seed(2)
     weight, x = torch.randn(16, 32, generator=generator), torch.randn(3, 32, generator=generator)
     expected = F.linear(x, weight)
     bound = x.abs().amax(dim=1, keepdim=True) / 255 * weight.abs().sum(dim=1)
-    check = int8_linear(*quantize_rows(weight), None)
-    if not isinstance(check, DynamicInt8Linear):
-        pytest.skip("the dynamic kernel's bound: no FBGEMM here")
+    check = DynamicInt8Linear(*quantize_rows(weight), None)
     assert check.within_rounding(expected + 0.9 * bound, expected, x, weight)
     assert not check.within_rounding(expected + 1.2 * bound, expected, x, weight)
 
@@ -106,20 +118,36 @@ def test_a_row_gets_the_same_int8_result_alone_or_among_others(kernel):
     assert torch.equal(run(x), torch.cat([run(x[i : i + 1]) for i in range(12)]))
 
 
-@pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")
-def test_a_kernel_whose_sums_saturate_is_found_at_load(monkeypatch):
+@has_fbgemm
+def test_the_check_at_load_tells_exact_sums_from_saturating_ones(monkeypatch):
     """Without VNNI, pairs of u8 x s8 products are summed in 16 bits: the check's worst case
-    (every activation and weight at the top of the range) would come back clipped."""
+    (every activation and weight at the top of the range) comes back clipped. Both outcomes are
+    put to the check on any CPU: a product that sums exactly, and one clipped as such a CPU clips."""
+
+    def exact(self: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized())
+
+    monkeypatch.setattr(DynamicInt8Linear, "__call__", exact)
     assert int8_rows._sums_exactly()
-    exact = DynamicInt8Linear.__call__
     monkeypatch.setattr(DynamicInt8Linear, "__call__", lambda self, x: exact(self, x) * (32767 / (255 * 127 * 2)))
     assert not int8_rows._sums_exactly()
 
 
-@pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM here")
-def test_the_dynamic_kernel_is_chosen_where_available_and_warns_nothing(recwarn):
-    copy = int8_linear(*quantize_rows(torch.randn(8, 16)), None)
-    assert isinstance(copy, DynamicInt8Linear)
+@needs_int8
+def test_the_engine_chooses_the_dynamic_kernel_only_where_its_sums_are_exact(recwarn):
+    """On this CPU: the dynamic kernel where the check at load finds its sums exact (and then
+    its product keeps its bound on random rows), the weight-only kernel where they saturate (and
+    then FBGEMM's product is off that bound, so running it would have been wrong); no warning."""
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(96, 64, generator=generator) * 0.05, torch.randn(8, 64, generator=generator)
+    q, scales = quantize_rows(weight)
+    copy = int8_linear(q, scales, None)
+    assert isinstance(copy, DynamicInt8Linear if int8_rows._sums_exactly() else WeightOnlyInt8Linear)
+    dynamic = DynamicInt8Linear(q, scales, None)
+    dequantized = dynamic.dequantized()
+    within = dynamic.within_rounding(dynamic(x), F.linear(x, dequantized), x, dequantized)
+    assert within == isinstance(copy, DynamicInt8Linear)
+    assert copy.within_rounding(copy(x), F.linear(x, copy.dequantized()), x, copy.dequantized())
     assert not [w for w in recwarn.list if "quantized" in str(w.message)]
 
 
