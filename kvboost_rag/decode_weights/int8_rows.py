@@ -12,7 +12,10 @@ kernels of torch, the first available:
   exactly (CPUs with VNNI; without it, pairs of products are summed in 16 bits and can
   saturate, which a check at load finds);
 - :class:`WeightOnlyInt8Linear`: ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, bfloat16
-  activations; its float32 path is a scalar loop), for torch builds without the first.
+  activations; its float32 path is a scalar loop), where the first is not used: a torch build
+  without FBGEMM, or a CPU whose 8-bit sums saturate (an AVX2 CPU without VNNI, such as a 2-core
+  AMD EPYC of family 25, where one row of a 4864 x 896 layer took 0.46 ms on one thread against
+  1.45 ms for ``F.linear``).
 
 Measured on a 2-core Intel Xeon (AVX-512), one thread, one row of a 4864 x 896 layer:
 ``F.linear`` 1.3-1.6 ms, the weight-only kernel 0.95 ms, the dynamic one 0.5-0.7 ms; a whole
