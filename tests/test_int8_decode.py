@@ -134,6 +134,7 @@ def test_the_check_at_load_tells_exact_sums_from_saturating_ones(monkeypatch):
 
 
 @needs_int8
+@has_fbgemm
 def test_the_engine_chooses_the_dynamic_kernel_only_where_its_sums_are_exact(recwarn):
     """On this CPU: the dynamic kernel where the check at load finds its sums exact (and then
     its product keeps its bound on random rows), the weight-only kernel where they saturate (and

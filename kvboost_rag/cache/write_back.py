@@ -363,19 +363,23 @@ class WriteBack:
         buffers (``job.copy``) go one chunk at a time, in the prompt's order, so a lookup
         waiting for the first chunks reads them while the copier makes the next; other chunks
         go in one batch (on CUDA, one wait for the copies)."""
-        groups = [[chunk] for chunk in job.chunks] if job.copy is not None else [job.chunks]
-        if job.copy is not None:
-            job.copy.start()
-        for group in groups:
-            owned = self._owned(group)
-            job.owned.extend(owned)
-            for chunk, copy in zip(group, owned):
-                self._stage_copy(chunk, copy)
-                chunk.let_go()
-            if job.copy is not None:
-                job.copy.advance()
-        if job.copy is not None:
-            job.copy.finish()
+        progress = job.copy
+        if progress is None:
+            self._copy_and_stage_group(job, job.chunks)
+            return
+        progress.start()
+        for chunk in job.chunks:
+            self._copy_and_stage_group(job, [chunk])
+            progress.advance()
+        progress.finish()
+
+    def _copy_and_stage_group(self, job: WriteJob, group: list[ChunkWrite]) -> None:
+        """Copy ``group``'s chunks (one batch) and stage each copy in place of its view."""
+        owned = self._owned(group)
+        job.owned.extend(owned)
+        for chunk, copy in zip(group, owned):
+            self._stage_copy(chunk, copy)
+            chunk.let_go()
 
     def _stage_copy(self, chunk: ChunkWrite, copy: StoredEntry) -> None:
         """What lookups of ``chunk`` find until the tiers hold it: ``copy`` in place of a
