@@ -119,15 +119,43 @@ def test_the_loop_runs_on_one_thread_of_its_own_that_is_no_daemon_and_ends_when_
 def test_the_loops_thread_hands_the_heaps_free_memory_back_once_as_it_ends(make_engine, docs, monkeypatch):
     engine = _engine(make_engine, docs)
     trims: list[tuple[str, int]] = []
-    monkeypatch.setattr(loop_module.c_heap, "trim", lambda: trims.append((threading.current_thread().name, engine._loop.queued)) or True)
+    loop = engine._loop
+    owner = lambda: (threading.current_thread().name, loop._thread is threading.current_thread())  # noqa: E731
+    monkeypatch.setattr(loop_module.c_heap, "trim", lambda: trims.append(owner()) or True)
     engine.generate(_prompts(docs)[0], max_new_tokens=6)
-    engine.generate(_prompts(docs)[1], max_new_tokens=6)
-    wait_for(lambda: not engine._loop.active)
-    assert trims == [("kvboost-engine", 0)] or trims == [("kvboost-engine", 0)] * 2  # once per idle end, nothing queued
+    engine.generate(_prompts(docs)[1], max_new_tokens=6)  # the thread may or may not end between the two
+    wait_for(lambda: not loop.active)
+    # Once per idle end, on the loop's thread while it still owns the loop: no other thread's
+    # pass runs beside the trim (a request that came in meanwhile waits for this thread).
+    assert trims == [("kvboost-engine", True)] or trims == [("kvboost-engine", True)] * 2
     count = len(trims)
     engine.generate(_prompts(docs)[2], max_new_tokens=2)
     wait_for(lambda: not engine._loop.active)
     assert len(trims) == count + 1
+
+
+def test_a_request_that_comes_in_during_the_trim_runs_on_the_same_thread(make_engine, docs, monkeypatch):
+    engine = _engine(make_engine, docs)
+    loop, results, threads = engine._loop, [], []
+    callers: list[threading.Thread] = []
+
+    def trim_while_a_request_comes_in() -> bool:
+        threads.append(threading.current_thread())
+        if not callers:  # the first trim: a request arrives before it returns
+            call = lambda: results.append(engine.generate(_prompts(docs)[1], max_new_tokens=2))  # noqa: E731
+            caller = threading.Thread(target=call)
+            caller.start()
+            callers.append(caller)  # once started: the test joins it
+            wait_for(lambda: loop._incoming)
+        return True
+
+    monkeypatch.setattr(loop_module.c_heap, "trim", trim_while_a_request_comes_in)
+    engine.generate(_prompts(docs)[0], max_new_tokens=2)
+    wait_for(lambda: callers)
+    callers[0].join(HUNG_SECONDS)
+    assert not callers[0].is_alive() and len(results) == 1  # answered, not left in a queue nobody reads
+    wait_for(lambda: not loop.active)
+    assert len(threads) == 2 and threads[0] is threads[1]  # the thread that trimmed ran it, then trimmed again
 
 
 def test_work_submitted_from_the_loops_own_thread_is_refused(make_engine):

@@ -44,8 +44,8 @@ cleanup raises, and work queued meanwhile goes to a fresh thread.
 
 The thread starts with the first work and ends once nothing is left for
 :data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
-before the interpreter tears down); as it ends it hands the C heaps' free memory back to the
-system (:func:`kvboost_rag.c_heap.trim`: the passes' temporaries, freed but kept by the
+before the interpreter tears down); as it ends, and before it lets the loop go, it hands the C
+heaps' free memory back to the system (:func:`kvboost_rag.c_heap.trim`: the passes' temporaries, freed but kept by the
 allocator, would otherwise let resident memory creep up under a steady load). In a process forked from this one the loop starts afresh
 with the next work (:mod:`kvboost_rag.forking`).
 """
@@ -247,7 +247,6 @@ class EngineLoop:
         try:
             while self._step():
                 pass
-            c_heap.trim()  # idle for a linger: nothing waits for this thread
         except BaseException as exc:  # the loop itself failed: nobody may wait forever
             logger.exception("the engine loop failed; its work and sequences end with the error")
             self._fail_everything(exc)
@@ -294,9 +293,9 @@ class EngineLoop:
                 self._lock.wait(LINGER_SECONDS)  # a call right after the last one keeps the thread
             self._works += self._incoming
             self._incoming.clear()
-            if not self._works and not self._running:
-                self._thread = None
-                return False
+            idle = not self._works and not self._running
+        if idle:
+            return not self._ended_after_trim()
         start = self._clock()
         self._drop_cancelled()
         rows = self._plan_rows()
@@ -315,6 +314,17 @@ class EngineLoop:
             prompt_tokens = sum(len(segment) for _, segment in slices)
             self.budget.record(rows.packed_rows if rows is not None else 0, prompt_tokens, self._clock() - start, requests)
         return True
+
+    def _ended_after_trim(self) -> bool:
+        """Idle for a linger: hand the C heaps' free memory back while this thread still owns
+        the loop (so no other thread's pass runs beside the trim), then let the thread go
+        unless work came in meanwhile (this thread runs it). ``True`` once the thread is let go."""
+        c_heap.trim()
+        with self._lock:
+            if self._incoming:
+                return False
+            self._thread = None
+            return True
 
     def _await_room(self) -> None:
         """Nothing to run (what is queued awaits admission): sleep until room is given back,
