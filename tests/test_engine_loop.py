@@ -118,7 +118,7 @@ def test_the_loop_runs_on_one_thread_of_its_own_that_is_no_daemon_and_ends_when_
 
 def test_the_loops_thread_hands_the_heaps_free_memory_back_once_as_it_ends(make_engine, docs, monkeypatch):
     engine = _engine(make_engine, docs)
-    trims: list[tuple[str, int]] = []
+    trims: list[tuple[str, bool]] = []  # (the trimming thread's name, whether it owned the loop)
     loop = engine._loop
     owner = lambda: (threading.current_thread().name, loop._thread is threading.current_thread())  # noqa: E731
     monkeypatch.setattr(loop_module.c_heap, "trim", lambda: trims.append(owner()) or True)

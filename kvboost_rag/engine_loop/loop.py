@@ -45,9 +45,10 @@ cleanup raises, and work queued meanwhile goes to a fresh thread.
 The thread starts with the first work and ends once nothing is left for
 :data:`LINGER_SECONDS` (it is not a daemon: at interpreter exit it finishes what it holds
 before the interpreter tears down); as it ends, and before it lets the loop go, it hands the C
-heaps' free memory back to the system (:func:`kvboost_rag.c_heap.trim`: the passes' temporaries, freed but kept by the
-allocator, would otherwise let resident memory creep up under a steady load). In a process forked from this one the loop starts afresh
-with the next work (:mod:`kvboost_rag.forking`).
+heaps' free memory back to the system (:func:`kvboost_rag.c_heap.trim`: the passes'
+temporaries, freed but kept by the allocator, would otherwise let resident memory creep up
+under a steady load). In a process forked from this one the loop starts afresh with the next
+work (:mod:`kvboost_rag.forking`).
 """
 
 from __future__ import annotations
